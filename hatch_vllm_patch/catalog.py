@@ -1,0 +1,262 @@
+"""The patch catalog: ``patches/<id>/`` folders turned into immutable :class:`Patch` objects.
+
+A patch is data: ``patch.toml`` (metadata, target, the shapes it knows), ``block.py`` (the code
+appended to the target module), and optionally ``classify.py`` (a structural shape check) and
+``probe.py`` (the ``verify --deep`` probe). Adding a patch never needs a change to the engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from packaging.version import InvalidVersion, Version
+
+from . import _toml
+from .errors import CatalogError
+
+ShapeClassifier = Callable[[str], "tuple[str, str]"]
+
+_ID = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_SYMBOL = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)?$")
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a patch goes: a symbol in a module of an installed distribution."""
+
+    distribution: str
+    module: str
+    symbol: str
+    optional: bool = False
+
+    @property
+    def top_level(self) -> str:
+        return self.module.split(".", 1)[0]
+
+    @property
+    def relative_path(self) -> str:
+        """The module's file relative to its top-level package directory."""
+        parts = self.module.split(".")[1:]
+        return "/".join(parts) + ".py" if parts else "__init__.py"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One catalog entry, validated."""
+
+    id: str
+    summary: str
+    description: str
+    links: tuple[str, ...]
+    removal: str
+    architectures: tuple[str, ...]
+    target: Target
+    fixed_in: Version | None
+    shapes: frozenset[str]
+    block: str
+    folder: Path
+    classifier_path: Path | None = None
+    probe_path: Path | None = None
+    _classifier: list[ShapeClassifier] = field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def block_digest(self) -> str:
+        return hashlib.sha256(self.block.encode("utf-8")).hexdigest()
+
+    def classifier(self) -> ShapeClassifier | None:
+        """The structural shape classifier of ``classify.py``, loaded once."""
+        if self.classifier_path is None:
+            return None
+        if not self._classifier:
+            self._classifier.append(_load_classifier(self.classifier_path))
+        return self._classifier[0]
+
+
+@dataclass(frozen=True)
+class Catalog(Mapping[str, Patch]):
+    """The patches by id, in id order."""
+
+    patches: tuple[Patch, ...]
+    root: Path
+
+    def __getitem__(self, key: str) -> Patch:
+        for patch in self.patches:
+            if patch.id == key:
+                return patch
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return (p.id for p in self.patches)
+
+    def __len__(self) -> int:
+        return len(self.patches)
+
+    def for_architecture(self, architecture: str) -> tuple[Patch, ...]:
+        return tuple(p for p in self.patches if architecture in p.architectures)
+
+
+def default_catalog_root() -> Path:
+    """The catalog shipped in the wheel, or ``patches/`` of a source checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "_patches", here.parent / "patches"):
+        if candidate.is_dir():
+            return candidate
+    raise CatalogError(
+        f"the patch catalog is missing: neither {here / '_patches'} nor {here.parent / 'patches'}"
+        " exists; reinstall hatch-vllm-patch"
+    )
+
+
+@lru_cache(maxsize=8)
+def load_catalog(root: Path | None = None) -> Catalog:
+    """Read every ``<root>/<id>/patch.toml``; raise :class:`CatalogError` listing all problems."""
+    root = root or default_catalog_root()
+    errors: list[str] = []
+    patches: list[Patch] = []
+    folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
+    for folder in folders:
+        try:
+            patches.append(_load_patch(folder))
+        except CatalogError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise CatalogError("the patch catalog is invalid:\n" + "\n".join(errors))
+    return Catalog(tuple(patches), root)
+
+
+def _load_patch(folder: Path) -> Patch:
+    manifest = folder / "patch.toml"
+    where = f"{manifest}"
+    errors: list[str] = []
+    try:
+        with manifest.open("rb") as f:
+            data = _toml.load(f)
+    except FileNotFoundError:
+        raise CatalogError(f"{folder}: no patch.toml") from None
+    except _toml.TOMLDecodeError as exc:
+        raise CatalogError(f"{where}: not valid TOML: {exc}") from None
+
+    def text(table: dict[str, Any], key: str, path: str, required: bool = True) -> str:
+        value = table.get(key)
+        if value is None and not required:
+            return ""
+        if not isinstance(value, str) or not value.strip():
+            errors.append(f"{where}: {path} must be a non-empty string")
+            return ""
+        return value
+
+    def strings(table: dict[str, Any], key: str, path: str) -> tuple[str, ...]:
+        value = table.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            errors.append(f"{where}: {path} must be a list of strings")
+            return ()
+        return tuple(value)
+
+    known = {"id", "summary", "description", "links", "removal", "architectures", "target",
+             "applies"}
+    for key in sorted(set(data) - known):
+        errors.append(f"{where}: unknown key {key!r}")
+    patch_id = text(data, "id", "id")
+    if patch_id and (patch_id != folder.name or not _ID.match(patch_id)):
+        errors.append(f"{where}: id {patch_id!r} must equal the folder name and be kebab-case")
+    target_table = data.get("target")
+    applies = data.get("applies", {})
+    if not isinstance(target_table, dict):
+        errors.append(f"{where}: [target] table is required")
+        target_table = {}
+    if not isinstance(applies, dict):
+        errors.append(f"{where}: [applies] must be a table")
+        applies = {}
+    for key in sorted(set(target_table) - {"distribution", "module", "symbol", "optional"}):
+        errors.append(f"{where}: unknown key target.{key}")
+    for key in sorted(set(applies) - {"fixed-in", "shapes", "classifier"}):
+        errors.append(f"{where}: unknown key applies.{key}")
+
+    module = text(target_table, "module", "target.module")
+    if module and not _MODULE.match(module):
+        errors.append(f"{where}: target.module {module!r} is not a dotted module path")
+    symbol = text(target_table, "symbol", "target.symbol")
+    if symbol and not _SYMBOL.match(symbol):
+        errors.append(f"{where}: target.symbol {symbol!r} must be 'name' or 'Class.name'")
+    optional = target_table.get("optional", False)
+    if not isinstance(optional, bool):
+        errors.append(f"{where}: target.optional must be true or false")
+        optional = False
+
+    fixed_in: Version | None = None
+    if "fixed-in" in applies:
+        try:
+            fixed_in = Version(str(applies["fixed-in"]))
+        except InvalidVersion:
+            errors.append(f"{where}: applies.fixed-in {applies['fixed-in']!r} is not a version")
+    shapes = strings(applies, "shapes", "applies.shapes")
+    for digest in shapes:
+        if not _SHA256.match(digest):
+            errors.append(f"{where}: applies.shapes entry {digest!r} is not a sha256 hex digest")
+    classifier_path: Path | None = None
+    if "classifier" in applies:
+        classifier_path = folder / str(applies["classifier"])
+        if not classifier_path.is_file():
+            errors.append(f"{where}: applies.classifier {classifier_path} does not exist")
+    if not shapes and classifier_path is None:
+        errors.append(f"{where}: [applies] needs `shapes` (known digests) or `classifier`")
+
+    block_path = folder / "block.py"
+    block = ""
+    try:
+        block = block_path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        errors.append(f"{where}: block.py is missing")
+    if block and not block.endswith("\n"):
+        errors.append(f"{block_path}: must end with a newline")
+    if block:
+        try:
+            compile(block, str(block_path), "exec")
+        except SyntaxError as exc:
+            errors.append(f"{block_path}: not valid Python: {exc}")
+    probe = folder / "probe.py"
+    summary = text(data, "summary", "summary")
+    description = text(data, "description", "description", required=False)
+    links = strings(data, "links", "links")
+    removal = text(data, "removal", "removal", required=False)
+    architectures = strings(data, "architectures", "architectures")
+    distribution = text(target_table, "distribution", "target.distribution")
+
+    if errors:
+        raise CatalogError("\n".join(errors))
+    return Patch(
+        id=patch_id,
+        summary=summary,
+        description=description,
+        links=links,
+        removal=removal,
+        architectures=architectures,
+        target=Target(distribution=distribution, module=module, symbol=symbol, optional=optional),
+        fixed_in=fixed_in,
+        shapes=frozenset(shapes),
+        block=block,
+        folder=folder,
+        classifier_path=classifier_path,
+        probe_path=probe if probe.is_file() else None,
+    )
+
+
+def _load_classifier(path: Path) -> ShapeClassifier:
+    spec = importlib.util.spec_from_file_location(f"_hvp_classifier_{path.parent.name}", path)
+    if spec is None or spec.loader is None:
+        raise CatalogError(f"{path}: cannot be loaded")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    func = getattr(module, "classify", None)
+    if not callable(func):
+        raise CatalogError(f"{path}: defines no classify(source) function")
+    return func  # type: ignore[no-any-return]

@@ -1,0 +1,146 @@
+"""``[tool.vllm-patch]`` -> :class:`Config`, in one validation pass that reports every error.
+
+Schema::
+
+    [tool.vllm-patch]
+    python = ".venv"                       # optional: target interpreter or environment
+    models = ["./models/my-finetune"]      # optional: model dirs; config.json gives architectures
+
+    [tool.vllm-patch.architectures.Qwen3_5MoeForConditionalGeneration]
+    patches = ["kv-cache-page-unification"]   # optional: default = the catalog's patches for it
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import _toml
+from .catalog import Catalog
+from .errors import ConfigurationError
+
+TABLE = "tool.vllm-patch"
+_TOP_KEYS = {"python", "models", "architectures"}
+_ARCH_KEYS = {"patches"}
+
+
+@dataclass(frozen=True)
+class ArchitectureEntry:
+    """One ``[tool.vllm-patch.architectures.<name>]`` table."""
+
+    name: str
+    patches: tuple[str, ...] | None  # None: the catalog's patches for this architecture
+
+
+@dataclass(frozen=True)
+class Config:
+    """The validated ``[tool.vllm-patch]`` table of one project."""
+
+    source: Path
+    python: str | None = None
+    models: tuple[Path, ...] = ()
+    architectures: tuple[ArchitectureEntry, ...] = ()
+
+    @property
+    def project_dir(self) -> Path:
+        return self.source.parent
+
+    def entry(self, name: str) -> ArchitectureEntry | None:
+        return next((e for e in self.architectures if e.name == name), None)
+
+
+def _type_name(value: object) -> str:
+    return {str: "a string", bool: "a boolean", int: "an integer", float: "a float",
+            list: "an array", dict: "a table"}.get(type(value), type(value).__name__)
+
+
+def validate(table: Mapping[str, Any], source: Path, catalog: Catalog) -> Config:
+    """Validate the ``[tool.vllm-patch]`` mapping; raise ConfigurationError with all errors."""
+    errors: list[str] = []
+    known_ids = ", ".join(catalog) or "(none)"
+    for key in sorted(set(table) - _TOP_KEYS):
+        expected = ", ".join(sorted(_TOP_KEYS))
+        errors.append(f"{TABLE}.{key}: unknown key (expected one of: {expected})")
+
+    python = table.get("python")
+    if python is not None and (not isinstance(python, str) or not python):
+        errors.append(f"{TABLE}.python: expected a non-empty string, found {_type_name(python)}")
+        python = None
+
+    models: list[Path] = []
+    raw_models = table.get("models", [])
+    if not isinstance(raw_models, list):
+        errors.append(f"{TABLE}.models: expected an array of paths, found {_type_name(raw_models)}")
+        raw_models = []
+    for i, raw in enumerate(raw_models):
+        if not isinstance(raw, str) or not raw:
+            errors.append(f"{TABLE}.models[{i}]: expected a path, found {_type_name(raw)}")
+            continue
+        path = (source.parent / raw).resolve()
+        if not (path / "config.json").is_file():
+            errors.append(f"{TABLE}.models[{i}]: {raw!r} is not a model directory "
+                          f"({path / 'config.json'} not found)")
+            continue
+        models.append(path)
+
+    entries: list[ArchitectureEntry] = []
+    archs = table.get("architectures", {})
+    if not isinstance(archs, dict):
+        errors.append(f"{TABLE}.architectures: expected a table keyed by architecture, "
+                      f"found {_type_name(archs)}")
+        archs = {}
+    for name, body in archs.items():
+        where = f"{TABLE}.architectures.{name}"
+        if not isinstance(body, dict):
+            errors.append(f"{where}: expected a table (e.g. patches = [...]), "
+                          f"found {_type_name(body)}")
+            continue
+        for key in sorted(set(body) - _ARCH_KEYS):
+            errors.append(f"{where}.{key}: unknown key (expected: patches)")
+        patches = body.get("patches")
+        if patches is None:
+            entries.append(ArchitectureEntry(name, None))
+            continue
+        if not isinstance(patches, list):
+            errors.append(f"{where}.patches: expected an array of patch ids, "
+                          f"found {_type_name(patches)}")
+            continue
+        ids: list[str] = []
+        for i, pid in enumerate(patches):
+            if not isinstance(pid, str):
+                errors.append(f"{where}.patches[{i}]: expected a patch id, found {_type_name(pid)}")
+            elif pid not in catalog:
+                errors.append(f"{where}.patches[{i}]: unknown patch {pid!r} "
+                              f"(known patches: {known_ids})")
+            elif pid in ids:
+                errors.append(f"{where}.patches[{i}]: {pid!r} is listed twice")
+            else:
+                ids.append(pid)
+        entries.append(ArchitectureEntry(name, tuple(ids)))
+
+    if errors:
+        raise ConfigurationError(errors, str(source))
+    return Config(source, python, tuple(models), tuple(entries))
+
+
+def load_project_config(project_dir: Path, catalog: Catalog) -> Config | None:
+    """The project's ``[tool.vllm-patch]``; None when the project has no such table."""
+    source = project_dir / "pyproject.toml"
+    try:
+        with source.open("rb") as f:
+            data = _toml.load(f)
+    except FileNotFoundError:
+        return None
+    except _toml.TOMLDecodeError as exc:
+        raise ConfigurationError([f"not valid TOML: {exc}"], str(source)) from None
+    except OSError as exc:
+        raise ConfigurationError([f"cannot be read: {exc}"], str(source)) from None
+    table = data.get("tool", {}).get("vllm-patch")
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        raise ConfigurationError([f"{TABLE}: expected a table, found {_type_name(table)}"],
+                                 str(source))
+    return validate(table, source, catalog)

@@ -1,0 +1,140 @@
+"""Which patches a project (or a command line) selects: the union over its architectures."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .catalog import Catalog, Patch
+from .config import Config
+from .errors import ConfigurationError, UsageError
+from .models import ModelInfo, read_model
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The selected patches, why each was selected, and what the user should know."""
+
+    patches: tuple[Patch, ...]
+    why: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    architectures: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+class _Builder:
+    def __init__(self, catalog: Catalog, config: Config | None) -> None:
+        self.catalog = catalog
+        self.config = config
+        self.why: dict[str, list[str]] = {}
+        self.architectures: list[str] = []
+        self.notes: list[str] = []
+
+    def add(self, patch_id: str, reason: str) -> None:
+        self.why.setdefault(patch_id, [])
+        if reason not in self.why[patch_id]:
+            self.why[patch_id].append(reason)
+
+    def architecture(self, names: Sequence[str], origin: str, declared: bool = True) -> None:
+        """Select for the first of ``names`` (an architecture, then the families it resolves to).
+
+        ``declared``: the name was written by the user (config or command line), so it is worth
+        checking against the installed vLLM's registry."""
+        if declared and names[0] not in self.architectures:
+            self.architectures.append(names[0])
+        for name in names:
+            entry = self.config.entry(name) if self.config else None
+            if entry is not None and entry.patches is not None:
+                for pid in entry.patches:
+                    self.add(pid, f"{name} ([tool.vllm-patch.architectures.{name}])")
+                return
+        for name in names:
+            defaults = self.catalog.for_architecture(name)
+            if defaults:
+                for patch in defaults:
+                    self.add(patch.id, f"{name} (catalog default{origin})")
+                return
+        self.notes.append(
+            f"no patch in the catalog is meant for {names[0]}{origin}; if it needs one, list it "
+            f"under [tool.vllm-patch.architectures.{names[0]}] patches = [...]"
+        )
+
+    def model(self, info: ModelInfo) -> None:
+        origin = f", from {info.path}"
+        if not info.architectures and not info.families:
+            self.notes.append(f"{info.path}/config.json declares no architectures")
+            return
+        before = len(self.why)
+        for arch in info.architectures or info.families[:1]:
+            self.architecture([arch, *(f for f in info.families if f != arch)], origin, False)
+        if len(self.why) == before and info.hybrid_linear_attention:
+            self.notes.append(
+                f"{info.path} has linear_attention layers (a hybrid model) but its family is not "
+                "known; select patches for it with [tool.vllm-patch.architectures.<name>]"
+            )
+
+    def build(self) -> Selection:
+        ids = [p.id for p in self.catalog.patches if p.id in self.why]
+        return Selection(
+            patches=tuple(self.catalog[i] for i in ids),
+            why={i: tuple(self.why[i]) for i in ids},
+            architectures=tuple(self.architectures),
+            notes=tuple(self.notes),
+        )
+
+
+def select(
+    catalog: Catalog,
+    config: Config | None,
+    *,
+    patches: Iterable[str] = (),
+    architectures: Iterable[str] = (),
+    models: Iterable[Path] = (),
+) -> Selection:
+    """Patches from the command line when any choice is given there, else from the config."""
+    patches, architectures, models = list(patches), list(architectures), list(models)
+    builder = _Builder(catalog, config)
+    if patches or architectures or models:
+        for pid in patches:
+            if pid not in catalog:
+                close = difflib.get_close_matches(pid, list(catalog), n=3)
+                hint = f" (did you mean {', '.join(close)}?)" if close else ""
+                raise UsageError(
+                    f"--patch {pid}: unknown patch{hint}; known patches: {', '.join(catalog)}"
+                )
+            builder.add(pid, "--patch")
+        for name in architectures:
+            builder.architecture([name], " (--architecture)")
+        for path in models:
+            try:
+                builder.model(read_model(path, f"--model {path}"))
+            except ConfigurationError as exc:
+                raise UsageError("; ".join(exc.errors)) from None
+        return builder.build()
+    if config is None:
+        return builder.build()
+    by_arch: dict[str, ModelInfo] = {}
+    for i, path in enumerate(config.models):
+        info = read_model(path, f"tool.vllm-patch.models[{i}]")
+        builder.model(info)
+        for arch in info.architectures:
+            by_arch.setdefault(arch, info)
+    for entry in config.architectures:
+        families = by_arch[entry.name].families if entry.name in by_arch else (entry.name,)
+        builder.architecture([entry.name, *(f for f in families if f != entry.name)], "")
+    return builder.build()
+
+
+def unknown_architecture_notes(
+    architectures: Iterable[str], known: Sequence[str]
+) -> list[str]:
+    """A note for each architecture the installed vLLM does not register, with close matches."""
+    notes = []
+    for name in architectures:
+        if name in known:
+            continue
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+        hint = f"; close matches: {', '.join(close)}" if close else ""
+        notes.append(f"architecture {name!r} is not registered by the installed vLLM{hint}")
+    return notes
