@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -104,8 +105,17 @@ class Catalog(Mapping[str, Patch]):
         return tuple(p for p in self.patches if architecture in p.architectures)
 
 
+CATALOG_ENV = "HATCH_VLLM_PATCH_CATALOG"
+
+
 def default_catalog_root() -> Path:
-    """The catalog shipped in the wheel, or ``patches/`` of a source checkout."""
+    """``$HATCH_VLLM_PATCH_CATALOG`` (a folder of patch folders, e.g. while writing a new patch),
+    else the catalog shipped in the wheel, else ``patches/`` of a source checkout."""
+    override = os.environ.get(CATALOG_ENV)
+    if override:
+        if not Path(override).is_dir():
+            raise CatalogError(f"${CATALOG_ENV}={override} is not a directory")
+        return Path(override)
     here = Path(__file__).resolve().parent
     for candidate in (here / "_patches", here.parent / "patches"):
         if candidate.is_dir():

@@ -1,0 +1,183 @@
+"""The pure engine: markers, shapes, and the plans for apply / verify / revert (no I/O)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+from conftest import DEMO_BLOCK, DEMO_SOURCE, write_demo_catalog
+
+from hatch_vllm_patch.catalog import Patch, load_catalog
+from hatch_vllm_patch.engine import (
+    FileFacts,
+    MarkerError,
+    Verdict,
+    inspect,
+    parse_file,
+    plan_apply,
+    plan_revert,
+    plan_verify,
+    render_block,
+    symbol_digest,
+)
+
+ORIGINAL = DEMO_SOURCE.encode()
+RECORD = hashlib.sha256(ORIGINAL).hexdigest()
+
+
+@pytest.fixture
+def patch(tmp_path: Path) -> Patch:
+    return load_catalog(write_demo_catalog(tmp_path / "c", fixed_in="2.0.0"))["demo-fix"]
+
+
+def facts(content: bytes | None, version: str | None = "1.0.0", record: str | None = RECORD,
+          ledger: str | None = None) -> FileFacts:
+    return FileFacts("demo_pkg/core.py", content, version, record, ledger)
+
+
+def applied(patch: Patch) -> bytes:
+    plan = plan_apply(patch, facts(ORIGINAL))
+    assert plan.verdict is Verdict.APPLIED and plan.new_content is not None
+    return plan.new_content
+
+
+def test_apply_appends_one_marked_block_and_keeps_the_original_bytes(patch: Patch) -> None:
+    """Apply leaves the original text as an exact prefix and appends the block between markers."""
+    new = applied(patch)
+    assert new.startswith(ORIGINAL)
+    tail = new[len(ORIGINAL):].decode()
+    digest = hashlib.sha256(DEMO_BLOCK.encode()).hexdigest()
+    assert tail == f"\n# >>> hatch-vllm-patch: demo-fix sha256={digest}\n{DEMO_BLOCK}" \
+                   "# <<< hatch-vllm-patch: demo-fix\n"
+
+
+def test_patched_module_behaves_as_the_block_says(patch: Patch) -> None:
+    """The appended block really rebinds the symbol when the module runs."""
+    namespace: dict[str, object] = {}
+    exec(compile(applied(patch), "core.py", "exec"), namespace)
+    compute = namespace["compute"]
+    assert callable(compute)
+    assert compute([]) == 0 and compute([3, 7]) == 7
+
+
+def test_apply_twice_changes_nothing(patch: Patch) -> None:
+    """A second apply reports already-applied and plans no write."""
+    plan = plan_apply(patch, facts(applied(patch)))
+    assert plan.verdict is Verdict.ALREADY_APPLIED and plan.new_content is None
+
+
+def test_revert_restores_the_record_bytes(patch: Patch) -> None:
+    """Revert plans exactly the original bytes, matching the RECORD hash."""
+    plan = plan_revert(patch, facts(applied(patch)))
+    assert plan.verdict is Verdict.REVERTED and plan.new_content == ORIGINAL
+
+
+def test_revert_of_an_unpatched_file_is_a_no_op(patch: Patch) -> None:
+    """Revert on a clean file reports not-applied and writes nothing."""
+    plan = plan_revert(patch, facts(ORIGINAL))
+    assert plan.verdict is Verdict.NOT_APPLIED and plan.new_content is None
+
+
+def test_verify_distinguishes_missing_and_applied(patch: Patch) -> None:
+    """Verify says missing before apply and applied after it."""
+    assert plan_verify(patch, facts(ORIGINAL)).verdict is Verdict.MISSING
+    assert plan_verify(patch, facts(applied(patch))).verdict is Verdict.APPLIED
+
+
+def test_unknown_shape_is_refused(patch: Patch) -> None:
+    """An edited target function is an unknown shape: no write planned."""
+    edited = DEMO_SOURCE.replace("return max(values)", "return min(values)").encode()
+    plan = plan_apply(patch, facts(edited, record=hashlib.sha256(edited).hexdigest()))
+    assert plan.verdict is Verdict.UNKNOWN_SHAPE and plan.new_content is None
+    assert "does not know" in plan.reason
+
+
+def test_missing_symbol_is_an_unknown_shape(patch: Patch) -> None:
+    """A module without the target symbol is refused, naming the symbol."""
+    source = b"def other():\n    return 1\n"
+    plan = plan_apply(patch, facts(source, record=hashlib.sha256(source).hexdigest()))
+    assert plan.verdict is Verdict.UNKNOWN_SHAPE and "compute is not defined" in plan.reason
+
+
+def test_file_modified_by_someone_else_is_refused(patch: Patch) -> None:
+    """A file whose bytes differ from RECORD (a hand patch) is never overwritten."""
+    hand = ORIGINAL + b"\n# hand-made fix\n"
+    for plan in (plan_apply(patch, facts(hand)), plan_revert(patch, facts(hand))):
+        assert plan.verdict is Verdict.MODIFIED and plan.new_content is None
+
+
+def test_edited_patch_region_is_refused(patch: Patch) -> None:
+    """Hand edits inside our block are detected by its digest and refused."""
+    tampered = applied(patch).replace(b"return 0", b"return 1")
+    assert plan_apply(patch, facts(tampered)).verdict is Verdict.MODIFIED
+    assert plan_revert(patch, facts(tampered)).verdict is Verdict.MODIFIED
+
+
+def test_damaged_markers_are_refused(patch: Patch) -> None:
+    """A begin marker without its end marker is reported as modified."""
+    damaged = applied(patch).rsplit(b"# <<<", 1)[0]
+    with pytest.raises(MarkerError):
+        parse_file(damaged)
+    assert plan_apply(patch, facts(damaged)).verdict is Verdict.MODIFIED
+
+
+def test_fixed_upstream_version_is_not_needed(patch: Patch) -> None:
+    """An installed version at or past fixed-in gets not-needed, whatever the file holds."""
+    plan = plan_apply(patch, facts(b"def compute(v):\n    return 0\n", version="2.0.0",
+                                   record=None))
+    assert plan.verdict is Verdict.NOT_NEEDED and plan.new_content is None
+
+
+def test_not_installed(patch: Patch) -> None:
+    """No distribution: not-installed, nothing planned."""
+    assert plan_apply(patch, facts(None, version=None)).verdict is Verdict.NOT_INSTALLED
+
+
+def test_stale_block_is_updated(patch: Patch, tmp_path: Path) -> None:
+    """A block written by another version of the patch is replaced, not duplicated."""
+    old = load_catalog(write_demo_catalog(tmp_path / "old", block="_hvp_old = 1\n"))["demo-fix"]
+    stale = plan_apply(old, facts(ORIGINAL)).new_content
+    assert stale is not None
+    assert plan_verify(patch, facts(stale)).verdict is Verdict.STALE
+    plan = plan_apply(patch, facts(stale))
+    assert plan.verdict is Verdict.APPLIED and plan.new_content == applied(patch)
+
+
+def test_other_patches_blocks_are_kept(patch: Patch) -> None:
+    """Applying and reverting one patch leaves another patch's block in the same file alone."""
+    other = render_block("other-fix", b"_hvp_other = 1\n")
+    with_other = ORIGINAL + other
+    new = plan_apply(patch, facts(with_other)).new_content
+    assert new is not None and parse_file(new).original == ORIGINAL
+    assert [b.patch_id for b in parse_file(new).blocks] == ["other-fix", "demo-fix"]
+    reverted = plan_revert(patch, facts(new)).new_content
+    assert reverted == with_other
+
+
+def test_ledger_hash_guards_files_without_record(patch: Patch) -> None:
+    """Without RECORD (editable installs) the ledger's original hash guards a patched file."""
+    new = applied(patch)
+    changed = new.replace(b"fails on an empty list", b"changed by hand")
+    assert inspect(patch, facts(changed, record=None, ledger=RECORD)).verdict is Verdict.MODIFIED
+    # A file without our blocks was replaced since (e.g. git pull): the old ledger hash is moot.
+    assert inspect(patch, facts(b"def compute(v):\n    return 1\n", record=None,
+                                ledger=RECORD)).verdict is Verdict.UNKNOWN_SHAPE
+
+
+def test_symbol_digest_covers_decorators_and_methods() -> None:
+    """Digests are taken over the exact lines of a function or method, decorators included."""
+    source = "class A:\n    @classmethod\n    def f(cls):\n        return 1\n"
+    expected = hashlib.sha256(b"    @classmethod\n    def f(cls):\n        return 1\n").hexdigest()
+    assert symbol_digest(source, "A.f") == expected
+    assert symbol_digest(source, "A.g") is None and symbol_digest(source, "B.f") is None
+    assert symbol_digest("def f(:\n", "f") is None
+
+
+def test_original_without_trailing_newline_round_trips(patch: Patch) -> None:
+    """A module not ending in a newline is restored byte for byte too."""
+    original = ORIGINAL.rstrip(b"\n")
+    record = hashlib.sha256(original).hexdigest()
+    new = plan_apply(patch, facts(original, record=record)).new_content
+    assert new is not None
+    assert plan_revert(patch, facts(new, record=record)).new_content == original
