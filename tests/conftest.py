@@ -13,7 +13,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from venvs import UV, create_venv, run
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""apply / verify / revert / status / diff end to end on a real wheel in a real venv, via the CLI."""
+"""apply / verify / revert / status / diff end to end: a real wheel, a real venv, the CLI."""
 
 from __future__ import annotations
 

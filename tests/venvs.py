@@ -42,8 +42,8 @@ def site_packages(venv: Path) -> Path:
 def create_venv(path: Path, *requirements: str, no_deps: bool = False,
                 python: str | None = None) -> Path:
     """Create a venv at ``path`` with uv and install ``requirements`` into it; return its python."""
-    run([UV, "venv", "--quiet", "--python", python or f"{sys.version_info[0]}.{sys.version_info[1]}",
-         str(path)])
+    version = python or f"{sys.version_info[0]}.{sys.version_info[1]}"
+    run([UV, "venv", "--quiet", "--python", version, str(path)])
     if requirements:
         cmd = [UV, "pip", "install", "--quiet", "--python", str(venv_python(path))]
         if no_deps:
