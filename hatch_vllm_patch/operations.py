@@ -256,16 +256,9 @@ def run(operation: str, request: Request) -> Report:
     catalog, config, selection, choice = resolve(request)
     patches: Sequence[Patch] = selection.patches
     why = dict(selection.why)
-    if not patches:
-        if operation in {"revert", "status"}:
-            patches = catalog.patches  # revert/status everything we know by default
-            why = {p.id: ("all catalog patches",) for p in patches}
-        else:
-            raise UsageError(
-                "no patches selected: add [tool.vllm-patch] to pyproject.toml "
-                f"(in {request.project_dir or Path.cwd()}), or pass --patch ID, "
-                "--architecture NAME or --model DIR"
-            )
+    if not patches and operation in {"revert", "status"}:
+        patches = catalog.patches  # revert/status everything we know by default
+        why = {p.id: ("all catalog patches",) for p in patches}
     queries = {p.target.module: ModuleQuery(p.target.distribution, p.target.module,
                                             p.target.relative_path) for p in patches}
     if selection.architectures:
@@ -275,6 +268,13 @@ def run(operation: str, request: Request) -> Report:
     known = _registered_architectures(env) if selection.architectures else None
     if known:
         notes += unknown_architecture_notes(selection.architectures, known)
+    if not patches:
+        raise UsageError("\n".join([
+            "no patches selected: add [tool.vllm-patch] to pyproject.toml "
+            f"(in {request.project_dir or Path.cwd()}), or pass --patch ID, "
+            "--architecture NAME or --model DIR",
+            *(f"note: {n}" for n in notes),
+        ]))
 
     writes = operation in {"apply", "revert"}
     outcomes: list[PatchOutcome] = []

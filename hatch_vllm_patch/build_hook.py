@@ -1,0 +1,177 @@
+"""The hatchling build hook ``vllm-patch``: patch the project's environment when it is installed.
+
+Configured by ``[tool.hatch.build.hooks.vllm-patch]`` (option ``strict``, plus hatchling's own
+``enable-by-default`` and ``dependencies``); what to patch comes from ``[tool.vllm-patch]``, read
+through the same validation and selection as the ``vllm-patch`` command.
+
+When it acts
+    Only in an *editable* wheel build (``uv sync``, ``uv run``, ``pip install -e``): that build
+    installs the project into an environment for use. An sdist or a standard wheel is an artifact
+    that may be installed anywhere; and ``uv build`` of a project with the two-phase setting runs
+    the build backend inside the project's own ``.venv``, so "the running interpreter" is no sign
+    of an install. Those builds validate the configuration and touch nothing.
+Which environment
+    The one ``vllm-patch apply`` would patch from the project directory ([tool.vllm-patch] python,
+    ``$UV_PROJECT_ENVIRONMENT``, ``<project>/.venv``, else the running interpreter), so the command
+    is a dry run of the hook. With uv's two-phase setting that environment is the one running this
+    build, after every dependency is installed. In an isolated build it is not: the build runs
+    before uv or pip (re)installs the dependencies, so vLLM may be missing or about to change.
+When it fails the build
+    On an invalid configuration (of ``[tool.vllm-patch]`` or of this hook) and, with
+    ``strict = true``, when a patch is refused. Never because vLLM or the environment is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, NoReturn
+
+from hatchling.builders.hooks.plugin.interface import BuildHookInterface
+
+PREFIX = "vllm-patch:"
+# Options of every hatchling build hook; hatchling itself reads them.
+_HATCHLING_OPTIONS = frozenset(
+    {"enable-by-default", "dependencies", "require-runtime-dependencies",
+     "require-runtime-features"}
+)
+_OPTIONS = frozenset({"strict"})
+
+
+class VllmPatchBuildHook(BuildHookInterface):  # type: ignore[type-arg]
+    PLUGIN_NAME = "vllm-patch"
+
+    def initialize(self, version: str, build_data: dict[str, Any]) -> None:
+        # Deferred so that hatchling's plugin discovery stays cheap for builds not using the hook.
+        from . import operations
+        from .engine import Verdict
+        from .errors import (
+            CatalogError,
+            ConfigurationError,
+            InterpreterNotFoundError,
+            TargetEnvironmentError,
+        )
+
+        root = Path(self.root).resolve()
+        strict = self._strict()
+        try:
+            request = operations.Request(project_dir=root)
+            _, config, selection, choice = operations.resolve(request)
+        except ConfigurationError as exc:
+            self._fail("invalid configuration", exc.errors, exc.source)
+        except CatalogError as exc:
+            self._fail("the patch catalog of hatch-vllm-patch is broken", [str(exc)])
+        if config is None:
+            self._fail(
+                "the build hook is enabled but pyproject.toml has no [tool.vllm-patch] table",
+                ["add one (see hatch-vllm-patch's README), or remove "
+                 "[tool.hatch.build.hooks.vllm-patch]"],
+                str(root / "pyproject.toml"),
+            )
+        for note in selection.notes:
+            self.app.display_info(f"{PREFIX} note: {note}")
+        if not selection.patches:
+            self.app.display_info(f"{PREFIX} no patch is selected by [tool.vllm-patch]; "
+                                  "nothing to do")
+            return
+
+        ids = ", ".join(p.id for p in selection.patches)
+        if not (self.target_name == "wheel" and version == "editable"):
+            kind = "an sdist" if self.target_name == "sdist" else f"a {version} {self.target_name}"
+            self.app.display_info(
+                f"{PREFIX} building {kind}, which may be installed anywhere: no environment is "
+                f"patched ({ids}); after installing it, {_next_command(root)}"
+            )
+            return
+
+        isolated = not _is_running_environment(choice.python)
+        try:
+            report = operations.run("apply", operations.Request(project_dir=root, config=config))
+        except InterpreterNotFoundError:
+            self.app.display_info(
+                f"{PREFIX} no environment at {choice.python} ({choice.reason}) yet, so nothing "
+                f"is patched ({ids}); {_when_missing(isolated, root)}"
+            )
+            return
+        except TargetEnvironmentError as exc:
+            self.app.display_warning(f"{PREFIX} nothing patched ({ids}): {exc}")
+            return
+
+        env = report.environment
+        where = f"{env.python} ({env.reason})"
+        isolated = not _is_running_environment(Path(env.prefix))
+        absent = [o for o in report.outcomes if o.verdict is Verdict.NOT_INSTALLED]
+        refused = [o for o in report.outcomes if not o.ok and o.verdict is not Verdict.NOT_INSTALLED]
+        done = [o for o in report.outcomes if o.ok and o.verdict is not Verdict.NOT_INSTALLED]
+        if done:
+            summary = "; ".join(f"{o.patch_id} {o.verdict.value}" for o in done)
+            versions = ", ".join(f"{name} {info.version}"
+                                 for name, info in env.distributions.items() if info)
+            self.app.display_info(f"{PREFIX} {summary} ({versions} in {where})")
+        if absent:
+            dist = {p.id: p.target.distribution for p in selection.patches}
+            names = ", ".join(sorted({dist[o.patch_id] for o in absent}))
+            self.app.display_info(
+                f"{PREFIX} {names} not installed in {where} yet, so "
+                f"{', '.join(o.patch_id for o in absent)} is not applied; "
+                f"{_when_missing(isolated, root)}"
+            )
+        elif done and isolated:
+            self.app.display_info(
+                f"{PREFIX} this build ran isolated from {env.prefix}: if this install changes "
+                f"vLLM there, {_next_command(root)}"
+            )
+        for outcome in refused:
+            message = (f"{PREFIX} {outcome.patch_id} refused ({outcome.verdict.value}): "
+                       f"{outcome.reason}")
+            if outcome.next_step:
+                message += f"; next: {outcome.next_step}"
+            self.app.display_warning(message)
+        for note in report.notes:
+            self.app.display_info(f"{PREFIX} note: {note}")
+        if refused and strict:
+            self._fail("strict = true and a patch was refused",
+                       [f"{o.patch_id}: {o.verdict.value}" for o in refused])
+
+    def _strict(self) -> bool:
+        errors = [f"{self._table()}.{key}: unknown option (expected: strict, or one of "
+                  f"hatchling's: {', '.join(sorted(_HATCHLING_OPTIONS))})"
+                  for key in sorted(set(self.config) - _OPTIONS - _HATCHLING_OPTIONS)]
+        strict = self.config.get("strict", False)
+        if not isinstance(strict, bool):
+            errors.append(f"{self._table()}.strict: expected true or false, found {strict!r}")
+        if errors:
+            self._fail("invalid hook options", errors, str(Path(self.root) / "pyproject.toml"))
+        return bool(strict)
+
+    def _table(self) -> str:
+        return f"tool.hatch.build.hooks.{self.PLUGIN_NAME}"
+
+    def _fail(self, what: str, errors: Iterable[str], source: str | None = None) -> NoReturn:
+        """Stop the build: every problem on its own line, then exit non-zero."""
+        where = f" in {source}" if source else ""
+        lines = [f"{PREFIX} {what}{where}:", *(f"  - {e}" for e in errors)]
+        self.app.display_error("\n".join(lines))
+        self.app.abort(f"{PREFIX} the build fails on purpose; fix the above and build again")
+        raise SystemExit(1)  # abort() exits; this line only tells type checkers so
+
+
+def _is_running_environment(path: Path) -> bool:
+    """Is ``path`` (an interpreter or an environment prefix) the environment running this build?"""
+    prefix = path.parent.parent if path.name.startswith("python") else path
+    return os.path.realpath(prefix) == os.path.realpath(sys.prefix)
+
+
+def _next_command(root: Path) -> str:
+    return (f"run `uv run vllm-patch apply` (or `python -m hatch_vllm_patch apply`) in {root}")
+
+
+def _when_missing(isolated: bool, root: Path) -> str:
+    if isolated:
+        return (f"this build runs before the dependencies are installed: after the install, "
+                f"{_next_command(root)} — or use uv's two-phase setting (see hatch-vllm-patch's "
+                "README) to have it done on every sync")
+    return f"once it is installed, {_next_command(root)}"
+

@@ -1,0 +1,153 @@
+"""kv-cache-page-unification against the real files of every vLLM release 0.16.0 … 0.33.0.
+
+Each release is installed with ``uv pip install --no-deps`` (real wheel, real RECORD, files
+hardlinked from uv's cache) and driven through the CLI as a user would: verify, diff, apply,
+apply again, verify, revert, verify.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import cli
+from venvs import create_venv, site_packages
+
+from hatch_vllm_patch.catalog import load_catalog
+from hatch_vllm_patch.engine import symbol_digest
+
+PATCH = "kv-cache-page-unification"
+MODULE = "vllm/v1/core/kv_cache_utils.py"
+
+# Every release on PyPI in the range, and what KNOWLEDGE §1 (re-measured) predicts for it:
+# 0.16.0-0.23.0 the original buggy function; 0.24-0.25.1 pads attention only behind a backend
+# flag; 0.26-0.28 pads Mamba but still raises on S1 without the flag -> all patched.
+# 0.29.0 carries the function 0.30.0 fixed, 0.33.0 moved it to kv_cache_planning.py -> not needed.
+PATCHED = ["0.16.0", "0.17.0", "0.17.1", "0.18.0", "0.18.1", "0.19.0", "0.19.1", "0.20.0",
+           "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0",
+           "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0"]
+NOT_NEEDED = ["0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"]
+
+pytestmark = pytest.mark.slow
+
+
+def record_sha256(sp: Path, rel: str) -> str:
+    record = next(sp.glob("vllm-*.dist-info")) / "RECORD"
+    for line in record.read_text().splitlines():
+        path, digest, _ = line.rsplit(",", 2)
+        if path == rel:
+            raw = digest.split("=", 1)[1]
+            return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).hex()
+    raise AssertionError(f"{rel} is not in RECORD")
+
+
+def step(python: Path, op: str) -> tuple[int, dict[str, object]]:
+    proc = cli(op, "--python", str(python), "--patch", PATCH, "--json")
+    assert "Traceback" not in proc.stderr, proc.stderr
+    data = json.loads(proc.stdout)
+    patches = data["patches"]
+    assert isinstance(patches, list) and len(patches) == 1
+    return proc.returncode, patches[0]
+
+
+@pytest.fixture
+def release(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Path]:
+    """(python, site-packages) of a venv holding the real files of one vLLM release."""
+    python = create_venv(tmp_path / "venv", f"vllm=={request.param}", no_deps=True)
+    return python, site_packages(tmp_path / "venv")
+
+
+@pytest.mark.parametrize("release", PATCHED, indirect=True)
+def test_buggy_release_is_patched_verified_and_reverted(release: tuple[Path, Path],
+                                                        tmp_path: Path) -> None:
+    """Buggy releases: apply, idempotent re-apply, verify, and revert to the RECORD bytes."""
+    python, sp = release
+    target = sp / MODULE
+    original = target.read_bytes()
+    assert hashlib.sha256(original).hexdigest() == record_sha256(sp, MODULE)
+    assert symbol_digest(original.decode(), "unify_kv_cache_spec_page_size") in \
+        load_catalog()[PATCH].shapes
+    twin = tmp_path / "twin.py"
+    os.link(target, twin)  # another link to the installed inode, as uv's cache holds one
+
+    assert step(python, "verify")[0] == 1
+    code, diff = step(python, "diff")
+    assert code == 0 and "+# >>> hatch-vllm-patch: kv-cache-page-unification" in str(diff["diff"])
+    assert target.read_bytes() == original
+
+    code, out = step(python, "apply")
+    assert (code, out["verdict"]) == (0, "applied"), out
+    patched = target.read_bytes()
+    assert patched.startswith(original) and patched != original
+    assert twin.read_bytes() == original, "the write went through the shared inode"
+    compile(patched, str(target), "exec")
+
+    code, out = step(python, "apply")
+    assert (code, out["verdict"]) == (0, "already-applied")
+    assert target.read_bytes() == patched
+    code, out = step(python, "verify")
+    assert (code, out["verdict"]) == (0, "applied")
+
+    code, out = step(python, "revert")
+    assert (code, out["verdict"]) == (0, "reverted")
+    assert hashlib.sha256(target.read_bytes()).hexdigest() == record_sha256(sp, MODULE)
+    code, out = step(python, "verify")
+    assert (code, out["verdict"]) == (1, "missing")
+
+
+@pytest.mark.parametrize("release", NOT_NEEDED, indirect=True)
+def test_fixed_release_is_not_needed(release: tuple[Path, Path]) -> None:
+    """Releases with the upstream fix: not-needed for apply and verify, nothing written."""
+    python, sp = release
+    files = {p: p.read_bytes() for p in (sp / "vllm/v1/core").glob("*.py")}
+    for op in ("apply", "verify", "revert"):
+        code, out = step(python, op)
+        assert code == 0, out
+        assert out["verdict"] in {"not-needed", "not-applied"}, out
+    assert {p: p.read_bytes() for p in files} == files
+
+
+@pytest.mark.parametrize("release", ["0.20.2"], indirect=True)
+def test_edited_function_with_matching_record_is_an_unknown_shape(release: tuple[Path, Path]
+                                                                  ) -> None:
+    """A build whose function differs from every known shape (RECORD agrees) is refused."""
+    python, sp = release
+    target = sp / MODULE
+    text = target.read_text().replace(
+        "    max_page_size = max(page_sizes)\n",
+        "    max_page_size = max(page_sizes)  # a fork's change\n", 1)
+    os.unlink(target)  # new inode: never write through uv's cache
+    target.write_text(text)
+    record = next(sp.glob("vllm-*.dist-info")) / "RECORD"
+    digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+    lines = [f"{MODULE},sha256={digest.decode()},{len(text.encode())}"
+             if line.startswith(f"{MODULE},") else line
+             for line in record.read_text().splitlines()]
+    os.unlink(record)
+    record.write_text("\n".join(lines) + "\n")
+
+    code, out = step(python, "apply")
+    assert (code, out["verdict"]) == (1, "unknown-shape"), out
+    assert "does not know" in str(out["reason"])
+    assert target.read_text() == text
+
+
+@pytest.mark.parametrize("release", ["0.20.2"], indirect=True)
+def test_architecture_selection_and_registry_warning(release: tuple[Path, Path]) -> None:
+    """--architecture selects the catalog default; a misspelt one is named with close matches."""
+    python, _ = release
+    proc = cli("verify", "--python", str(python), "--architecture",
+               "Qwen3_5MoeForConditionalGeneration", "--json")
+    data = json.loads(proc.stdout)
+    assert [p["id"] for p in data["patches"]] == [PATCH]
+    assert data["notes"] == []
+    proc = cli("verify", "--python", str(python), "--architecture",
+               "Qwen3_5MoeForConditionalGenration")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "no patches selected" in proc.stderr
+    assert ("'Qwen3_5MoeForConditionalGenration' is not registered by the installed vLLM; "
+            "close matches: Qwen3_5MoeForConditionalGeneration") in proc.stderr
