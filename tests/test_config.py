@@ -67,7 +67,8 @@ def test_every_error_is_reported_with_its_toml_path(tmp_path: Path, catalog: Cat
         "tool.vllm-patch.architectures.A: expected a table (e.g. patches = [...]), found an array",
         "tool.vllm-patch.architectures.B.colour: unknown key (expected: patches)",
         "tool.vllm-patch.architectures.B.patches[1]: 'demo-fix' is listed twice",
-        "tool.vllm-patch.architectures.B.patches[2]: unknown patch 'nope' (known patches: demo-fix)",
+        "tool.vllm-patch.architectures.B.patches[2]: unknown patch 'nope' "
+        "(known patches: demo-fix)",
     ]
     assert str(root / "pyproject.toml") in str(info.value)
 
@@ -158,7 +159,7 @@ def test_unknown_architecture_notes_offer_close_matches() -> None:
 
 
 def test_interpreter_choice_order(tmp_path: Path) -> None:
-    """--python, then config python, then $UV_PROJECT_ENVIRONMENT, then .venv, then sys.executable."""
+    """--python, config python, $UV_PROJECT_ENVIRONMENT, .venv, then the running interpreter."""
     (tmp_path / ".venv" / "bin").mkdir(parents=True)
     env = {"UV_PROJECT_ENVIRONMENT": "uvenv"}
     assert choose_interpreter(tmp_path, "/x/python", "cfg", env).reason == "given with --python"
