@@ -40,7 +40,7 @@ def test_installed_wheel_runs_the_cli_with_its_own_catalog(wheel: Path, tmp_path
     ids = {p["id"] for p in data["patches"]}
     assert ids == set(load_catalog(REPO / "patches"))
     location = run([str(python), "-c", "import hatch_vllm_patch.catalog as c; "
-                    "print(c.default_catalog_root())"]).stdout.strip()
+                    "print(c.default_catalog_root())"], cwd=tmp_path).stdout.strip()
     assert location.endswith("site-packages/hatch_vllm_patch/_patches")
     script = run([str(python.parent / "vllm-patch"), "--version"]).stdout
     assert script.startswith("vllm-patch ")

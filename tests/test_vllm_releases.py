@@ -143,7 +143,9 @@ def test_architecture_selection_and_registry_warning(release: tuple[Path, Path])
     proc = cli("verify", "--python", str(python), "--architecture",
                "Qwen3_5MoeForConditionalGeneration", "--json")
     data = json.loads(proc.stdout)
-    assert [p["id"] for p in data["patches"]] == [PATCH]
+    verdicts = {p["id"]: p["verdict"] for p in data["patches"]}
+    assert verdicts == {PATCH: "missing", "neuron-platform-prefix-caching": "not-installed",
+                        "neuron-runner-kv-spec": "not-installed"}
     assert data["notes"] == []
     proc = cli("verify", "--python", str(python), "--architecture",
                "Qwen3_5MoeForConditionalGenration")
