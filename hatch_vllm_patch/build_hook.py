@@ -19,17 +19,29 @@ Which environment
 When it fails the build
     On an invalid configuration (of ``[tool.vllm-patch]`` or of this hook) and, with
     ``strict = true``, when a patch is refused. Never because vLLM or the environment is missing.
+
+uv shows a build's output only with ``-v`` (or when the build fails), so a refused patch is not
+seen at ``uv sync`` time unless ``strict = true``: ``vllm-patch verify`` (exit 1) is the check to
+run in CI, and the README shows a vLLM plugin that reports it in every vLLM process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Iterable
+import sysconfig
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
+from hatchling.builders.config import BuilderConfig
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .operations import Report
+    from .selection import Selection
 
 PREFIX = "vllm-patch:"
 # Options of every hatchling build hook; hatchling itself reads them.
@@ -40,25 +52,18 @@ _HATCHLING_OPTIONS = frozenset(
 _OPTIONS = frozenset({"strict"})
 
 
-class VllmPatchBuildHook(BuildHookInterface):  # type: ignore[type-arg]
+class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
     PLUGIN_NAME = "vllm-patch"
 
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
         # Deferred so that hatchling's plugin discovery stays cheap for builds not using the hook.
-        from . import operations
-        from .engine import Verdict
-        from .errors import (
-            CatalogError,
-            ConfigurationError,
-            InterpreterNotFoundError,
-            TargetEnvironmentError,
-        )
+        from .errors import CatalogError, ConfigurationError
+        from .operations import Request, resolve
 
         root = Path(self.root).resolve()
         strict = self._strict()
         try:
-            request = operations.Request(project_dir=root)
-            _, config, selection, choice = operations.resolve(request)
+            _, config, selection, _ = resolve(Request(project_dir=root))
         except ConfigurationError as exc:
             self._fail("invalid configuration", exc.errors, exc.source)
         except CatalogError as exc:
@@ -73,55 +78,64 @@ class VllmPatchBuildHook(BuildHookInterface):  # type: ignore[type-arg]
         for note in selection.notes:
             self.app.display_info(f"{PREFIX} note: {note}")
         if not selection.patches:
-            self.app.display_info(f"{PREFIX} no patch is selected by [tool.vllm-patch]; "
-                                  "nothing to do")
+            self.app.display_info(f"{PREFIX} [tool.vllm-patch] selects no patch; nothing to do")
             return
-
-        ids = ", ".join(p.id for p in selection.patches)
         if not (self.target_name == "wheel" and version == "editable"):
             kind = "an sdist" if self.target_name == "sdist" else f"a {version} {self.target_name}"
             self.app.display_info(
                 f"{PREFIX} building {kind}, which may be installed anywhere: no environment is "
-                f"patched ({ids}); after installing it, {_next_command(root)}"
+                f"patched ({_ids(selection)}); where it is installed, {_next_command()}"
             )
             return
+        report = self._apply(root, config, selection)
+        if report is not None:
+            self._tell(report, root, selection, strict)
 
-        isolated = not _is_running_environment(choice.python)
+    def _apply(self, root: Path, config: Config, selection: Selection) -> Report | None:
+        """Apply the selection; None (after saying why in one line) when there is no target."""
+        from .errors import InterpreterNotFoundError, TargetEnvironmentError
+        from .operations import Request, run
+
         try:
-            report = operations.run("apply", operations.Request(project_dir=root, config=config))
-        except InterpreterNotFoundError:
+            with _without_frontend_isolation():
+                return run("apply", Request(project_dir=root, config=config))
+        except InterpreterNotFoundError as exc:
             self.app.display_info(
-                f"{PREFIX} no environment at {choice.python} ({choice.reason}) yet, so nothing "
-                f"is patched ({ids}); {_when_missing(isolated, root)}"
+                f"{PREFIX} nothing is patched ({_ids(selection)}): {exc}; "
+                f"{_when_missing(True, root)}"
             )
-            return
         except TargetEnvironmentError as exc:
-            self.app.display_warning(f"{PREFIX} nothing patched ({ids}): {exc}")
-            return
+            self.app.display_warning(f"{PREFIX} nothing is patched ({_ids(selection)}): {exc}")
+        return None
+
+    def _tell(self, report: Report, root: Path, selection: Selection, strict: bool) -> None:
+        """One line per kind of outcome; a refused patch fails the build when ``strict``."""
+        from .engine import Verdict
 
         env = report.environment
-        where = f"{env.python} ({env.reason})"
-        isolated = not _is_running_environment(Path(env.prefix))
+        where = f"{env.prefix} ({env.reason})"
+        isolated = _frontend_hides_environment() or not _is_running_environment(env.prefix)
         absent = [o for o in report.outcomes if o.verdict is Verdict.NOT_INSTALLED]
-        refused = [o for o in report.outcomes if not o.ok and o.verdict is not Verdict.NOT_INSTALLED]
-        done = [o for o in report.outcomes if o.ok and o.verdict is not Verdict.NOT_INSTALLED]
+        present = [o for o in report.outcomes if o.verdict is not Verdict.NOT_INSTALLED]
+        refused = [o for o in present if not o.ok]
+        done = [o for o in present if o.ok]
         if done:
             summary = "; ".join(f"{o.patch_id} {o.verdict.value}" for o in done)
             versions = ", ".join(f"{name} {info.version}"
                                  for name, info in env.distributions.items() if info)
-            self.app.display_info(f"{PREFIX} {summary} ({versions} in {where})")
+            self.app.display_info(f"{PREFIX} {summary} — {versions} in {where}")
         if absent:
-            dist = {p.id: p.target.distribution for p in selection.patches}
-            names = ", ".join(sorted({dist[o.patch_id] for o in absent}))
+            owner = {p.id: p.target.distribution for p in selection.patches}
+            names = ", ".join(sorted({owner[o.patch_id] for o in absent}))
             self.app.display_info(
                 f"{PREFIX} {names} not installed in {where} yet, so "
-                f"{', '.join(o.patch_id for o in absent)} is not applied; "
+                f"{', '.join(o.patch_id for o in absent)} not applied; "
                 f"{_when_missing(isolated, root)}"
             )
         elif done and isolated:
             self.app.display_info(
-                f"{PREFIX} this build ran isolated from {env.prefix}: if this install changes "
-                f"vLLM there, {_next_command(root)}"
+                f"{PREFIX} this build ran before the install finished: if the install changes "
+                f"vLLM in {env.prefix}, {_next_command(root)}"
             )
         for outcome in refused:
             message = (f"{PREFIX} {outcome.patch_id} refused ({outcome.verdict.value}): "
@@ -136,18 +150,16 @@ class VllmPatchBuildHook(BuildHookInterface):  # type: ignore[type-arg]
                        [f"{o.patch_id}: {o.verdict.value}" for o in refused])
 
     def _strict(self) -> bool:
-        errors = [f"{self._table()}.{key}: unknown option (expected: strict, or one of "
-                  f"hatchling's: {', '.join(sorted(_HATCHLING_OPTIONS))})"
+        table = f"tool.hatch.build.hooks.{self.PLUGIN_NAME}"
+        errors = [f"{table}.{key}: unknown option (expected: strict, or one of hatchling's: "
+                  f"{', '.join(sorted(_HATCHLING_OPTIONS))})"
                   for key in sorted(set(self.config) - _OPTIONS - _HATCHLING_OPTIONS)]
         strict = self.config.get("strict", False)
         if not isinstance(strict, bool):
-            errors.append(f"{self._table()}.strict: expected true or false, found {strict!r}")
+            errors.append(f"{table}.strict: expected true or false, found {strict!r}")
         if errors:
             self._fail("invalid hook options", errors, str(Path(self.root) / "pyproject.toml"))
         return bool(strict)
-
-    def _table(self) -> str:
-        return f"tool.hatch.build.hooks.{self.PLUGIN_NAME}"
 
     def _fail(self, what: str, errors: Iterable[str], source: str | None = None) -> NoReturn:
         """Stop the build: every problem on its own line, then exit non-zero."""
@@ -158,14 +170,41 @@ class VllmPatchBuildHook(BuildHookInterface):  # type: ignore[type-arg]
         raise SystemExit(1)  # abort() exits; this line only tells type checkers so
 
 
-def _is_running_environment(path: Path) -> bool:
-    """Is ``path`` (an interpreter or an environment prefix) the environment running this build?"""
-    prefix = path.parent.parent if path.name.startswith("python") else path
+def _ids(selection: Selection) -> str:
+    return ", ".join(p.id for p in selection.patches)
+
+
+def _is_running_environment(prefix: str) -> bool:
+    """Is ``prefix`` the environment of the interpreter running this build?"""
     return os.path.realpath(prefix) == os.path.realpath(sys.prefix)
 
 
-def _next_command(root: Path) -> str:
-    return (f"run `uv run vllm-patch apply` (or `python -m hatch_vllm_patch apply`) in {root}")
+def _frontend_hides_environment() -> bool:
+    """pip isolates a build inside the target interpreter itself: its ``PYTHONPATH`` points to a
+    ``sitecustomize`` that takes the environment's own site-packages off ``sys.path``."""
+    purelib = os.path.realpath(sysconfig.get_paths()["purelib"])
+    return bool(os.environ.get("PYTHONPATH")) and purelib not in {
+        os.path.realpath(p) for p in sys.path if p
+    }
+
+
+@contextlib.contextmanager
+def _without_frontend_isolation() -> Iterator[None]:
+    """Inspect the target without the frontend's ``PYTHONPATH``: a child interpreter inheriting
+    pip's would not see the packages installed in its own environment (vLLM among them)."""
+    if not _frontend_hides_environment():
+        yield
+        return
+    saved = os.environ.pop("PYTHONPATH")
+    try:
+        yield
+    finally:
+        os.environ["PYTHONPATH"] = saved
+
+
+def _next_command(root: Path | None = None) -> str:
+    where = f"in {root}" if root else "in the project directory"
+    return f"run `uv run vllm-patch apply` (or `python -m hatch_vllm_patch apply`) {where}"
 
 
 def _when_missing(isolated: bool, root: Path) -> str:
@@ -174,4 +213,3 @@ def _when_missing(isolated: bool, root: Path) -> str:
                 f"{_next_command(root)} — or use uv's two-phase setting (see hatch-vllm-patch's "
                 "README) to have it done on every sync")
     return f"once it is installed, {_next_command(root)}"
-

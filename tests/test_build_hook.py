@@ -1,0 +1,263 @@
+"""The hatchling build hook: real hatchling builds of a small project, against real vLLM files.
+
+Each build runs hatchling's PEP 517 functions in a subprocess, as a frontend does, with the
+plugin found through its ``hatch`` entry point. The project's ``.venv`` holds the real files of
+vLLM 0.20.2 (``--no-deps``: enough to locate, classify and patch them, nothing imports vLLM).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from venvs import UV, create_venv, run, site_packages
+
+import hatch_vllm_patch
+
+REPO = Path(__file__).resolve().parent.parent
+PATCH = "kv-cache-page-unification"
+VLLM = "vllm==0.20.2"
+TARGET = "vllm/v1/core/kv_cache_utils.py"
+# Keep the choice of target environment to the project: no UV_PROJECT_ENVIRONMENT from outside.
+ENV = {"UV_PROJECT_ENVIRONMENT": "", "HATCH_VERBOSE": "0", "HATCH_QUIET": "0"}
+
+PYPROJECT = """\
+[build-system]
+requires = ["hatchling>=1.24", "hatch-vllm-patch"]
+build-backend = "hatchling.build"
+
+[project]
+name = "demo"
+version = "0.1.0"
+
+[tool.hatch.build.targets.wheel]
+packages = ["demo"]
+dev-mode-dirs = ["."]  # editable builds without the `editables` package
+
+[tool.hatch.build.hooks.vllm-patch]
+{hook}
+{vllm_patch}
+[tool.uv.sources]
+hatch-vllm-patch = {{ path = "{repo}", editable = true }}
+"""
+
+SELECTION = f"""\
+[tool.vllm-patch.architectures.Qwen3_5MoeForConditionalGeneration]
+patches = ["{PATCH}"]
+"""
+
+
+def make_project(root: Path, *, hook: str = "", vllm_patch: str = SELECTION) -> Path:
+    (root / "demo").mkdir(parents=True)
+    (root / "demo" / "__init__.py").write_text("")
+    (root / "pyproject.toml").write_text(
+        PYPROJECT.format(hook=hook, vllm_patch=vllm_patch, repo=REPO.as_posix())
+    )
+    return root
+
+
+def hatchling_build(project: Path, kind: str, *, python: Path | None = None,
+                    env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Build ``kind`` (sdist, wheel, editable) as a frontend would; (exit code, all output)."""
+    code = f"import sys, hatchling.build as b; print(b.build_{kind}(sys.argv[1]))"
+    proc = run([str(python or sys.executable), "-c", code, str(project / "dist")], cwd=project,
+               env={**ENV, **(env or {})}, check=False)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def target_file(venv: Path) -> Path:
+    return site_packages(venv) / TARGET
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def hook_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("vllm-patch:")]
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    return make_project(tmp_path / "demo")
+
+
+@pytest.fixture
+def project_with_vllm(project: Path) -> Path:
+    create_venv(project / ".venv", VLLM, no_deps=True)
+    return project
+
+
+def test_entry_point_registers_the_hook() -> None:
+    """The `hatch` entry point `vllm-patch` registers a build hook class named `vllm-patch`."""
+    from hatchling.builders.hooks.plugin.interface import BuildHookInterface
+
+    (entry,) = [e for e in importlib.metadata.entry_points(group="hatch")
+                if e.name == "vllm-patch"]
+    hook_class = entry.load().hatch_register_build_hook()
+    assert hook_class.PLUGIN_NAME == "vllm-patch"
+    assert issubclass(hook_class, BuildHookInterface)
+
+
+def test_editable_build_patches_the_project_environment(project_with_vllm: Path) -> None:
+    """An editable build patches the project's .venv and says so in one line per outcome."""
+    code, output = hatchling_build(project_with_vllm, "editable")
+    assert code == 0, output
+    assert f"{PATCH} applied" in output
+    # The build ran outside .venv (as in an isolated build): the hook says what that means.
+    assert "this build ran before the install finished" in output
+    report = hatch_vllm_patch.verify(project_with_vllm, python=str(project_with_vllm / ".venv"))
+    assert report.ok, report
+
+
+def test_editable_build_inside_the_target_environment(project_with_vllm: Path) -> None:
+    """Built by the target environment itself (uv's two-phase install), it patches, no caveat."""
+    venv = project_with_vllm / ".venv"
+    run([UV, "pip", "install", "--quiet", "--python", str(venv), "hatchling", "editables",
+         "-e", str(REPO)])
+    code, output = hatchling_build(project_with_vllm, "editable", python=venv / "bin" / "python")
+    assert code == 0, output
+    assert f"{PATCH} applied" in output
+    assert "before the install finished" not in output
+    assert hatch_vllm_patch.verify(project_with_vllm).ok
+
+
+def test_editable_build_without_vllm_succeeds_with_one_line(project: Path) -> None:
+    """No vLLM in the target environment: the build succeeds; one line says what to run."""
+    create_venv(project / ".venv")
+    code, output = hatchling_build(project, "editable")
+    assert code == 0, output
+    (line,) = hook_lines(output)
+    assert "vllm not installed" in line
+    assert "vllm-patch apply" in line
+
+
+def test_editable_build_without_any_environment_succeeds(tmp_path: Path) -> None:
+    """A configured interpreter that does not exist yet is reported, never a build failure."""
+    config = '[tool.vllm-patch]\npython = "env-not-yet"\n\n' + SELECTION
+    project = make_project(tmp_path / "demo", vllm_patch=config)
+    code, output = hatchling_build(project, "editable")
+    assert code == 0, output
+    (line,) = hook_lines(output)
+    assert "env-not-yet" in line and "nothing is patched" in line
+
+
+@pytest.mark.parametrize("kind", ["sdist", "wheel"])
+def test_distribution_builds_touch_no_environment(project_with_vllm: Path, kind: str) -> None:
+    """An sdist or a standard wheel leaves every environment alone, even one with vLLM."""
+    target = target_file(project_with_vllm / ".venv")
+    before = digest(target)
+    code, output = hatchling_build(project_with_vllm, kind)
+    assert code == 0, output
+    (line,) = hook_lines(output)
+    assert "no environment is patched" in line
+    assert digest(target) == before
+    assert not list(site_packages(project_with_vllm / ".venv").glob(".hatch-vllm-patch*"))
+
+
+@pytest.mark.parametrize("kind", ["editable", "sdist"])
+def test_configuration_error_fails_the_build_listing_every_error(project: Path,
+                                                                  kind: str) -> None:
+    """An invalid [tool.vllm-patch] fails any build, with every error and its TOML path."""
+    bad = SELECTION.replace(PATCH, "no-such-patch") + "colour = 'blue'\n"
+    make_project(project.parent / "bad", vllm_patch=bad)
+    code, output = hatchling_build(project.parent / "bad", kind)
+    assert code != 0
+    assert "invalid configuration" in output
+    assert "tool.vllm-patch.architectures.Qwen3_5MoeForConditionalGeneration.colour" in output
+    assert "patches[0]: unknown patch 'no-such-patch'" in output
+
+
+def test_missing_tool_vllm_patch_table_fails_the_build(tmp_path: Path) -> None:
+    """The hook enabled without a [tool.vllm-patch] table is a configuration error."""
+    project = make_project(tmp_path / "demo", vllm_patch="")
+    code, output = hatchling_build(project, "editable")
+    assert code != 0
+    assert "no [tool.vllm-patch] table" in output
+
+
+def test_invalid_hook_options_fail_the_build(tmp_path: Path) -> None:
+    """A non-boolean `strict` and an unknown option both fail the build, both reported."""
+    project = make_project(tmp_path / "demo", hook='strict = "yes"\ncolour = 1\n')
+    code, output = hatchling_build(project, "sdist")
+    assert code != 0
+    assert "tool.hatch.build.hooks.vllm-patch.strict: expected true or false" in output
+    assert "tool.hatch.build.hooks.vllm-patch.colour: unknown option" in output
+
+
+def _edit_target_function(venv: Path) -> None:
+    """Edit vLLM's target function by hand (a new inode: the installed file is uv's hardlink)."""
+    target = target_file(venv)
+    text = target.read_text()
+    marker = "def unify_kv_cache_spec_page_size("
+    assert marker in text
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(text.replace(marker, marker.replace("(", "(  # edited by hand\n    "), 1))
+    os.replace(tmp, target)
+
+
+def test_refused_patch_warns_and_fails_only_when_strict(project_with_vllm: Path) -> None:
+    """A refused patch is a warning that keeps the build; with strict = true it fails it."""
+    venv = project_with_vllm / ".venv"
+    _edit_target_function(venv)
+    before = digest(target_file(venv))
+    code, output = hatchling_build(project_with_vllm, "editable")
+    assert code == 0, output
+    assert f"{PATCH} refused" in output
+    assert digest(target_file(venv)) == before
+
+    pyproject = project_with_vllm / "pyproject.toml"
+    table = "[tool.hatch.build.hooks.vllm-patch]\n"
+    pyproject.write_text(pyproject.read_text().replace(table, table + "strict = true\n"))
+    code, output = hatchling_build(project_with_vllm, "editable")
+    assert code != 0
+    assert "strict = true and a patch was refused" in output
+    assert digest(target_file(venv)) == before
+
+
+def test_hook_disabled_by_default_runs_when_enabled_by_hatchling_variables(tmp_path: Path) -> None:
+    """`enable-by-default = false` skips the hook unless hatchling's enabling variable is set."""
+    project = make_project(tmp_path / "demo", hook="enable-by-default = false\n")
+    create_venv(project / ".venv", VLLM, no_deps=True)
+    target = target_file(project / ".venv")
+    before = digest(target)
+    code, output = hatchling_build(project, "editable")
+    assert code == 0, output
+    assert hook_lines(output) == []
+    assert digest(target) == before
+    # hatchling upper-cases the hook name as it is: the variable keeps the hyphen.
+    code, output = hatchling_build(project, "editable",
+                                   env={"HATCH_BUILD_HOOK_ENABLE_VLLM-PATCH": "true"})
+    assert code == 0, output
+    assert f"{PATCH} applied" in output
+
+
+def test_uv_build_touches_no_environment(project_with_vllm: Path) -> None:
+    """`uv build` (sdist, then a wheel from it) succeeds and leaves the project's .venv alone."""
+    target = target_file(project_with_vllm / ".venv")
+    before = digest(target)
+    proc = run([UV, "build"], cwd=project_with_vllm, env=ENV)
+    output = proc.stdout + proc.stderr
+    assert len(hook_lines(output)) == 2, output  # the sdist, then the wheel
+    assert digest(target) == before
+    dist = project_with_vllm / "dist"
+    assert len(list(dist.glob("demo-0.1.0*.whl"))) == len(list(dist.glob("demo-0.1.0.tar.gz"))) == 1
+
+
+def test_pip_editable_install_patches_the_environment_pip_installs_into(tmp_path: Path) -> None:
+    """`pip install -e` builds inside the target interpreter (isolated by PYTHONPATH): patched."""
+    wheels = tmp_path / "wheels"
+    run([UV, "build", "--quiet", "--wheel", "--out-dir", str(wheels), str(REPO)])
+    python = create_venv(tmp_path / "venv", VLLM, "pip", no_deps=True)
+    project = make_project(tmp_path / "demo")
+    proc = run([str(python), "-m", "pip", "install", "-v", "--no-deps", "--find-links",
+                str(wheels), "-e", str(project)], env=ENV)
+    output = proc.stdout + proc.stderr
+    assert f"{PATCH} applied" in output
+    assert "this build ran before the install finished" in output  # pip installs deps later
+    report = hatch_vllm_patch.verify(project, python=str(python))
+    assert report.ok, report
