@@ -47,7 +47,7 @@ class _Builder:
             entry = self.config.entry(name) if self.config else None
             if entry is not None and entry.patches is not None:
                 for pid in entry.patches:
-                    self.add(pid, f"{name} ([tool.vllm-patch.architectures.{name}])")
+                    self.add(pid, f"{name} ([tool.vllm-patch.architectures.{name}]{origin})")
                 return
         for name in names:
             defaults = self.catalog.for_architecture(name)
@@ -61,12 +61,12 @@ class _Builder:
         )
 
     def model(self, info: ModelInfo) -> None:
-        origin = f", from {info.path}"
-        if not info.architectures and not info.families:
+        if not info.families:
             self.notes.append(f"{info.path}/config.json declares no architectures")
             return
         before = len(self.why)
         for arch in info.architectures or info.families[:1]:
+            origin = f", via {arch} in {info.path}/config.json"
             self.architecture([arch, *(f for f in info.families if f != arch)], origin, False)
         if len(self.why) == before and info.hybrid_linear_attention:
             self.notes.append(
