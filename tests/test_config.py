@@ -106,7 +106,7 @@ def test_fine_tune_resolves_through_model_type(tmp_path: Path, catalog: Catalog)
     assert config is not None and config.models == ((tmp_path / "proj" / "ft").resolve(),)
     chosen = select(catalog, config)
     assert [p.id for p in chosen.patches] == ["demo-fix"]
-    assert "from" in chosen.why["demo-fix"][0]
+    assert "via MyChat in " in chosen.why["demo-fix"][0]
 
 
 def test_fine_tune_resolves_through_text_config(tmp_path: Path) -> None:
