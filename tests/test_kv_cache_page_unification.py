@@ -1,0 +1,300 @@
+"""The kv-cache-page-unification patch, judged by what the real vLLM 0.20.2 does with it.
+
+Fast tests read the patch folder. Slow tests build one session venv with the full vllm==0.20.2
+(CPU; uv's cache), patch it with the CLI, and run three scripts in it with its interpreter:
+tests/kv_scenarios/scenarios.py (KNOWLEDGE §1's S0-S5 for Qwen3.6-35B-A3B at TP=2 built with
+vLLM's own MambaStateShapeCalculator, plus non-hybrid sets, through vLLM's original function,
+the patched one, get_kv_cache_groups and get_kv_cache_config_from_groups),
+tests/kv_scenarios/properties.py (a hypothesis property test over random real spec sets) and
+the patch's own probe.py via `verify --deep`. Every expectation is checked on vLLM's code.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import cli
+from venvs import UV, create_venv, run
+
+from hatch_vllm_patch.catalog import load_catalog
+
+REPO = Path(__file__).resolve().parents[1]
+PATCH = "kv-cache-page-unification"
+FOLDER = REPO / "patches" / PATCH
+SCRIPTS = Path(__file__).resolve().parent / "kv_scenarios"
+MAMBA_PAGE = 1073152  # Gated DeltaNet state of Qwen3.6-35B-A3B at TP=2
+# where vLLM 0.20.2's own function gives up, and the page the patch must unify to:
+# S1/S5 round_up(1073152, 16384); S3/S4 lcm(1073152, 16384) = 2 * 1073152.
+RAISED = {"S1": ("NotImplementedError", 1081344), "S3": ("AssertionError", 2146304),
+          "S4": ("NotImplementedError", 2146304), "S5": ("NotImplementedError", 1081344)}
+RETURNED = {"S0": True, "S2": False, "dense": True, "sliding": False}  # -> input pages uniform?
+PROPERTY_EXAMPLES = 600
+
+
+# --- the patch folder -------------------------------------------------------------------------
+
+
+def test_patch_folder_is_a_valid_catalog_entry() -> None:
+    """patch.toml loads through the real catalog with the target, shapes and fixed-in of §1."""
+    patch = load_catalog(REPO / "patches")[PATCH]
+    assert (patch.target.distribution, patch.target.module, patch.target.symbol) == (
+        "vllm", "vllm.v1.core.kv_cache_utils", "unify_kv_cache_spec_page_size")
+    assert not patch.target.optional
+    assert str(patch.fixed_in) == "0.29.0"
+    assert patch.shapes == {
+        "495d851ab0ecf723e43bc119371acf82413b7b93c8bf21f510f3127351edb3b1",
+        "0aeba06be7e63898a570dfdaf776c23ec420811b59df7fef46939baf441995de",
+        "bed6c6beecd0f7e338dd27878f28361f561d64d3d5ca17ea7ea02718e0091a79",
+    }
+    assert patch.probe_path == FOLDER / "probe.py"
+    for name in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3NextMTP",
+                 "OlmoHybridForCausalLM", "ColQwen3_5", "NemotronHForCausalLM"):
+        assert name in patch.architectures
+    assert "https://github.com/vllm-project/vllm/pull/40128" in patch.links
+
+
+def module_level_names(statements: list[ast.stmt]) -> set[str]:
+    """Names a run of the statements binds in the module (not under `if TYPE_CHECKING`)."""
+    names: set[str] = set()
+    for node in statements:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, ast.If):
+            if "TYPE_CHECKING" not in ast.unparse(node.test):
+                names |= module_level_names(node.body) | module_level_names(node.orelse)
+        elif isinstance(node, (ast.Try, ast.With)):
+            names |= module_level_names(node.body)
+    return names
+
+
+def test_block_adds_only_hvp_names_besides_the_symbol() -> None:
+    """block.py binds `unify_kv_cache_spec_page_size` and otherwise only `_hvp_*` names."""
+    text = (FOLDER / "block.py").read_text()
+    names = module_level_names(ast.parse(text).body)
+    assert "unify_kv_cache_spec_page_size" in names
+    assert {n for n in names - {"unify_kv_cache_spec_page_size"} if not n.startswith("_hvp_")} \
+        == set()
+    assert "__future__" not in text and text.endswith("\n")
+
+
+# --- one real vLLM 0.20.2, patched with the CLI ---------------------------------------------
+
+
+def patch_verdict(op: str, python: Path, *extra: str) -> dict[str, Any]:
+    proc = cli(op, "--python", str(python), "--patch", PATCH, "--json", *extra)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    data = json.loads(proc.stdout)
+    [outcome] = data["patches"]
+    assert isinstance(outcome, dict)
+    outcome["exit"] = proc.returncode
+    return outcome
+
+
+@pytest.fixture(scope="session")
+def vllm_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The interpreter of a venv with the full vllm==0.20.2 and hypothesis, patched by the CLI."""
+    python = create_venv(tmp_path_factory.mktemp("kv-page") / "venv", "vllm==0.20.2")
+    run([UV, "pip", "install", "--quiet", "--python", str(python), "hypothesis>=6"])
+    applied = patch_verdict("apply", python)
+    assert (applied["verdict"], applied["exit"]) == ("applied", 0), applied
+    return python
+
+
+def run_script(python: Path, script: str, out: Path, *args: str) -> dict[str, Any]:
+    """Run one of tests/kv_scenarios/ with ``python``; return the JSON it wrote to ``out``."""
+    proc = run([str(python), str(SCRIPTS / script), str(out), *args], check=False, timeout=900)
+    assert proc.returncode == 0, (
+        f"{script} failed:\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    data = json.loads(out.read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+@pytest.fixture(scope="session")
+def report(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """scenarios.py's facts, from one run in the patched venv."""
+    return run_script(vllm_python, "scenarios.py", tmp_path_factory.mktemp("kv") / "out.json")
+
+
+def page_set(facts: dict[str, Any]) -> set[int]:
+    return {layer["page"] for layer in facts["layers"].values()}
+
+
+@pytest.mark.slow
+def test_cli_apply_is_idempotent_and_verifies(vllm_python: Path) -> None:
+    """A second apply finds the block in place and verify reports it applied."""
+    again = patch_verdict("apply", vllm_python)
+    assert (again["verdict"], again["exit"]) == ("already-applied", 0), again
+    verified = patch_verdict("verify", vllm_python)
+    assert (verified["verdict"], verified["exit"]) == ("applied", 0), verified
+
+
+@pytest.mark.slow
+def test_wrapper_is_installed_once_also_after_exec_and_reload(report: dict[str, Any]) -> None:
+    """The module file carries one block; exec'ing it again or reloading never wraps twice."""
+    assert report["file_has_block"]
+    wrapper = report["wrapper"]
+    assert wrapper == {"patch_id": PATCH, "name": "unify_kv_cache_spec_page_size",
+                       "wrapped_is_module_original": True, "wrapped_is_wrapper": False,
+                       "wrapped_module": "vllm.v1.core.kv_cache_utils"}
+    assert report["exec_again_same_function"]
+    reload = report["reload"]
+    assert {k: reload[k] for k in wrapper} == wrapper
+    assert reload["new_function"] and reload["new_original"]
+    assert (reload["S1_pages"], reload["S1_log_lines"]) == ([1081344], 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(RAISED))
+def test_original_gives_up_on_hybrid_scenarios(report: dict[str, Any], name: str) -> None:
+    """vLLM 0.20.2's own function and grouping fail on S1, S3, S4 and S5 as KNOWLEDGE §1 says."""
+    scenario = report["scenarios"][name]
+    assert scenario["original"]["raised"] == RAISED[name][0]
+    assert scenario["groups_original"]["raised"] == RAISED[name][0]
+    if name in ("S1", "S4", "S5"):
+        assert "not divisible" in scenario["original"]["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(RAISED))
+def test_patched_unifies_padding_only_mamba(report: dict[str, Any], name: str) -> None:
+    """Where vLLM raised: one page (§1's target), Mamba padded, attention blocks multiplied."""
+    scenario = report["scenarios"][name]
+    patched, given = scenario["patched"], scenario["input"]
+    target = RAISED[name][1]
+    assert patched["raised"] is None, patched
+    assert patched["keys"] == list(given), "the input's key order must be kept"
+    assert page_set(patched) == {target}
+    non_mamba = [g["page"] for g in given.values() if g["type"] != "MambaSpec"]
+    assert target == -(-max(g["page"] for g in given.values()) // math.lcm(*non_mamba)) * \
+        math.lcm(*non_mamba)
+    for layer, old in given.items():
+        new = patched["layers"][layer]
+        assert new["type"] == old["type"]
+        if old["type"] == "MambaSpec":
+            assert old["page"] == MAMBA_PAGE
+            assert (new["block_size"], new["padded"]) == (old["block_size"], target)
+        else:
+            assert new["padded"] is None, f"{layer}: an attention page was padded"
+            assert new["block_size"] == old["block_size"] * (target // old["page"])
+    assert patched["input_unchanged"]
+    groups = scenario["groups_patched"]
+    assert groups["raised"] is None, groups
+    assert {g["page"] for g in groups["groups"]} == {target}
+    assert {g["padded"] for g in groups["groups"] if g["type"] == "FullAttentionSpec"} == {None}
+    assert groups["layers_in_tensors"] == len(given)
+    assert len(groups["tensor_sizes"]) == 1 and groups["tensor_sizes"][0] % target == 0
+
+
+@pytest.mark.slow
+def test_s1_attention_block_and_s5_order(report: dict[str, Any]) -> None:
+    """S1 gives attention 16 * 66 = 1056-token blocks; S5 (Mamba last) gives the same specs."""
+    s1, s5 = report["scenarios"]["S1"]["patched"], report["scenarios"]["S5"]["patched"]
+    attention = {v["block_size"] for v in s1["layers"].values() if v["type"] != "MambaSpec"}
+    assert attention == {1056}
+    assert s5["layers"] == s1["layers"] and s5["keys"] != s1["keys"]
+    assert s5["keys"][-1].endswith("linear_attn")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(RETURNED))
+def test_patched_is_the_original_where_it_returns(report: dict[str, Any], name: str) -> None:
+    """Where vLLM's function returns, the patched result is the same (objects, order, groups)."""
+    scenario = report["scenarios"][name]
+    before, after = scenario["original"], scenario["patched"]
+    assert before["raised"] is None and after["raised"] is None
+    assert scenario["equal_to_original"]
+    assert after["keys"] == before["keys"] == list(scenario["input"])
+    assert after["same_dict"] is before["same_dict"] is RETURNED[name]
+    assert after["same_objects"] == before["same_objects"]
+    assert after["log_lines"] == [] and scenario["patched_again_log_lines"] == 0
+    assert scenario["groups_patched"] == scenario["groups_original"]
+    assert scenario["groups_patched"]["raised"] is None
+
+
+@pytest.mark.slow
+def test_non_hybrid_set_keeps_vllms_own_error(report: dict[str, Any]) -> None:
+    """Attention-only pages vLLM cannot unify: the patch re-raises vLLM's own exception."""
+    scenario = report["scenarios"]["attention_only_unequal"]
+    before, after = scenario["original"], scenario["patched"]
+    assert before["raised"] == "NotImplementedError"
+    assert (after["raised"], after["message"], after["cause"]) == (
+        before["raised"], before["message"], None)
+    assert after["log_lines"] == [] and after["input_unchanged"]
+    assert scenario["groups_patched"] == scenario["groups_original"]
+
+
+@pytest.mark.slow
+def test_one_log_line_per_unifying_call(report: dict[str, Any]) -> None:
+    """Each call that unifies logs exactly one line, through vLLM's logger of the module."""
+    for name in RAISED:
+        scenario = report["scenarios"][name]
+        assert len(scenario["patched"]["log_lines"]) == 1, name
+        assert scenario["patched_again_log_lines"] == 1, name
+    [line] = report["scenarios"]["S1"]["patched"]["log_lines"]
+    assert line.startswith("Hybrid KV cache: padding max page size 1073152 -> 1081344 (+0.76%)")
+    assert "30 Mamba layer(s) padded" in line and "11 layer(s) given a larger block size" in line
+
+
+@pytest.mark.slow
+def test_unequal_pages_from_the_original_under_python_O(report: dict[str, Any]) -> None:
+    """The patched file compiled as -O: vLLM returns S3 with unequal pages; the patch unifies."""
+    optimized = report["optimized"]
+    assert optimized["wrapper"]["patch_id"] == PATCH
+    s3 = optimized["S3"]
+    assert s3["original"]["raised"] is None and len(page_set(s3["original"])) > 1
+    assert page_set(s3["patched"]) == {2146304}
+    assert len(s3["patched"]["log_lines"]) == 1
+    s1 = optimized["S1"]
+    assert s1["original"]["raised"] == "NotImplementedError"
+    assert page_set(s1["patched"]) == {1081344}
+
+
+@pytest.mark.slow
+def test_property_patched_against_original(vllm_python: Path, tmp_path: Path) -> None:
+    """Hypothesis, in the venv: vLLM's outcome where it works or the set is not hybrid, else
+    unified padding only Mamba, or NotImplementedError only when a non-Mamba page cannot scale."""
+    data = run_script(vllm_python, "properties.py", tmp_path / "out.json",
+                      str(PROPERTY_EXAMPLES))
+    assert data["error"] is None
+    outcomes = data["outcomes"]
+    for path in ("unchanged input", "original's rescaling", "unified by the patch", "refused",
+                 "non-hybrid: vLLM's own outcome", "original: NotImplementedError",
+                 "original: AssertionError"):
+        assert outcomes.get(path, 0) > 0, f"no example took the path {path!r}: {outcomes}"
+    assert sum(v for k, v in outcomes.items() if not k.startswith("original:")) >= \
+        PROPERTY_EXAMPLES * 0.9
+
+
+@pytest.mark.slow
+def test_deep_verify_runs_the_probe(vllm_python: Path) -> None:
+    """`verify --deep` runs probe.py in the venv: S1 through get_kv_cache_groups, non-hybrid."""
+    verified = patch_verdict("verify", vllm_python, "--deep")
+    assert (verified["verdict"], verified["exit"]) == ("applied", 0), verified
+    assert "deep probe passed" in verified["reason"]
+    assert "via get_kv_cache_groups" in verified["reason"]
+
+
+@pytest.mark.slow
+def test_probe_fails_on_unpatched_vllm(vllm_python: Path) -> None:
+    """probe.py reports ok=false and exits 1 when vLLM's function carries no wrapper."""
+    reverted = patch_verdict("revert", vllm_python)
+    assert reverted["exit"] == 0, reverted
+    try:
+        proc = run([str(vllm_python), str(FOLDER / "probe.py")], check=False, timeout=900)
+    finally:
+        again = patch_verdict("apply", vllm_python)
+    assert again["verdict"] == "applied", again
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["ok"] is False and "0 wrappers" in result["detail"], result
