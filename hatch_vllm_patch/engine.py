@@ -140,27 +140,43 @@ def parse_file(content: bytes) -> ParsedFile:
     return ParsedFile(original, tuple(blocks))
 
 
-def find_symbol(source: str, symbol: str) -> ast.AST | None:
-    """The ``def`` of ``name`` or ``Class.name`` at module level (the last binding wins)."""
+FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
+
+
+def locate_function(source: str, symbol: str) -> tuple[FunctionNode | None, str]:
+    """The ``def`` of ``name`` or ``Class.name`` at module level (the last binding wins), or
+    None with the reason it is not there. Shared with the structural classifiers of patches."""
     try:
         tree = ast.parse(source)
-    except SyntaxError:
-        return None
-    scopes: list[list[ast.stmt]] = [tree.body]
+    except SyntaxError as exc:
+        return None, f"the module does not parse: {exc.msg} (line {exc.lineno})"
+    scope: list[ast.stmt] = tree.body
     *classes, name = symbol.split(".")
     for class_name in classes:
-        found = [
-            n for n in scopes[-1] if isinstance(n, ast.ClassDef) and n.name == class_name
-        ]
+        found = [n for n in scope if isinstance(n, ast.ClassDef) and n.name == class_name]
         if not found:
-            return None
-        scopes.append(found[-1].body)
-    defs = [
-        n
-        for n in scopes[-1]
-        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name
-    ]
-    return defs[-1] if defs else None
+            return None, f"no module-level class {class_name}"
+        scope = found[-1].body
+    defs = [n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.name == name]
+    if not defs:
+        owner = f"{classes[-1]} defines no method" if classes else "no module-level function"
+        return None, f"{owner} {name}"
+    return defs[-1], ""
+
+
+def find_symbol(source: str, symbol: str) -> FunctionNode | None:
+    """The ``def`` of ``symbol``, or None (see :func:`locate_function` for the reason)."""
+    return locate_function(source, symbol)[0]
+
+
+def plain_parameters(node: FunctionNode) -> tuple[str, ...] | None:
+    """The parameter names of a function taking only positional parameters without defaults;
+    None for anything else (``*args``, keyword-only, ``**kwargs``, defaults)."""
+    args = node.args
+    if args.vararg or args.kwonlyargs or args.kwarg or args.defaults:
+        return None
+    return tuple(a.arg for a in (*args.posonlyargs, *args.args))
 
 
 def symbol_digest(source: str, symbol: str) -> str | None:
@@ -168,7 +184,6 @@ def symbol_digest(source: str, symbol: str) -> str | None:
     node = find_symbol(source, symbol)
     if node is None:
         return None
-    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
     first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
     last = node.end_lineno or node.lineno
     lines = source.splitlines(keepends=True)[first - 1 : last]
@@ -187,9 +202,10 @@ def classify_shape(patch: Patch, original: bytes) -> tuple[str, str]:
         if status not in {"known", "not-applicable", "unknown"}:
             return "unknown", f"classifier returned {status!r}"
         return status, reason
+    node, missing = locate_function(source, patch.target.symbol)
     digest = symbol_digest(source, patch.target.symbol)
-    if digest is None:
-        return "unknown", f"{patch.target.symbol} is not defined in this file"
+    if node is None or digest is None:
+        return "unknown", f"{patch.target.symbol} is not defined in this file ({missing})"
     if digest in patch.shapes:
         return "known", f"{patch.target.symbol} has a known shape (sha256 {digest[:12]})"
     return "unknown", (

@@ -5,36 +5,24 @@ from __future__ import annotations
 
 import ast
 
+from hatch_vllm_patch.engine import locate_function, plain_parameters
+
 CLASS = "NeuronPlatform"
 METHOD = "check_and_update_config"
 
 
 def classify(source: str) -> tuple[str, str]:
     """("known" | "unknown", reason) for the platform module's original text."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError as exc:
-        return "unknown", f"the module does not parse: {exc.msg} (line {exc.lineno})"
-    classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == CLASS]
-    if not classes:
-        return "unknown", f"no module-level class {CLASS}"
-    methods = [n for n in classes[-1].body if isinstance(n, ast.FunctionDef) and n.name == METHOD]
-    if not methods:
-        return "unknown", f"{CLASS} defines no method {METHOD}"
-    method = methods[-1]
-    decorators = [d.id for d in method.decorator_list if isinstance(d, ast.Name)]
-    if decorators != ["classmethod"] or len(method.decorator_list) != 1:
+    method, missing = locate_function(source, f"{CLASS}.{METHOD}")
+    if method is None:
+        return "unknown", missing
+    if (len(method.decorator_list) != 1 or not isinstance(method.decorator_list[0], ast.Name)
+            or method.decorator_list[0].id != "classmethod"):
         return "unknown", f"{CLASS}.{METHOD} is not a plain @classmethod"
-    args = method.args
-    if (
-        len(args.posonlyargs) + len(args.args) != 2
-        or args.vararg
-        or args.kwonlyargs
-        or args.kwarg
-        or args.defaults
-    ):
+    params = plain_parameters(method)
+    if params is None or len(params) != 2 or not isinstance(method, ast.FunctionDef):
         return "unknown", f"{CLASS}.{METHOD} does not have the signature (cls, vllm_config)"
-    config_name = (args.posonlyargs + args.args)[-1].arg
+    config_name = params[-1]
     guard = "with" if _has_model_config_none_return(method, config_name) else "without"
     return "known", (
         f"{CLASS}.{METHOD}(cls, vllm_config) is a classmethod ({guard} the early return for "

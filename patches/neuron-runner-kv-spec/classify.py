@@ -5,33 +5,21 @@ from __future__ import annotations
 
 import ast
 
+from hatch_vllm_patch.engine import locate_function, plain_parameters
+
 CLASS = "NeuronxDistributedModelRunner"
 METHOD = "get_kv_cache_spec"
 
 
 def classify(source: str) -> tuple[str, str]:
     """("known" | "not-applicable" | "unknown", reason) for the runner module's original text."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError as exc:
-        return "unknown", f"the module does not parse: {exc.msg} (line {exc.lineno})"
-    classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == CLASS]
-    if not classes:
-        return "unknown", f"no module-level class {CLASS}"
-    methods = [n for n in classes[-1].body if isinstance(n, ast.FunctionDef) and n.name == METHOD]
-    if not methods:
-        return "unknown", f"{CLASS} defines no method {METHOD}"
-    method = methods[-1]
-    if method.decorator_list:
+    method, missing = locate_function(source, f"{CLASS}.{METHOD}")
+    if method is None:
+        return "unknown", missing
+    if method.decorator_list or not isinstance(method, ast.FunctionDef):
         return "unknown", f"{CLASS}.{METHOD} is decorated; expected a plain method"
-    args = method.args
-    if (
-        len(args.posonlyargs) + len(args.args) != 1
-        or args.vararg
-        or args.kwonlyargs
-        or args.kwarg
-        or args.defaults
-    ):
+    params = plain_parameters(method)
+    if params is None or len(params) != 1:
         return "unknown", f"{CLASS}.{METHOD} does not have the signature (self)"
     if _returns_one_aggregated_entry(method):
         return "not-applicable", (
