@@ -279,6 +279,15 @@ def inspect(patch: Patch, facts: FileFacts) -> Inspection:
                 f" current {patch.block_digest[:12]})",
                 parsed,
             )
+        # The block is current; does it still belong to the code under it? (The catalog may
+        # have dropped a shape, or the file may be a copy from another build.)
+        status, reason = classify_shape(patch, parsed.original)
+        if status != "known":
+            return Inspection(
+                Verdict.UNKNOWN_SHAPE,
+                f"the block is in place, but {reason}: revert it",
+                parsed,
+            )
         return Inspection(
             Verdict.ALREADY_APPLIED, f"block sha256 {patch.block_digest[:12]} in place", parsed
         )
@@ -316,7 +325,8 @@ def plan_apply(patch: Patch, facts: FileFacts) -> Plan:
 def plan_revert(patch: Patch, facts: FileFacts) -> Plan:
     """Plan removing ``patch``'s block; the original must come back byte for byte."""
     state = inspect(patch, facts)
-    if state.verdict in {Verdict.ALREADY_APPLIED, Verdict.STALE}:
+    ours = state.parsed is not None and state.parsed.block(patch.id) is not None
+    if ours and state.verdict is not Verdict.MODIFIED:
         assert state.parsed is not None
         others = tuple(b for b in state.parsed.blocks if b.patch_id != patch.id)
         new = ParsedFile(state.parsed.original, others).render()

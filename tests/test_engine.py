@@ -181,3 +181,17 @@ def test_original_without_trailing_newline_round_trips(patch: Patch) -> None:
     new = plan_apply(patch, facts(original, record=record)).new_content
     assert new is not None
     assert plan_revert(patch, facts(new, record=record)).new_content == original
+
+
+def test_block_over_a_shape_the_catalog_no_longer_knows(patch: Patch, tmp_path: Path) -> None:
+    """A current block over code the patch no longer knows fails verify; revert still removes it."""
+    new = applied(patch)
+    narrowed = tmp_path / "narrowed"
+    write_demo_catalog(narrowed)
+    toml = narrowed / "demo-fix" / "patch.toml"
+    toml.write_text(toml.read_text().replace('shapes = ["', 'shapes = ["' + "0" * 64 + '"] # "'))
+    forgotten = load_catalog(narrowed)["demo-fix"]
+    assert plan_verify(forgotten, facts(new)).verdict is Verdict.UNKNOWN_SHAPE
+    assert plan_apply(forgotten, facts(new)).verdict is Verdict.UNKNOWN_SHAPE
+    plan = plan_revert(forgotten, facts(new))
+    assert plan.verdict is Verdict.REVERTED and plan.new_content == ORIGINAL
