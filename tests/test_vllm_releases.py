@@ -1,8 +1,8 @@
 """kv-cache-page-unification against the real files of every vLLM release 0.16.0 … 0.33.0.
 
-Each release is installed with ``uv pip install --no-deps`` (real wheel, real RECORD, files
-hardlinked from uv's cache) and driven through the CLI as a user would: verify, diff, apply,
-apply again, verify, revert, verify.
+Each release's real wheel (kept in a wheel cache between runs) is installed with
+``uv pip install --no-deps`` (real RECORD, real files) and driven through the CLI as a user
+would: verify, diff, apply, apply again, verify, revert, verify.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import cli
-from venvs import create_venv, site_packages
+from venvs import release_venv, site_packages
 
 from hatch_vllm_patch.catalog import load_catalog
 from hatch_vllm_patch.engine import symbol_digest
@@ -57,7 +57,7 @@ def step(python: Path, op: str) -> tuple[int, dict[str, object]]:
 @pytest.fixture
 def release(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Path]:
     """(python, site-packages) of a venv holding the real files of one vLLM release."""
-    python = create_venv(tmp_path / "venv", f"vllm=={request.param}", no_deps=True)
+    python = release_venv(tmp_path / "venv", "vllm", request.param)
     return python, site_packages(tmp_path / "venv")
 
 

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 UV = shutil.which("uv") or "uv"
@@ -50,3 +51,60 @@ def create_venv(path: Path, *requirements: str, no_deps: bool = False,
             cmd.append("--no-deps")
         run([*cmd, *requirements])
     return venv_python(path)
+
+
+# Wheels of vLLM releases whose files the tests only read and patch. Keeping the .whl files (not
+# uv's unpacked copies, ~1.1 GB each) holds 26 releases in ~10 GB between runs.
+WHEEL_CACHE = Path(os.environ.get("HATCH_VLLM_PATCH_WHEEL_CACHE")
+                   or Path.home() / ".cache" / "hatch-vllm-patch" / "wheels")
+
+
+def cached_wheel(name: str, version: str) -> Path:
+    """The wheel of ``name==version`` from the wheel cache, downloaded by pip on first use."""
+    folder = WHEEL_CACHE / f"{name}-{version}"
+    found = sorted(folder.glob("*.whl"))
+    if found:
+        return found[0]
+    partial = Path(tempfile.mkdtemp(prefix=f".{name}-{version}.", dir=_ensure(WHEEL_CACHE)))
+    try:
+        run([sys.executable if _has_pip(sys.executable) else _system_python(), "-m", "pip",
+             "download", "--quiet", "--no-deps", "--no-cache-dir", "--only-binary=:all:",
+             "--dest", str(partial), f"{name}=={version}"])
+        wheel = next(partial.glob("*.whl"))
+        folder.mkdir(exist_ok=True)
+        os.replace(wheel, folder / wheel.name)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return next(folder.glob("*.whl"))
+
+
+def release_venv(path: Path, name: str, version: str) -> Path:
+    """A venv holding the real files of ``name==version`` (no dependencies); returns its python.
+
+    Installed from the cached wheel without uv's cache (``--no-cache``): the files are private
+    to this venv, which pytest deletes after a passing test.
+    """
+    wheel = cached_wheel(name, version)
+    python = create_venv(path)
+    run([UV, "pip", "install", "--quiet", "--no-deps", "--no-cache", "--python", str(python),
+         str(wheel)])
+    return python
+
+
+def _ensure(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _has_pip(python: str) -> bool:
+    return subprocess.run([python, "-m", "pip", "--version"], capture_output=True,
+                          check=False).returncode == 0
+
+
+def _system_python() -> str:
+    """The first python3 on PATH that has pip (``uv run`` puts the pip-less .venv first)."""
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        candidate = Path(folder) / "python3"
+        if candidate.is_file() and _has_pip(str(candidate)):
+            return str(candidate)
+    raise AssertionError("no interpreter with pip found to download wheels (python3 -m pip)")
