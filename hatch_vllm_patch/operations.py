@@ -9,7 +9,7 @@ import json
 import os
 import subprocess
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .catalog import Catalog, Patch, load_catalog
@@ -45,6 +45,7 @@ _FINE = {
     "verify": {Verdict.APPLIED, Verdict.NOT_NEEDED, Verdict.NOT_APPLICABLE},
     "revert": {Verdict.REVERTED, Verdict.NOT_APPLIED},
     "diff": {Verdict.APPLIED, Verdict.ALREADY_APPLIED, Verdict.NOT_NEEDED, Verdict.NOT_APPLICABLE},
+    "status": set(Verdict),  # informational
 }
 
 
@@ -115,8 +116,7 @@ class Request:
     models: tuple[Path, ...] = ()
     deep: bool = False
     catalog: Catalog | None = None
-    config: Config | None = field(default=None)
-    use_project_config: bool = True
+    config: Config | None = None  # given: used as is; None: read from the project
 
 
 def _registered_architectures(env: TargetEnvironment) -> list[str] | None:
@@ -241,7 +241,7 @@ def resolve(request: Request) -> tuple[Catalog, Config | None, Selection, Interp
     catalog = request.catalog or load_catalog()
     project_dir = request.project_dir
     config = request.config
-    if config is None and request.use_project_config and project_dir is not None:
+    if config is None and project_dir is not None:
         config = load_project_config(project_dir, catalog)
     selection = select(catalog, config, patches=request.patches,
                        architectures=request.architectures, models=request.models)
@@ -318,10 +318,8 @@ def _one(operation: str, patch: Patch, env: TargetEnvironment, ledger: Ledger, d
             _write(plan, path, patch, env, ledger, sha256_hex(original))
         except OSError as exc:
             plan = Plan(Verdict.ERROR, f"could not write {path}: {exc}")
-    fine = _FINE.get(operation, set(Verdict))
-    if operation == "status":
-        fine = set(Verdict)
-    ok = plan.verdict in fine or (plan.verdict is Verdict.NOT_INSTALLED and patch.target.optional)
+    optional_absent = plan.verdict is Verdict.NOT_INSTALLED and patch.target.optional
+    ok = plan.verdict in _FINE[operation] or optional_absent
     reason = plan.reason
     if operation == "verify" and deep and plan.verdict is Verdict.APPLIED:
         if patch.probe_path is None:
