@@ -30,6 +30,7 @@ class _Builder:
         self.why: dict[str, list[str]] = {}
         self.architectures: list[str] = []
         self.notes: list[str] = []
+        self.entries_used: set[str] = set()  # architecture tables already reached via a model
 
     def add(self, patch_id: str, reason: str) -> None:
         self.why.setdefault(patch_id, [])
@@ -46,6 +47,7 @@ class _Builder:
         for name in names:
             entry = self.config.entry(name) if self.config else None
             if entry is not None and entry.patches is not None:
+                self.entries_used.add(name)
                 for pid in entry.patches:
                     self.add(pid, f"{name} ([tool.vllm-patch.architectures.{name}]{origin})")
                 return
@@ -121,6 +123,10 @@ def select(
         for arch in info.architectures:
             by_arch.setdefault(arch, info)
     for entry in config.architectures:
+        if entry.name in builder.entries_used:  # already selected, with the model as the reason
+            if entry.name not in builder.architectures:
+                builder.architectures.append(entry.name)
+            continue
         families = by_arch[entry.name].families if entry.name in by_arch else (entry.name,)
         builder.architecture([entry.name, *(f for f in families if f != entry.name)], "")
     return builder.build()
