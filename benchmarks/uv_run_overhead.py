@@ -1,10 +1,11 @@
 """What the two-phase setting costs on every ``uv run``, and that it still patches after a change.
 
 Copies ``example_project`` twice into a work directory: as it is ("patched": the build hook, the
-two-phase install and the cache key on vLLM's console script) and without those settings ("plain": the same
-dependencies, no ``[tool.uv]`` settings, no hook). Syncs both (real vLLM, from uv's cache), then
-times a no-change ``uv run python -c pass`` in each, alternating the order (ABBA) so that drift
-and caches do not favour either, and prints every run, both medians and their ratio.
+two-phase install and the cache key on vLLM's console script) and without those settings
+("plain": the same dependencies, no ``[tool.uv]`` settings, no hook). Syncs both (real vLLM,
+from uv's cache), then times a no-change ``uv run python -c pass`` in each, alternating the
+order (ABBA) so that drift and caches do not favour either, and prints every run, both medians
+and their ratio.
 
 Last, it reinstalls vLLM in the patched copy (``uv pip install --reinstall --no-deps``, which
 leaves the files unpatched) and times the next ``uv run vllm-patch verify``: uv sees that
