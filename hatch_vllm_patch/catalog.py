@@ -12,8 +12,8 @@ import importlib.util
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from functools import lru_cache
+from dataclasses import dataclass
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +40,6 @@ class Target:
     optional: bool = False
 
     @property
-    def top_level(self) -> str:
-        return self.module.split(".", 1)[0]
-
-    @property
     def relative_path(self) -> str:
         """The module's file relative to its top-level package directory."""
         parts = self.module.split(".")[1:]
@@ -67,7 +63,6 @@ class Patch:
     folder: Path
     classifier_path: Path | None = None
     probe_path: Path | None = None
-    _classifier: list[ShapeClassifier] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def block_digest(self) -> str:
@@ -77,9 +72,7 @@ class Patch:
         """The structural shape classifier of ``classify.py``, loaded once."""
         if self.classifier_path is None:
             return None
-        if not self._classifier:
-            self._classifier.append(_load_classifier(self.classifier_path))
-        return self._classifier[0]
+        return _load_classifier(self.classifier_path)
 
 
 @dataclass(frozen=True)
@@ -260,6 +253,7 @@ def _load_patch(folder: Path) -> Patch:
     )
 
 
+@cache
 def _load_classifier(path: Path) -> ShapeClassifier:
     spec = importlib.util.spec_from_file_location(f"_hvp_classifier_{path.parent.name}", path)
     if spec is None or spec.loader is None:
