@@ -6,38 +6,61 @@ Public API (each returns a :class:`Report`; library code raises, never prints or
     verify(project_dir, *, ..., deep=False)
     revert(project_dir, ...)
     status(project_dir, ...)
+
+The names are imported on first use: the guard that vLLM loads in every process imports this
+package, and must not pay for the engine unless it needs it.
 """
 
 from __future__ import annotations
 
-from .engine import Verdict
-from .errors import (
-    CatalogError,
-    ConfigurationError,
-    InterpreterNotFoundError,
-    TargetEnvironmentError,
-    UsageError,
-    VllmPatchError,
-)
-from .operations import PatchOutcome, Report, Request, apply, revert, run, status, verify
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:
+    from .engine import Verdict
+    from .errors import (
+        CatalogError,
+        ConfigurationError,
+        InterpreterNotFoundError,
+        TargetEnvironmentError,
+        UsageError,
+        VllmPatchError,
+    )
+    from .operations import Request, apply, revert, run, status, verify
+    from .report import PatchOutcome, Report
+
+_LAZY = {
+    "Verdict": "engine",
+    "CatalogError": "errors",
+    "ConfigurationError": "errors",
+    "InterpreterNotFoundError": "errors",
+    "TargetEnvironmentError": "errors",
+    "UsageError": "errors",
+    "VllmPatchError": "errors",
+    "Request": "operations",
+    "apply": "operations",
+    "revert": "operations",
+    "run": "operations",
+    "status": "operations",
+    "verify": "operations",
+    "PatchOutcome": "report",
+    "Report": "report",
+}
+
 __all__ = [
-    "CatalogError",
-    "ConfigurationError",
-    "InterpreterNotFoundError",
-    "PatchOutcome",
-    "Report",
-    "Request",
-    "TargetEnvironmentError",
-    "UsageError",
-    "Verdict",
-    "VllmPatchError",
-    "__version__",
-    "apply",
-    "revert",
-    "run",
-    "status",
-    "verify",
+    "CatalogError", "ConfigurationError", "InterpreterNotFoundError", "PatchOutcome", "Report",
+    "Request", "TargetEnvironmentError", "UsageError", "Verdict", "VllmPatchError", "__version__",
+    "apply", "revert", "run", "status", "verify",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TextIO
 
@@ -22,7 +24,8 @@ from .errors import (
     TargetEnvironmentError,
     UsageError,
 )
-from .operations import Report, Request, run
+from .operations import Request, run
+from .report import PatchOutcome, Report
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -78,23 +81,51 @@ def _print_report(report: Report, out: TextIO) -> None:
     if report.config_source:
         print(f"config: {report.config_source}", file=out)
     width = max([len(o.verdict.value) for o in report.outcomes] + [8])
+    pad = f"  {'':<{width}}  "
     for o in report.outcomes:
         if o.diff:
             out.write(o.diff)
         mark = " " if o.ok else "!"
         print(f"{mark} {o.verdict.value:<{width}}  {o.patch_id}: {o.reason}", file=out)
         if o.file:
-            print(f"  {'':<{width}}  file: {o.file}", file=out)
+            print(f"{pad}file: {o.file}", file=out)
         if o.selected_because:
-            print(f"  {'':<{width}}  selected for: {'; '.join(o.selected_because)}", file=out)
+            print(f"{pad}selected for: {'; '.join(o.selected_because)}", file=out)
         if o.next_step:
-            print(f"  {'':<{width}}  next: {o.next_step}", file=out)
+            print(f"{pad}next: {o.next_step}", file=out)
+        if o.summary is not None:
+            _print_description(o, pad, out)
     for note in report.notes:
         print(f"note: {note}", file=out)
+    for error in report.errors:
+        print(f"error: {error}", file=out)
     counts = Counter(o.verdict.value for o in report.outcomes)
-    summary = ", ".join(f"{n} {v}" for v, n in counts.items())
+    summary = ", ".join(f"{n} {v}" for v, n in counts.items()) or "no patch"
     verdict = "OK" if report.ok else "FAILED"
-    print(f"vllm-patch {report.operation}: {summary} — {verdict}", file=out)
+    print(f"vllm-patch {report.operation}: {summary} {_dash(out)} {verdict}", file=out)
+
+
+def _print_description(o: PatchOutcome, pad: str, out: TextIO) -> None:
+    """The patch's own account, for ``status``: what it is, why, where it is tracked, and when
+    it can go."""
+    print(f"{pad}summary: {o.summary}", file=out)
+    if o.description:
+        print(f"{pad}why:", file=out)
+        for line in o.description.strip().splitlines():
+            print(f"{pad}  {line}".rstrip(), file=out)
+    for link in o.links:
+        print(f"{pad}link: {link}", file=out)
+    if o.removal:
+        print(f"{pad}remove when: {' '.join(o.removal.split())}", file=out)
+
+
+def _dash(out: TextIO) -> str:
+    """An em dash where the output can show it, else a hyphen (``PYTHONIOENCODING=ascii``)."""
+    try:
+        "\u2014".encode(out.encoding or "ascii")
+    except (LookupError, UnicodeEncodeError):
+        return "-"
+    return "\u2014"
 
 
 def _error(args: argparse.Namespace, message: str, errors: Sequence[str] = ()) -> None:
@@ -104,7 +135,39 @@ def _error(args: argparse.Namespace, message: str, errors: Sequence[str] = ()) -
         print(f"vllm-patch: error: {message}", file=sys.stderr)
 
 
+def _notice(message: str) -> None:
+    print(f"vllm-patch: {message}", file=sys.stderr, flush=True)
+
+
+def _robust_streams() -> None:
+    """Any stdout encoding works (an unencodable character is escaped, never an exception)."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _robust_streams()
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("vllm-patch: interrupted", file=sys.stderr)
+        return 130
+
+
+def _write(emit: Callable[[], None]) -> None:
+    """Write to stdout; a reader that went away (`vllm-patch status | head -1`) is no error."""
+    try:
+        emit()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Point stdout at /dev/null so that the interpreter's own final flush does not fail too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     project = (args.project or Path.cwd()).resolve()
@@ -118,20 +181,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         architectures=tuple(args.architectures),
         models=tuple(m.resolve() for m in args.models),
         deep=getattr(args, "deep", False),
+        on_wait=_notice,
     )
     try:
         report = run(args.operation, request)
     except ConfigurationError as exc:
-        _error(args, str(exc), exc.errors)
+        _write(partial(_error, args, str(exc), exc.errors))
         return EXIT_USAGE
     except (UsageError, InterpreterNotFoundError) as exc:
-        _error(args, str(exc))
+        _write(partial(_error, args, str(exc)))
         return EXIT_USAGE
     except (TargetEnvironmentError, CatalogError) as exc:
-        _error(args, str(exc))
+        _write(partial(_error, args, str(exc)))
         return EXIT_FAILED
     if args.json:
-        print(json.dumps(report.to_json(), indent=2))
+        _write(lambda: print(json.dumps(report.to_json(), indent=2)))
     else:
-        _print_report(report, sys.stdout)
+        _write(lambda: _print_report(report, sys.stdout))
     return EXIT_OK if report.ok else EXIT_FAILED

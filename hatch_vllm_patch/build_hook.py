@@ -40,7 +40,7 @@ from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 if TYPE_CHECKING:
     from .config import Config
-    from .operations import Report
+    from .report import Report
     from .selection import Selection
 
 PREFIX = "vllm-patch:"
@@ -98,7 +98,11 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
 
         try:
             with _without_frontend_isolation():
-                return run("apply", Request(project_dir=root, config=config))
+                # A subprocess of the target, even when it is this interpreter: a frontend's
+                # build may run with paths on sys.path that the environment does not have.
+                return run("apply", Request(project_dir=root, config=config, in_process=False,
+                                            on_wait=lambda m: self.app.display_info(
+                                                f"{PREFIX} {m}")))
         except InterpreterNotFoundError as exc:
             self.app.display_info(
                 f"{PREFIX} nothing is patched ({_ids(selection)}): {exc}; "
@@ -145,9 +149,11 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
             self.app.display_warning(message)
         for note in report.notes:
             self.app.display_info(f"{PREFIX} note: {note}")
-        if refused and strict:
+        for error in report.errors:
+            self.app.display_warning(f"{PREFIX} {error}")
+        if (refused or report.errors) and strict:
             self._fail("strict = true and a patch was refused",
-                       [f"{o.patch_id}: {o.verdict.value}" for o in refused])
+                       [f"{o.patch_id}: {o.verdict.value}" for o in refused] + list(report.errors))
 
     def _strict(self) -> bool:
         table = f"tool.hatch.build.hooks.{self.PLUGIN_NAME}"

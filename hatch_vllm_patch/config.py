@@ -4,6 +4,8 @@ Schema::
 
     [tool.vllm-patch]
     python = ".venv"                       # optional: target interpreter or environment
+    guard = "error"                        # optional: what vLLM processes do when a patch is
+                                           # not in place: error | warn | apply | off
     models = ["./models/my-finetune"]      # optional: model dirs; config.json gives architectures
 
     [tool.vllm-patch.architectures.Qwen3_5MoeForConditionalGeneration]
@@ -20,9 +22,10 @@ from typing import Any
 from . import _toml
 from .catalog import Catalog
 from .errors import ConfigurationError
+from .record import GUARD_MODES
 
 TABLE = "tool.vllm-patch"
-_TOP_KEYS = {"python", "models", "architectures"}
+_TOP_KEYS = {"python", "models", "architectures", "guard"}
 _ARCH_KEYS = {"patches"}
 
 
@@ -42,6 +45,8 @@ class Config:
     python: str | None = None
     models: tuple[Path, ...] = ()
     architectures: tuple[ArchitectureEntry, ...] = ()
+    guard: str | None = None  # None: not set (the default mode, "error")
+    patch_dirs: tuple[Path, ...] = ()  # the project's own patch folders
 
     @property
     def project_dir(self) -> Path:
@@ -68,6 +73,13 @@ def validate(table: Mapping[str, Any], source: Path, catalog: Catalog) -> Config
     if python is not None and (not isinstance(python, str) or not python):
         errors.append(f"{TABLE}.python: expected a non-empty string, found {_type_name(python)}")
         python = None
+
+    guard = table.get("guard")
+    if guard is not None and guard not in GUARD_MODES:
+        shown = repr(guard) if isinstance(guard, str) else _type_name(guard)
+        errors.append(f"{TABLE}.guard: expected one of {', '.join(map(repr, GUARD_MODES))}, "
+                      f"found {shown}")
+        guard = None
 
     models: list[Path] = []
     raw_models = table.get("models", [])
@@ -122,7 +134,7 @@ def validate(table: Mapping[str, Any], source: Path, catalog: Catalog) -> Config
 
     if errors:
         raise ConfigurationError(errors, str(source))
-    return Config(source, python, tuple(models), tuple(entries))
+    return Config(source, python, tuple(models), tuple(entries), guard)
 
 
 def load_project_config(project_dir: Path, catalog: Catalog) -> Config | None:
@@ -135,9 +147,17 @@ def load_project_config(project_dir: Path, catalog: Catalog) -> Config | None:
         return None
     except _toml.TOMLDecodeError as exc:
         raise ConfigurationError([f"not valid TOML: {exc}"], str(source)) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigurationError([f"not UTF-8 text (byte {exc.start}): TOML files must be "
+                                  "UTF-8"], str(source)) from None
     except OSError as exc:
-        raise ConfigurationError([f"cannot be read: {exc}"], str(source)) from None
-    table = data.get("tool", {}).get("vllm-patch")
+        raise ConfigurationError([f"cannot be read: {exc.strerror or exc}"],
+                                 str(source)) from None
+    tool = data.get("tool", {})
+    if not isinstance(tool, dict):
+        raise ConfigurationError([f"tool: expected a table, found {_type_name(tool)}"],
+                                 str(source))
+    table = tool.get("vllm-patch")
     if table is None:
         return None
     if not isinstance(table, dict):

@@ -10,17 +10,31 @@ from __future__ import annotations
 
 import ast
 import enum
-import hashlib
-import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from packaging.version import InvalidVersion, Version
 
-from .catalog import Patch
+from .markers import (
+    BEGIN,
+    END,
+    AppliedBlock,
+    MarkerError,
+    ParsedFile,
+    parse_file,
+    render_block,
+    sha256_hex,
+)
 
-BEGIN = b"\n# >>> hatch-vllm-patch: "
-END = b"# <<< hatch-vllm-patch: "
-_BEGIN_LINE = re.compile(rb"^# >>> hatch-vllm-patch: ([a-z0-9-]+) sha256=([0-9a-f]{64})\n")
+if TYPE_CHECKING:
+    from .catalog import Patch
+
+__all__ = [
+    "BEGIN", "END", "AppliedBlock", "FileFacts", "Inspection", "MarkerError", "ParsedFile", "Plan",
+    "Verdict", "classify_shape", "find_symbol", "inspect", "locate_function", "parse_file",
+    "plain_parameters", "plan_apply", "plan_remove_blocks", "plan_revert", "plan_verify",
+    "render_block", "sha256_hex", "symbol_digest",
+]
 
 
 class Verdict(str, enum.Enum):
@@ -37,52 +51,25 @@ class Verdict(str, enum.Enum):
     STALE = "stale"
     UNKNOWN_SHAPE = "unknown-shape"
     MODIFIED = "modified"
+    UNKNOWN_PATCH = "unknown-patch"  # a block of ours whose patch this catalog does not know
+    BLOCKED = "blocked"  # refused: such a block sits in the target file
     ERROR = "error"
 
     def __str__(self) -> str:
         return self.value
 
 
-class MarkerError(ValueError):
-    """The patch markers in a file are damaged: someone edited our region."""
-
-
-@dataclass(frozen=True)
-class AppliedBlock:
-    """One of our blocks found in a file."""
-
-    patch_id: str
-    declared_sha256: str
-    body: bytes
-
-    @property
-    def intact(self) -> bool:
-        return hashlib.sha256(self.body).hexdigest() == self.declared_sha256
-
-
-@dataclass(frozen=True)
-class ParsedFile:
-    """A target file split into the original bytes and our blocks after it."""
-
-    original: bytes
-    blocks: tuple[AppliedBlock, ...]
-
-    def block(self, patch_id: str) -> AppliedBlock | None:
-        return next((b for b in self.blocks if b.patch_id == patch_id), None)
-
-    def render(self) -> bytes:
-        return self.original + b"".join(render_block(b.patch_id, b.body) for b in self.blocks)
-
-
 @dataclass(frozen=True)
 class FileFacts:
-    """What the environment says about one target file (gathered by ``environment``)."""
+    """What the environment says about one target file (gathered by ``operations``)."""
 
     path: str
-    content: bytes | None  # None: the file does not exist
+    content: bytes | None  # None: the file does not exist (or could not be read: read_error)
     installed_version: str | None  # version of the distribution that owns it; None: not installed
     record_sha256: str | None  # the wheel's RECORD hash (hex), when the file is in a RECORD
     ledger_original_sha256: str | None = None  # what we recorded as original when we patched it
+    known_ids: frozenset[str] | None = None  # the catalog's ids; None: do not check other blocks
+    read_error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -92,52 +79,6 @@ class Plan:
     verdict: Verdict
     reason: str
     new_content: bytes | None = None
-
-
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def render_block(patch_id: str, body: bytes) -> bytes:
-    return (
-        BEGIN
-        + f"{patch_id} sha256={sha256_hex(body)}\n".encode()
-        + body
-        + END
-        + patch_id.encode()
-        + b"\n"
-    )
-
-
-def parse_file(content: bytes) -> ParsedFile:
-    """Split ``content`` into the original bytes and our blocks; MarkerError if damaged."""
-    start = content.find(BEGIN)
-    if start < 0:
-        if END in content:
-            raise MarkerError("an end marker without its begin marker")
-        return ParsedFile(content, ())
-    original, rest = content[:start], content[start + 1 :]
-    blocks: list[AppliedBlock] = []
-    while rest:
-        match = _BEGIN_LINE.match(rest)
-        if not match:
-            raise MarkerError("a begin marker line is damaged")
-        patch_id, digest = match.group(1).decode(), match.group(2).decode()
-        end_line = END + patch_id.encode() + b"\n"
-        end = rest.find(end_line, match.end())
-        if end < 0:
-            raise MarkerError(f"the block of {patch_id} has no end marker")
-        body = rest[match.end() : end]
-        if BEGIN[1:] in body or END in body:
-            raise MarkerError(f"the block of {patch_id} contains another marker")
-        blocks.append(AppliedBlock(patch_id, digest, body))
-        rest = rest[end + len(end_line) :]
-        if rest and not rest.startswith(BEGIN):
-            raise MarkerError(f"text was added after the block of {patch_id}")
-        rest = rest[1:]
-    if len({b.patch_id for b in blocks}) != len(blocks):
-        raise MarkerError("a patch block appears twice")
-    return ParsedFile(original, tuple(blocks))
 
 
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
@@ -244,11 +185,19 @@ class Inspection:
     parsed: ParsedFile | None = None
 
 
+def _unknown_blocks(facts: FileFacts, parsed: ParsedFile) -> list[str]:
+    if facts.known_ids is None:
+        return []
+    return [b.patch_id for b in parsed.blocks if b.patch_id not in facts.known_ids]
+
+
 def inspect(patch: Patch, facts: FileFacts) -> Inspection:
     """The state of ``patch`` in the file described by ``facts``; pure."""
     dist = patch.target.distribution
     if facts.installed_version is None:
         return Inspection(Verdict.NOT_INSTALLED, f"{dist} is not installed in this environment")
+    if facts.read_error is not None:
+        return Inspection(Verdict.ERROR, f"cannot read {facts.path}: {facts.read_error}")
     if facts.content is None:
         if _fixed_upstream(patch, facts.installed_version):
             return Inspection(
@@ -306,39 +255,68 @@ def inspect(patch: Patch, facts: FileFacts) -> Inspection:
 
 
 def plan_apply(patch: Patch, facts: FileFacts) -> Plan:
-    """Plan applying ``patch``: write only when it is missing (or stale) on a known shape."""
+    """Plan applying ``patch``: write only when it is missing (or stale) on a known shape.
+
+    A file that also carries a block whose patch the catalog does not know (one renamed or
+    dropped by a later release, one written by a newer release, another project's own patch) is
+    refused: replacing that block could remove a fix someone relies on, and stacking on it
+    could wrap the same function twice. ``revert`` (all) removes every block of ours."""
     state = inspect(patch, facts)
     if state.verdict is Verdict.MISSING or state.verdict is Verdict.STALE:
         assert state.parsed is not None
+        unknown = _unknown_blocks(facts, state.parsed)
+        if unknown:
+            return Plan(Verdict.BLOCKED, (
+                f"the file carries a block of {', '.join(unknown)}, a patch this catalog does "
+                "not know (renamed or dropped by another release of hatch-vllm-patch, or "
+                "another project's own patch); refusing to add another block on top"))
         if state.verdict is Verdict.STALE:
             status, reason = classify_shape(patch, state.parsed.original)
             if status != "known":
                 return Plan(Verdict.UNKNOWN_SHAPE, f"{reason}; refusing to update the patch")
         body = patch.block.encode("utf-8")
-        others = tuple(b for b in state.parsed.blocks if b.patch_id != patch.id)
+        others = state.parsed.without(patch.id).blocks
         new = ParsedFile(state.parsed.original, (*others, AppliedBlock(patch.id, "", body)))
         note = "updated a stale block" if state.verdict is Verdict.STALE else state.reason
         return Plan(Verdict.APPLIED, note, new.render())
     return Plan(state.verdict, state.reason)
 
 
+def plan_remove_blocks(patch_ids: tuple[str, ...], facts: FileFacts) -> Plan:
+    """Plan removing the blocks of ``patch_ids`` (whatever patch wrote them) from the file; the
+    original must come back byte for byte when no block of ours remains."""
+    if facts.read_error is not None:
+        return Plan(Verdict.ERROR, f"cannot read {facts.path}: {facts.read_error}")
+    if facts.content is None:
+        return Plan(Verdict.NOT_APPLIED, "nothing to revert: the file does not exist")
+    try:
+        parsed = parse_file(facts.content)
+    except MarkerError as exc:
+        return Plan(Verdict.MODIFIED, f"patch markers were edited by hand ({exc})")
+    expected, source_name = _expected_original(facts, parsed)
+    if expected is not None and sha256_hex(parsed.original) != expected:
+        return Plan(Verdict.MODIFIED, (
+            f"the file differs from {source_name} (sha256 {sha256_hex(parsed.original)[:12]}, "
+            f"expected {expected[:12]}): modified by someone else"))
+    present = [b for b in parsed.blocks if b.patch_id in patch_ids]
+    if not present:
+        return Plan(Verdict.NOT_APPLIED, "nothing to revert: the block is not in the file")
+    if not all(b.intact for b in present):
+        return Plan(Verdict.MODIFIED, "the patched region was edited by hand")
+    rest = parsed.without(*patch_ids)
+    new = rest.render()
+    if not rest.blocks and expected is not None and sha256_hex(new) != expected:
+        return Plan(Verdict.ERROR, f"reverting would not restore {source_name}'s bytes")
+    where = f"; matches {source_name}" if expected and not rest.blocks else ""
+    return Plan(Verdict.REVERTED, f"removed the block{where}", new)
+
+
 def plan_revert(patch: Patch, facts: FileFacts) -> Plan:
     """Plan removing ``patch``'s block; the original must come back byte for byte."""
-    state = inspect(patch, facts)
-    ours = state.parsed is not None and state.parsed.block(patch.id) is not None
-    if ours and state.verdict is not Verdict.MODIFIED:
-        assert state.parsed is not None
-        others = tuple(b for b in state.parsed.blocks if b.patch_id != patch.id)
-        new = ParsedFile(state.parsed.original, others).render()
-        expected, source_name = _expected_original(facts, state.parsed)
-        if not others and expected is not None and sha256_hex(new) != expected:
-            return Plan(Verdict.ERROR, f"reverting would not restore {source_name}'s bytes")
-        where = f"; matches {source_name}" if expected and not others else ""
-        return Plan(Verdict.REVERTED, f"removed the block{where}", new)
-    if state.verdict in {Verdict.MISSING, Verdict.NOT_NEEDED, Verdict.NOT_APPLICABLE,
-                         Verdict.UNKNOWN_SHAPE}:
-        return Plan(Verdict.NOT_APPLIED, "nothing to revert: the patch is not in the file")
-    return Plan(state.verdict, state.reason)
+    if facts.installed_version is None:
+        return Plan(Verdict.NOT_INSTALLED, f"{patch.target.distribution} is not installed in "
+                                           "this environment")
+    return plan_remove_blocks((patch.id,), facts)
 
 
 def plan_verify(patch: Patch, facts: FileFacts) -> Plan:

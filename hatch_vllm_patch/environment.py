@@ -1,77 +1,28 @@
 """Which Python environment is the target, and what is installed in it.
 
-One subprocess of the target interpreter answers everything (versions, file locations, RECORD
-hashes) without importing vLLM: top-level packages are found with ``importlib.util.find_spec``
-(which does not import a top-level package) and distributions with ``importlib.metadata``, so
-uv venvs, ``.pth``-injected parent site-packages and editable checkouts are all seen as the
-target interpreter itself sees them.
+The environment probe (``_probe.py``) answers everything (versions, file locations, RECORD
+hashes, the bytecode prefix) without importing vLLM, as the target interpreter itself sees it:
+uv venvs, ``.pth``-injected parent site-packages and editable checkouts included. When the target
+is the running interpreter (``python -m hatch_vllm_patch verify`` inside the environment, or the
+guard in a vLLM process) it runs in this process; otherwise in one subprocess of the target.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from .errors import InterpreterNotFoundError, TargetEnvironmentError
+from .errors import InterpreterNotFoundError, TargetEnvironmentError, UsageError
 
-# Runs inside the target interpreter (any Python >= 3.8): keep it stdlib-only and import-light.
-_PROBE = r"""
-import base64, importlib.metadata as md, importlib.util, json, os, sys, sysconfig
-queries = json.loads(sys.argv[1])
-out = {"executable": sys.executable, "prefix": sys.prefix, "base_prefix": sys.base_prefix,
-       "python_version": "%d.%d.%d" % sys.version_info[:3],
-       "purelib": sysconfig.get_paths()["purelib"], "distributions": {}, "modules": {}}
-def dist_info(name):
-    try:
-        dist = md.distribution(name)
-    except md.PackageNotFoundError:
-        return None, None
-    editable = False
-    try:
-        direct = json.loads(dist.read_text("direct_url.json") or "{}")
-        editable = bool(direct.get("dir_info", {}).get("editable"))
-    except ValueError:
-        pass
-    location = getattr(dist, "_path", None)
-    return dist, {"name": dist.metadata["Name"], "version": dist.version, "editable": editable,
-                  "location": str(location) if location else None}
-for q in queries:
-    dist, info = dist_info(q["distribution"])
-    out["distributions"][q["distribution"]] = info
-    entry = {"file": None, "package_dir": None, "record_sha256": None}
-    out["modules"][q["module"]] = entry
-    top = q["module"].split(".")[0]
-    try:
-        spec = importlib.util.find_spec(top)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None:
-        continue
-    locations = list(spec.submodule_search_locations or [])
-    if not locations:
-        continue
-    entry["package_dir"] = os.path.realpath(locations[0])
-    candidate = os.path.join(locations[0], *q["relative_path"].split("/"))
-    if os.path.isfile(candidate):
-        entry["file"] = candidate
-    if dist is None or entry["file"] is None:
-        continue
-    real = os.path.realpath(candidate)
-    for f in dist.files or ():
-        if f.hash is None or f.hash.mode != "sha256" or not str(f).endswith(q["relative_path"]):
-            continue
-        if os.path.realpath(str(f.locate())) == real:
-            raw = base64.urlsafe_b64decode(f.hash.value + "=" * (-len(f.hash.value) % 4))
-            entry["record_sha256"] = raw.hex()
-            break
-print(json.dumps(out))
-"""
-
+PROBE_TIMEOUT = 120.0
 
 @dataclass(frozen=True)
 class InterpreterChoice:
@@ -109,6 +60,7 @@ class TargetEnvironment:
     purelib: Path
     distributions: Mapping[str, DistributionInfo | None] = field(default_factory=dict)
     modules: Mapping[str, ModuleLocation] = field(default_factory=dict)
+    pycache_prefix: str | None = None
 
     def version_of(self, distribution: str) -> str | None:
         info = self.distributions.get(distribution)
@@ -128,7 +80,8 @@ class TargetEnvironment:
 
 
 def _interpreter_in(path: Path) -> Path:
-    """Accept an interpreter or an environment directory."""
+    """Accept an interpreter or an environment directory (a directory without an interpreter is
+    kept as it is, and reported as not a Python environment when it is inspected)."""
     if path.is_dir():
         for rel in ("bin/python", "Scripts/python.exe", "bin/python3"):
             if (path / rel).exists():
@@ -146,18 +99,39 @@ def choose_interpreter(
     ``<project>/.venv``, else the running interpreter. Relative paths are from the project."""
     environ = os.environ if environ is None else environ
     base = project_dir or Path.cwd()
-    if python_option:
-        return InterpreterChoice(_interpreter_in(Path(python_option)), "given with --python")
+    if python_option is not None:
+        if not python_option.strip():
+            raise UsageError("--python: an empty path; give an interpreter or an environment "
+                             "directory, or leave the option out")
+        reason = "given with --python"
+        return InterpreterChoice(_interpreter_in(Path(python_option)), reason)
     if config_python:
-        return InterpreterChoice(
-            _interpreter_in(base / config_python), "[tool.vllm-patch] python in pyproject.toml"
-        )
+        reason = "[tool.vllm-patch] python in pyproject.toml"
+        return InterpreterChoice(_interpreter_in(base / config_python), reason)
     uv_env = environ.get("UV_PROJECT_ENVIRONMENT")
     if uv_env:
-        return InterpreterChoice(_interpreter_in(base / uv_env), "$UV_PROJECT_ENVIRONMENT")
+        reason = "$UV_PROJECT_ENVIRONMENT"
+        return InterpreterChoice(_interpreter_in(base / uv_env), reason)
     if project_dir is not None and (project_dir / ".venv").is_dir():
-        return InterpreterChoice(_interpreter_in(project_dir / ".venv"), "the project's .venv")
+        reason = "the project's .venv"
+        return InterpreterChoice(_interpreter_in(project_dir / ".venv"), reason)
     return InterpreterChoice(Path(sys.executable), "the running interpreter")
+
+
+def is_running_interpreter(python: Path) -> bool:
+    """Is ``python`` this process's interpreter (the same file, or the same virtual env)?
+
+    Paths are compared unresolved: a venv's ``bin/python`` is a symlink to the base interpreter,
+    which every other venv of that Python shares."""
+    if os.path.abspath(python) == os.path.abspath(sys.executable):
+        return True
+    venv = python.parent.parent
+    if not (venv / "pyvenv.cfg").is_file() or not python.name.startswith("python"):
+        return False
+    try:
+        return os.path.samefile(venv, sys.prefix)
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -167,52 +141,117 @@ class ModuleQuery:
     relative_path: str
 
 
+def run_bounded(cmd: list[str], *, timeout: float, env: Mapping[str, str] | None = None,
+                ) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in its own process group; on a timeout (or Ctrl-C) kill the whole group, so
+    no grandchild is left running. Raises ``subprocess.TimeoutExpired`` / ``OSError``."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(env) if env is not None else None, start_new_session=True,
+                            errors="replace")
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _probe_source() -> str:
+    return (Path(__file__).with_name("_probe.py")).read_text(encoding="utf-8")
+
+
 def inspect_environment(
-    choice: InterpreterChoice, queries: Iterable[ModuleQuery]
+    choice: InterpreterChoice, queries: Iterable[ModuleQuery], *, in_process: bool = True,
 ) -> TargetEnvironment:
-    """Ask the target interpreter (one subprocess, no vLLM import) about ``queries``."""
+    """What the target environment holds for ``queries``: asked in this process when the target
+    is the running interpreter (and ``in_process``), else of one subprocess of the target."""
     python = choice.python
+    payload = [{"distribution": q.distribution, "module": q.module,
+                "relative_path": q.relative_path} for q in queries]
+    if in_process and is_running_interpreter(python):
+        from . import _probe
+
+        return _environment(choice, _probe.answer(payload))
+    if python.is_dir():
+        raise InterpreterNotFoundError(
+            f"{python} ({choice.reason}) is not a Python environment: it has no bin/python; "
+            "give an environment directory or an interpreter"
+        )
     if not python.exists():
         raise InterpreterNotFoundError(
             f"the target interpreter {python} ({choice.reason}) does not exist; "
             "run `uv sync` first, or pass --python PATH"
         )
-    payload = json.dumps(
-        [{"distribution": q.distribution, "module": q.module, "relative_path": q.relative_path}
-         for q in queries]
-    )
     env = {k: v for k, v in os.environ.items() if k not in {"PYTHONHOME"}}
     try:
-        proc = subprocess.run(
-            [str(python), "-c", _PROBE, payload],
-            capture_output=True, text=True, env=env, timeout=120, check=False,
-        )
+        proc = run_bounded([str(python), "-c", _probe_source(), json.dumps(payload)],
+                           timeout=PROBE_TIMEOUT, env=env)
     except OSError as exc:
-        raise TargetEnvironmentError(f"cannot run {python} ({choice.reason}): {exc}") from None
+        raise TargetEnvironmentError(
+            f"cannot run {python} ({choice.reason}): {exc.strerror or exc}") from None
     except subprocess.TimeoutExpired:
-        raise TargetEnvironmentError(f"{python} did not answer within 120 s") from None
+        raise TargetEnvironmentError(
+            f"{python} ({choice.reason}) did not answer within {PROBE_TIMEOUT:.0f} s") from None
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise TargetEnvironmentError(f"cannot inspect {python} ({choice.reason}): {last}")
+    lines = proc.stdout.strip().splitlines()
     try:
-        data = json.loads(proc.stdout.strip().splitlines()[-1])
+        data = json.loads(lines[-1])
     except (ValueError, IndexError):
-        raise TargetEnvironmentError(f"{python} gave no readable answer") from None
-    distributions = {
-        name: (DistributionInfo(**info) if info else None)
-        for name, info in data["distributions"].items()
-    }
-    modules = {
-        name: ModuleLocation(
-            module=name,
-            file=Path(m["file"]) if m["file"] else None,
-            package_dir=Path(m["package_dir"]) if m["package_dir"] else None,
-            record_sha256=m["record_sha256"],
+        data = None
+    return _environment(choice, data)
+
+
+def _environment(choice: InterpreterChoice, data: Any) -> TargetEnvironment:
+    """The probe's answer as a :class:`TargetEnvironment`; TargetEnvironmentError when it is not
+    the answer of a Python interpreter running the probe."""
+
+    def bad(what: str) -> TargetEnvironmentError:
+        return TargetEnvironmentError(
+            f"{choice.python} ({choice.reason}) is not a Python interpreter that answers the "
+            f"environment probe ({what}); pass --python with a Python 3.8+ interpreter or "
+            "environment"
         )
-        for name, m in data["modules"].items()
-    }
+
+    if not isinstance(data, dict):
+        raise bad("no JSON object on its last line of output")
+    strings = ("executable", "prefix", "python_version", "purelib")
+    for key in strings:
+        if not isinstance(data.get(key), str) or not data[key]:
+            raise bad(f"{key!r} missing or not a string")
+    prefix_cache = data.get("pycache_prefix")
+    dists, mods = data.get("distributions"), data.get("modules")
+    if not isinstance(dists, dict) or not isinstance(mods, dict):
+        raise bad("'distributions' or 'modules' is not an object")
+    distributions: dict[str, DistributionInfo | None] = {}
+    for name, info in dists.items():
+        if info is None:
+            distributions[name] = None
+            continue
+        if not (isinstance(info, dict) and isinstance(info.get("version"), str)
+                and isinstance(info.get("name"), str)):
+            raise bad(f"distribution {name!r} is malformed")
+        location = info.get("location")
+        distributions[name] = DistributionInfo(info["name"], info["version"],
+                                               bool(info.get("editable")),
+                                               location if isinstance(location, str) else None)
+    modules: dict[str, ModuleLocation] = {}
+    for name, m in mods.items():
+        if not isinstance(m, dict) or not all(
+                m.get(k) is None or isinstance(m.get(k), str)
+                for k in ("file", "package_dir", "record_sha256")):
+            raise bad(f"module {name!r} is malformed")
+        modules[name] = ModuleLocation(
+            module=name,
+            file=Path(m["file"]) if m.get("file") else None,
+            package_dir=Path(m["package_dir"]) if m.get("package_dir") else None,
+            record_sha256=m.get("record_sha256"),
+        )
     return TargetEnvironment(
-        python=python,
+        python=choice.python,
         reason=choice.reason,
         executable=data["executable"],
         prefix=data["prefix"],
@@ -220,4 +259,5 @@ def inspect_environment(
         purelib=Path(data["purelib"]),
         distributions=distributions,
         modules=modules,
+        pycache_prefix=prefix_cache if isinstance(prefix_cache, str) and prefix_cache else None,
     )

@@ -1,31 +1,43 @@
-"""The effects: atomic writes, stale bytecode, the environment lock and the ledger.
+"""The effects: atomic writes, stale bytecode, leftovers of killed runs, and the locks.
 
 Every write goes to a temporary file in the target's directory and is moved over the target with
 ``os.replace``. uv installs files as hardlinks into its cache: writing through the existing inode
 (``open(path, "w")``) would silently change the cache and every other environment linked to it.
+
+Locks are taken on directories (``flock`` of the directory itself, by real path): the directory
+of each file we write and the directory of the environment's record. One file can belong to two
+environments (a ``.pth`` into a parent environment, one editable checkout), so a lock per
+environment would not serialise two writers of that file; a lock on its real directory does. No
+lock file is created, so a read-only environment can still be locked for reading, and nothing is
+left behind in the packages we patch.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import errno
 import os
 import stat
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
-try:  # POSIX only; on other systems the lock is a no-op
+from .errors import TargetEnvironmentError
+
+try:  # POSIX; elsewhere the locks are no-ops
     import fcntl
 except ImportError:  # pragma: no cover
     fcntl = None  # type: ignore[assignment]
 
-LEDGER_NAME = ".hatch-vllm-patch.json"
-LOCK_NAME = ".hatch-vllm-patch.lock"
-LEDGER_FORMAT = 1
+TEMP_SUFFIX = ".hvp-tmp"
+LOCK_TIMEOUT_ENV = "HATCH_VLLM_PATCH_LOCK_TIMEOUT"
+DEFAULT_LOCK_TIMEOUT = 60.0  # seconds; a holder needs milliseconds, so this means a stuck run
+LOCK_NOTICE_AFTER = 2.0
+
+
+class LockError(TargetEnvironmentError):
+    """A lock could not be taken (timed out, or the directory cannot be opened)."""
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -34,7 +46,7 @@ def write_atomic(path: Path, data: bytes) -> None:
         mode = stat.S_IMODE(path.stat().st_mode)
     except FileNotFoundError:
         mode = 0o644
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".hvp-tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -43,105 +55,122 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
 
 
-def drop_bytecode(module_file: Path) -> list[Path]:
-    """Remove the cached bytecode of ``module_file`` (any interpreter tag, any optimisation)."""
-    removed = []
-    cache = module_file.parent / "__pycache__"
-    for pyc in cache.glob(f"{module_file.stem}.*.pyc"):
-        with contextlib.suppress(FileNotFoundError):
-            pyc.unlink()  # unlinking drops this environment's link only, never the cache's inode
-            removed.append(pyc)
+def remove_stale_temps(directory: Path) -> list[Path]:
+    """Remove our temporary files left in ``directory`` by a killed run (call under its lock)."""
+    removed: list[Path] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if name.startswith(".") and name.endswith(TEMP_SUFFIX):
+            with contextlib.suppress(OSError):
+                os.unlink(directory / name)
+                removed.append(directory / name)
     return removed
 
 
+def bytecode_locations(module_file: Path, pycache_prefix: str | None) -> list[Path]:
+    """Every place an interpreter may keep bytecode of ``module_file``: ``__pycache__`` beside
+    it, and under ``pycache_prefix`` (``PYTHONPYCACHEPREFIX``) by its path and by its real path."""
+    places = [module_file.parent / "__pycache__"]
+    if pycache_prefix:
+        for path in {os.path.abspath(module_file), os.path.realpath(module_file)}:
+            head = os.path.dirname(path)
+            places.append(Path(pycache_prefix) / head.lstrip(os.sep))
+    return places
+
+
+def drop_bytecode(module_file: Path, pycache_prefix: str | None = None) -> list[Path]:
+    """Remove the cached bytecode of ``module_file`` (any interpreter tag, any optimisation)."""
+    removed = []
+    for cache in bytecode_locations(module_file, pycache_prefix):
+        for pyc in cache.glob(f"{module_file.stem}.*.pyc"):
+            with contextlib.suppress(FileNotFoundError):
+                pyc.unlink()  # unlinking drops this environment's link only, never the cache's
+                removed.append(pyc)
+    return removed
+
+
+def lock_timeout(environ: dict[str, str] | None = None) -> float:
+    """``$HATCH_VLLM_PATCH_LOCK_TIMEOUT`` seconds (default 60)."""
+    raw = (environ if environ is not None else os.environ).get(LOCK_TIMEOUT_ENV, "")
+    try:
+        value = float(raw) if raw.strip() else DEFAULT_LOCK_TIMEOUT
+    except ValueError:
+        return DEFAULT_LOCK_TIMEOUT
+    return max(value, 0.0)
+
+
 @contextlib.contextmanager
-def environment_lock(directory: Path) -> Iterator[None]:
-    """Serialise patching of one environment (two ``uv run`` at once must not interleave)."""
+def locked(
+    directories: Iterable[Path | str],
+    *,
+    exclusive: bool,
+    timeout: float | None = None,
+    on_wait: Callable[[str], None] | None = None,
+) -> Iterator[None]:
+    """Hold ``flock`` on each directory (by real path, in one global order, so two runs never
+    deadlock). Exclusive for writers, shared for readers.
+
+    A writer that cannot open a directory raises :class:`LockError` and writes nothing; a reader
+    goes on without that lock (it changes nothing). After 2 s of waiting ``on_wait`` is told
+    what is waited for; after ``timeout`` seconds :class:`LockError` is raised.
+    """
     if fcntl is None:  # pragma: no cover
         yield
         return
-    path = directory / LOCK_NAME
+    limit = lock_timeout() if timeout is None else timeout
+    real = sorted({os.path.realpath(d) for d in directories})
+    held: list[int] = []
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        # A read-only environment: nothing can be written, so nothing needs serialising; a
-        # write the plan still asks for fails on its own and is reported per patch.
-        yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        for directory in real:
+            try:
+                fd = os.open(directory, os.O_RDONLY)
+            except OSError as exc:
+                if not exclusive:
+                    continue
+                raise LockError(f"cannot lock {directory}: {exc.strerror or exc}") from None
+            held.append(fd)
+            _acquire(fd, directory, exclusive, limit, on_wait)
         yield
     finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        for fd in reversed(held):
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
 
-@dataclass(frozen=True)
-class LedgerEntry:
-    """What we know about one file we patched."""
-
-    path: str
-    distribution: str
-    distribution_version: str
-    original_sha256: str
-    patched_sha256: str
-    patches: dict[str, str]  # patch id -> block sha256
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "distribution": self.distribution,
-            "distribution_version": self.distribution_version,
-            "original_sha256": self.original_sha256,
-            "patched_sha256": self.patched_sha256,
-            "patches": dict(sorted(self.patches.items())),
-        }
-
-
-class Ledger:
-    """A small JSON state file in the environment: original and patched sha256 per file."""
-
-    def __init__(self, directory: Path) -> None:
-        self.path = directory / LEDGER_NAME
-        self.entries: dict[str, LedgerEntry] = {}
+def _acquire(fd: int, directory: str, exclusive: bool, limit: float,
+             on_wait: Callable[[str], None] | None) -> None:
+    mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+    start = time.monotonic()
+    told = False
+    delay = 0.01
+    while True:
         try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except (FileNotFoundError, ValueError):
-            data = {}  # a missing or damaged ledger only loses history; the files are the truth
-        if isinstance(data, dict) and data.get("format") == LEDGER_FORMAT:
-            for path, raw in data.get("files", {}).items():
-                try:
-                    self.entries[path] = LedgerEntry(
-                        path=path,
-                        distribution=str(raw["distribution"]),
-                        distribution_version=str(raw["distribution_version"]),
-                        original_sha256=str(raw["original_sha256"]),
-                        patched_sha256=str(raw["patched_sha256"]),
-                        patches={str(k): str(v) for k, v in raw.get("patches", {}).items()},
-                    )
-                except (KeyError, TypeError, AttributeError):
-                    continue
-
-    def get(self, path: Path | str) -> LedgerEntry | None:
-        return self.entries.get(str(path))
-
-    def record(self, entry: LedgerEntry) -> None:
-        if entry.patches:
-            self.entries[entry.path] = entry
-        else:
-            self.entries.pop(entry.path, None)
-
-    def save(self) -> None:
-        if not self.entries and not self.path.exists():
+            fcntl.flock(fd, mode)
             return
-        data = {
-            "format": LEDGER_FORMAT,
-            "tool": "hatch-vllm-patch",
-            "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "files": {p: e.to_json() for p, e in sorted(self.entries.items())},
-        }
-        write_atomic(self.path, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                if not exclusive:
+                    return  # a file system without flock: readers go on
+                raise LockError(f"cannot lock {directory}: {exc.strerror or exc}") from None
+        waited = time.monotonic() - start
+        if waited >= limit:
+            raise LockError(
+                f"gave up after {limit:.0f} s waiting for the lock on {directory}: another "
+                "hatch-vllm-patch run (or a vLLM process healing its patches) holds it; if no "
+                f"such run is alive, retry; ${LOCK_TIMEOUT_ENV} sets the wait"
+            )
+        if not told and waited >= LOCK_NOTICE_AFTER and on_wait is not None:
+            on_wait(f"waiting for another hatch-vllm-patch run to release {directory} "
+                    f"(giving up after {limit:.0f} s)")
+            told = True
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)

@@ -1,15 +1,23 @@
-"""apply / verify / revert / status / diff: config -> selection -> plan -> write."""
+"""apply / verify / revert / status / diff: config -> selection -> plan -> write.
+
+Order of work, for every operation:
+
+1. resolve the configuration, the selection and the target interpreter (no lock, no write);
+2. ask the environment where the target files are (the probe);
+3. under the locks of every directory involved (exclusive to write, shared to read): read the
+   environment's record, read each file, plan, write what changed, write the record if it
+   changed — so two runs at once never lose each other's updates;
+4. outside the lock, run the deep probes (``verify --deep``), which import vLLM.
+"""
 
 from __future__ import annotations
 
-import ast
-import contextlib
 import difflib
 import json
 import os
 import subprocess
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .catalog import Catalog, Patch, load_catalog
@@ -18,11 +26,10 @@ from .engine import (
     FileFacts,
     Plan,
     Verdict,
-    parse_file,
     plan_apply,
+    plan_remove_blocks,
     plan_revert,
     plan_verify,
-    sha256_hex,
 )
 from .environment import (
     InterpreterChoice,
@@ -30,14 +37,27 @@ from .environment import (
     TargetEnvironment,
     choose_interpreter,
     inspect_environment,
+    run_bounded,
 )
 from .errors import TargetEnvironmentError, UsageError
-from .files import Ledger, LedgerEntry, drop_bytecode, environment_lock, write_atomic
-from .selection import Selection, select, unknown_architecture_notes
+from .files import drop_bytecode, locked, remove_stale_temps, write_atomic
+from .markers import MarkerError, parse_file, sha256_hex
+from .record import (
+    DEFAULT_GUARD,
+    EnvironmentRecord,
+    FileEntry,
+    RecordRead,
+    SelectedPatch,
+    read_record,
+)
+from .record import Selection as SelectionRecord
+from .report import PatchOutcome, Report
+from .selection import Selection, registered_architectures, select, unknown_architecture_notes
 
 OPERATIONS = ("apply", "verify", "revert", "status", "diff")
 _REGISTRY = ModuleQuery("vllm", "vllm.model_executor.models.registry",
                         "model_executor/models/registry.py")
+_WRITES = frozenset({"apply", "revert"})
 
 # Verdicts that mean "nothing is wrong" for each operation.
 _FINE = {
@@ -50,64 +70,8 @@ _FINE = {
 
 
 @dataclass(frozen=True)
-class PatchOutcome:
-    """The verdict on one patch, and why."""
-
-    patch_id: str
-    verdict: Verdict
-    reason: str
-    ok: bool
-    file: Path | None = None
-    selected_because: tuple[str, ...] = ()
-    diff: str | None = None
-    next_step: str | None = None
-
-    def to_json(self) -> dict[str, object]:
-        data: dict[str, object] = {
-            "id": self.patch_id,
-            "verdict": self.verdict.value,
-            "ok": self.ok,
-            "reason": self.reason,
-            "file": str(self.file) if self.file else None,
-            "selected_because": list(self.selected_because),
-        }
-        if self.next_step:
-            data["next_step"] = self.next_step
-        if self.diff is not None:
-            data["diff"] = self.diff
-        return data
-
-
-@dataclass(frozen=True)
-class Report:
-    """What one operation found and did in one environment."""
-
-    operation: str
-    environment: TargetEnvironment
-    outcomes: tuple[PatchOutcome, ...]
-    notes: tuple[str, ...] = ()
-    project_dir: Path | None = None
-    config_source: Path | None = None
-
-    @property
-    def ok(self) -> bool:
-        return all(o.ok for o in self.outcomes)
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "operation": self.operation,
-            "ok": self.ok,
-            "project": str(self.project_dir) if self.project_dir else None,
-            "config": str(self.config_source) if self.config_source else None,
-            "environment": self.environment.to_json(),
-            "patches": [o.to_json() for o in self.outcomes],
-            "notes": list(self.notes),
-        }
-
-
-@dataclass(frozen=True)
 class Request:
-    """What the caller asked for (the CLI's options, or the build hook's)."""
+    """What the caller asked for (the CLI's options, the build hook's, or the guard's)."""
 
     project_dir: Path | None = None
     python: str | None = None
@@ -117,123 +81,12 @@ class Request:
     deep: bool = False
     catalog: Catalog | None = None
     config: Config | None = None  # given: used as is; None: read from the project
+    in_process: bool = True  # inspect the running interpreter in this process when it is the target
+    on_wait: Callable[[str], None] | None = field(default=None, compare=False)
 
-
-def _registered_architectures(env: TargetEnvironment) -> list[str] | None:
-    """The architecture names in the installed vLLM's model registry (read, not imported)."""
-    location = env.modules.get(_REGISTRY.module)
-    if location is None or location.file is None:
-        return None
-    try:
-        tree = ast.parse(location.file.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, UnicodeDecodeError):
-        return None
-    names: list[str] = []
-    for node in tree.body:
-        value: ast.expr | None
-        if isinstance(node, ast.Assign):
-            targets, value = node.targets, node.value
-        elif isinstance(node, ast.AnnAssign):
-            targets, value = [node.target], node.value
-        else:
-            continue
-        if not any(isinstance(t, ast.Name) and t.id.endswith("_MODELS")
-                   and "PREVIOUSLY" not in t.id for t in targets):
-            continue
-        if isinstance(value, ast.Dict):
-            names += [k.value for k in value.keys
-                      if isinstance(k, ast.Constant) and isinstance(k.value, str)]
-    return names or None
-
-
-def _facts(patch: Patch, env: TargetEnvironment, ledger: Ledger) -> FileFacts:
-    location = env.modules[patch.target.module]
-    version = env.version_of(patch.target.distribution)
-    path = location.file
-    if version is None and path is not None:
-        version = "unknown"  # importable (e.g. a bare checkout on PYTHONPATH) but no metadata
-    content: bytes | None = None
-    if path is not None:
-        try:
-            content = path.read_bytes()
-        except FileNotFoundError:
-            content = None
-    entry = ledger.get(path) if path else None
-    shown = path or (location.package_dir / patch.target.relative_path
-                     if location.package_dir else Path(patch.target.relative_path))
-    return FileFacts(
-        path=str(shown),
-        content=content,
-        installed_version=version,
-        record_sha256=location.record_sha256,
-        ledger_original_sha256=entry.original_sha256 if entry else None,
-    )
-
-
-def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment) -> str | None:
-    target, python = patch.target.distribution, env.python
-    version = env.version_of(target)
-    if verdict is Verdict.MISSING or verdict is Verdict.STALE:
-        return f"run: python -m hatch_vllm_patch apply --python {python} --patch {patch.id}"
-    if verdict is Verdict.MODIFIED:
-        return (f"restore the original with: uv pip install --python {python} --reinstall "
-                f"--no-deps {target}=={version}, then apply again")
-    if verdict is Verdict.UNKNOWN_SHAPE:
-        return (f"this {target} is not one the patch knows: check whether upstream fixed it "
-                f"({', '.join(patch.links[:1]) or patch.id}); do not force it")
-    if verdict is Verdict.NOT_INSTALLED and not patch.target.optional:
-        return f"install {target} into {python} first (e.g. uv sync)"
-    return None
-
-
-def _write(plan: Plan, path: Path, patch: Patch, env: TargetEnvironment, ledger: Ledger,
-           original_sha256: str) -> None:
-    assert plan.new_content is not None
-    write_atomic(path, plan.new_content)
-    drop_bytecode(path)
-    parsed = parse_file(plan.new_content)
-    ledger.record(LedgerEntry(
-        path=str(path),
-        distribution=patch.target.distribution,
-        distribution_version=env.version_of(patch.target.distribution) or "unknown",
-        original_sha256=original_sha256,
-        patched_sha256=sha256_hex(plan.new_content),
-        patches={b.patch_id: b.declared_sha256 for b in parsed.blocks},
-    ))
-
-
-def _run_probe(patch: Patch, env: TargetEnvironment) -> tuple[bool, str]:
-    """Run the patch's deep probe in the target interpreter; (passed, detail)."""
-    assert patch.probe_path is not None
-    try:
-        proc = subprocess.run([str(env.python), str(patch.probe_path)], capture_output=True,
-                              text=True, timeout=900, check=False,
-                              env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return False, f"probe did not run: {exc}"
-    for line in reversed(proc.stdout.strip().splitlines()):
-        try:
-            data = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(data, dict) and "ok" in data:
-            return bool(data["ok"]) and proc.returncode == 0, str(data.get("detail", ""))
-    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    return False, f"probe exited {proc.returncode} without a verdict: {tail}"
-
-
-def _unified_diff(path: Path, env: TargetEnvironment, old: bytes, new: bytes) -> str:
-    """A ``diff -u`` of one file, named relative to site-packages where it lies there."""
-    try:
-        label = path.relative_to(env.purelib).as_posix()
-        names = (f"a/{label}", f"b/{label}")
-    except ValueError:
-        names = (str(path), str(path))
-    return "".join(difflib.unified_diff(
-        old.decode("utf-8", "replace").splitlines(keepends=True),
-        new.decode("utf-8", "replace").splitlines(keepends=True),
-        fromfile=names[0], tofile=names[1],
-    ))
+    @property
+    def command_line_selection(self) -> bool:
+        return bool(self.patches or self.architectures or self.models)
 
 
 def resolve(request: Request) -> tuple[Catalog, Config | None, Selection, InterpreterChoice]:
@@ -263,84 +116,396 @@ def run(operation: str, request: Request) -> Report:
                                             p.target.relative_path) for p in patches}
     if selection.architectures:
         queries[_REGISTRY.module] = _REGISTRY
-    env = inspect_environment(choice, queries.values())
+    env = inspect_environment(choice, queries.values(), in_process=request.in_process)
     notes = list(selection.notes)
-    known = _registered_architectures(env) if selection.architectures else None
-    if known:
-        notes += unknown_architecture_notes(selection.architectures, known)
+    known = (registered_architectures(env.modules[_REGISTRY.module].file)
+             if selection.architectures else None)
+    typos = unknown_architecture_notes(selection.architectures, known) if known else []
+    notes += typos
     if not patches:
-        raise UsageError("\n".join([
-            "no patches selected: add [tool.vllm-patch] to pyproject.toml "
-            f"(in {request.project_dir or Path.cwd()}), or pass --patch ID, "
-            "--architecture NAME or --model DIR",
-            *(f"note: {n}" for n in notes),
-        ]))
+        if (config is None and not request.command_line_selection) or typos:
+            raise UsageError("\n".join([
+                "no patches selected: add [tool.vllm-patch] to pyproject.toml "
+                f"(in {request.project_dir or Path.cwd()}), or pass --patch ID, "
+                "--architecture NAME or --model DIR",
+                *(f"note: {n}" for n in notes),
+            ]))
+        where = (f"[tool.vllm-patch] in {config.source}" if config and not
+                 request.command_line_selection else "the command line")
+        notes.append(f"{where} selects no patch for what it serves: nothing to do")
 
-    writes = operation in {"apply", "revert"}
-    outcomes: list[PatchOutcome] = []
-    ledger = Ledger(env.purelib)
-    try:
-        lock = environment_lock(env.purelib) if writes else contextlib.nullcontext()
-        with lock:
-            for patch in patches:
-                outcomes.append(_one(operation, patch, env, ledger, request.deep,
-                                     tuple(why.get(patch.id, ()))))
-            if writes:
-                ledger.save()
-    except OSError as exc:
-        raise TargetEnvironmentError(
-            f"cannot write in {env.purelib} ({choice.reason}): {exc}; run as the environment's "
-            "owner, or pass --python for an environment you can write"
-        ) from None
-    project = request.project_dir
-    return Report(operation, env, tuple(outcomes), tuple(notes), project,
-                  config.source if config else None)
+    session = _Session(operation, request, catalog, config, env, tuple(patches), why)
+    outcomes, errors = session.carry_out()
+    notes += session.notes
+    if operation == "verify" and request.deep:
+        outcomes = [_deep(o, catalog, env) for o in outcomes]
+    return Report(operation, env, tuple(outcomes), tuple(notes), request.project_dir,
+                  config.source if config else None, tuple(errors))
 
 
-def _one(operation: str, patch: Patch, env: TargetEnvironment, ledger: Ledger, deep: bool,
-         why: tuple[str, ...]) -> PatchOutcome:
-    facts = _facts(patch, env, ledger)
-    path = Path(facts.path)
-    if operation == "revert":
-        plan = plan_revert(patch, facts)
-    elif operation in {"apply", "diff"}:
-        plan = plan_apply(patch, facts)
-    else:
-        plan = plan_verify(patch, facts)
-    diff = None
-    if operation == "diff" and plan.new_content is not None and facts.content is not None:
-        diff = _unified_diff(path, env, facts.content, plan.new_content)
-        plan = replace(plan, reason=f"would apply: {plan.reason}")
-    elif operation in {"apply", "revert"} and plan.new_content is not None:
-        assert facts.content is not None
-        original = parse_file(facts.content).original
+class _Session:
+    """One operation under the locks: the record and the files are read, planned and written
+    here, and nowhere else."""
+
+    def __init__(self, operation: str, request: Request, catalog: Catalog, config: Config | None,
+                 env: TargetEnvironment, patches: tuple[Patch, ...],
+                 why: dict[str, tuple[str, ...]]) -> None:
+        self.operation, self.request, self.catalog = operation, request, catalog
+        self.config, self.env, self.patches, self.why = config, env, patches, why
+        self.writes = operation in _WRITES
+        self.notes: list[str] = []
+        self.record = self.initial = EnvironmentRecord()
+        self.contents: dict[str, bytes | None] = {}  # path -> bytes as last read or written
+        self.wrote_targets = False
+
+    # --- where ------------------------------------------------------------------------------
+
+    def target_path(self, patch: Patch) -> Path:
+        location = self.env.modules[patch.target.module]
+        if location.file is not None:
+            return location.file
+        if location.package_dir is not None:
+            return location.package_dir / patch.target.relative_path
+        return Path(patch.target.relative_path)
+
+    def lock_dirs(self, record: EnvironmentRecord) -> set[str]:
+        dirs = {str(self.env.purelib)}
+        paths = [self.target_path(p) for p in self.patches] + [Path(f) for f in record.files]
+        for path in paths:
+            if path.parent.is_dir():
+                dirs.add(os.path.realpath(path.parent))
+        return {d for d in dirs if os.path.isdir(d)}
+
+    # --- the work ---------------------------------------------------------------------------
+
+    def carry_out(self) -> tuple[list[PatchOutcome], list[str]]:
+        # The record names more files to lock (revert and status look at every file of ours);
+        # read it once unlocked to learn them, then again under the lock, where it counts.
+        dirs = self.lock_dirs(read_record(self.env.purelib).record)
+        for _ in range(3):
+            with locked(sorted(dirs), exclusive=self.writes, on_wait=self.request.on_wait):
+                state = read_record(self.env.purelib)
+                more = self.lock_dirs(state.record) - dirs
+                if not more:
+                    return self.locked_work(state)
+            dirs |= more
+        raise TargetEnvironmentError(f"the record in {self.env.purelib} keeps changing; retry")
+
+    def locked_work(self, state: RecordRead) -> tuple[list[PatchOutcome], list[str]]:
+        if not state.usable:
+            if self.writes:
+                raise TargetEnvironmentError(
+                    f"the environment's record {state.path} {state.problem}: hatch-vllm-patch "
+                    "cannot tell what it wrote before, so it writes nothing; move that file "
+                    "away (it only holds history: the files are checked on their own) and run "
+                    "again"
+                )
+            self.notes.append(f"the environment's record {state.path} {state.problem}; "
+                              "treating it as no history")
+        self.record = self.initial = state.record
+        outcomes = [self.one(patch) for patch in self.patches]
+        outcomes += self.foreign_blocks()
+        errors = self.save_record(outcomes)
+        return outcomes, errors
+
+    def facts(self, patch: Patch) -> FileFacts:
+        location = self.env.modules[patch.target.module]
+        version = self.env.version_of(patch.target.distribution)
+        path = self.target_path(patch)
+        if version is None and location.file is not None:
+            version = "unknown"  # importable (e.g. a bare checkout on PYTHONPATH), no metadata
+        content, error = self.read(path) if location.file is not None else (None, None)
+        entry = self.record.files.get(str(path))
+        return FileFacts(
+            path=str(path),
+            content=content,
+            installed_version=version,
+            record_sha256=location.record_sha256,
+            ledger_original_sha256=entry.original_sha256 if entry else None,
+            known_ids=frozenset(self.catalog),
+            read_error=error,
+        )
+
+    def read(self, path: Path) -> tuple[bytes | None, str | None]:
+        if str(path) in self.contents:
+            return self.contents[str(path)], None
         try:
-            _write(plan, path, patch, env, ledger, sha256_hex(original))
+            content: bytes | None = path.read_bytes()
+        except FileNotFoundError:
+            content = None
         except OSError as exc:
-            plan = Plan(Verdict.ERROR, f"could not write {path}: {exc}")
-    optional_absent = plan.verdict is Verdict.NOT_INSTALLED and patch.target.optional
-    ok = plan.verdict in _FINE[operation] or optional_absent
-    reason = plan.reason
-    if operation == "verify" and deep and plan.verdict is Verdict.APPLIED:
-        if patch.probe_path is None:
-            reason += "; no deep probe for this patch"
+            return None, exc.strerror or str(exc)
+        self.contents[str(path)] = content
+        return content, None
+
+    def one(self, patch: Patch) -> PatchOutcome:
+        facts = self.facts(patch)
+        path = Path(facts.path)
+        op = self.operation
+        if op == "revert":
+            plan = plan_revert(patch, facts)
+        elif op in {"apply", "diff"}:
+            plan = plan_apply(patch, facts)
         else:
-            passed, detail = _run_probe(patch, env)
-            if passed:
-                reason += f"; deep probe passed: {detail}"
-            else:
-                plan = Plan(Verdict.ERROR, f"deep probe failed: {detail}")
-                reason, ok = plan.reason, False
-    return PatchOutcome(
-        patch_id=patch.id,
-        verdict=plan.verdict,
-        reason=reason,
-        ok=ok,
-        file=path if facts.content is not None else None,
-        selected_because=why,
-        diff=diff,
-        next_step=None if ok else _next_step(plan.verdict, patch, env),
-    )
+            plan = plan_verify(patch, facts)
+        diff = None
+        if op == "diff" and plan.new_content is not None and facts.content is not None:
+            diff = _unified_diff(path, self.env, facts.content, plan.new_content)
+            plan = replace(plan, reason=f"would apply: {plan.reason}")
+        elif op in _WRITES and plan.new_content is not None:
+            plan = self.write(plan, path, patch.target.distribution, facts)
+        return self.outcome(patch, plan, facts, diff)
+
+    def write(self, plan: Plan, path: Path, distribution: str, facts: FileFacts) -> Plan:
+        assert plan.new_content is not None and facts.content is not None
+        try:
+            remove_stale_temps(path.parent)
+            write_atomic(path, plan.new_content)
+        except OSError as exc:
+            return Plan(Verdict.ERROR, f"could not write {path}: {exc.strerror or exc}; "
+                                       "the file was left as it was")
+        self.wrote_targets = True
+        self.contents[str(path)] = plan.new_content
+        drop_bytecode(path, self.env.pycache_prefix)
+        parsed = parse_file(plan.new_content)  # the plan keeps the original bytes as they were
+        self.record = self.record.with_file(str(path), FileEntry(
+            distribution=distribution,
+            distribution_version=self.env.version_of(distribution) or "unknown",
+            original_sha256=sha256_hex(parsed.original),
+            patched_sha256=sha256_hex(plan.new_content),
+            patches={b.patch_id: b.declared_sha256 for b in parsed.blocks},
+        ))
+        return plan
+
+    def outcome(self, patch: Patch, plan: Plan, facts: FileFacts, diff: str | None = None
+                ) -> PatchOutcome:
+        optional_absent = plan.verdict is Verdict.NOT_INSTALLED and patch.target.optional
+        ok = plan.verdict in _FINE[self.operation] or optional_absent
+        return PatchOutcome(
+            patch_id=patch.id,
+            verdict=plan.verdict,
+            reason=plan.reason,
+            ok=ok,
+            file=Path(facts.path) if facts.content is not None else None,
+            selected_because=tuple(self.why.get(patch.id, ())),
+            diff=diff,
+            next_step=None if ok else _next_step(plan.verdict, patch, self.env, facts),
+            summary=patch.summary if self.operation == "status" else None,
+            description=patch.description if self.operation == "status" else None,
+            links=patch.links if self.operation == "status" else (),
+            removal=patch.removal if self.operation == "status" else None,
+        )
+
+    # --- blocks of patches this catalog does not know ----------------------------------------
+
+    def foreign_blocks(self) -> list[PatchOutcome]:
+        """Every block of ours, in the files we look at, whose patch the catalog does not know:
+        named with a verdict; ``revert`` of everything removes them."""
+        files = {str(self.target_path(p)) for p in self.patches} | set(self.record.files)
+        revert_all = self.operation == "revert" and not self.request.command_line_selection
+        outcomes = []
+        for name in sorted(files):
+            path = Path(name)
+            content, error = self.read(path)
+            if content is None or error is not None:
+                continue
+            try:
+                blocks = parse_file(content).blocks
+            except MarkerError:
+                continue  # reported as modified by the patch that targets the file
+            unknown = tuple(b.patch_id for b in blocks if b.patch_id not in self.catalog)
+            if not unknown:
+                continue
+            if revert_all:
+                entry = self.record.files.get(name)
+                facts = FileFacts(name, content, "unknown", self._record_hash(path),
+                                  entry.original_sha256 if entry else None)
+                plan = plan_remove_blocks(unknown, facts)
+                if plan.new_content is not None:
+                    distribution = entry.distribution if entry else "unknown"
+                    plan = self.write(plan, path, distribution, facts)
+                for pid in unknown:
+                    outcomes.append(PatchOutcome(
+                        pid, plan.verdict, f"{plan.reason} (a patch this catalog does not know)",
+                        plan.verdict in _FINE["revert"], path))
+                continue
+            for pid in unknown:
+                origin = self._origin(pid)
+                ok = self.operation == "status"
+                outcomes.append(PatchOutcome(
+                    pid, Verdict.UNKNOWN_PATCH,
+                    "a block of hatch-vllm-patch whose patch this catalog does not know: renamed "
+                    "or dropped by another release, written by a newer one, or another "
+                    f"project's own patch{origin}", ok, path,
+                    next_step=None if ok else (
+                        f"run: python -m hatch_vllm_patch revert --python {self.env.python} "
+                        "(removes every block of ours and restores the original), then apply")))
+        return outcomes
+
+    def _record_hash(self, path: Path) -> str | None:
+        for patch in self.patches:
+            location = self.env.modules.get(patch.target.module)
+            if location is not None and location.file == path:
+                return location.record_sha256
+        return None
+
+    def _origin(self, patch_id: str) -> str:
+        selection = self.record.selection
+        for entry in selection.patches if selection else ():
+            if entry.id == patch_id and entry.folder:
+                return f" (recorded from {entry.folder})"
+        return ""
+
+    # --- the record -------------------------------------------------------------------------
+
+    def save_record(self, outcomes: list[PatchOutcome]) -> list[str]:
+        if not self.writes:
+            return []
+        new = self.record.with_selection(self.selection_record(outcomes))
+        if new.same_as(self.initial):
+            return []
+        path = self.env.purelib / ".hatch-vllm-patch.json"
+        try:
+            remove_stale_temps(self.env.purelib)
+            write_atomic(path, new.render())
+        except OSError as exc:
+            problem = f"could not save the environment's record {path}: {exc.strerror or exc}"
+            if not self.wrote_targets:
+                # Nothing else changed: the files are as they should be, only the record is
+                # not up to date (a read-only environment, a full disk). Say so; do not fail.
+                self.notes.append(f"{problem} (the files needed no change)")
+                return []
+            return [f"{problem}; the files above were written, but without the record a hand "
+                    "edit of a file with no RECORD hash goes unnoticed and the vLLM guard falls "
+                    "back to a slow check: make it writable and run apply again"]
+        return []
+
+    def selection_record(self, outcomes: list[PatchOutcome]) -> SelectionRecord | None:
+        """What this run leaves as the environment's selection (what the guard checks).
+
+        ``apply`` from the project's configuration replaces it; ``apply`` of patches named on
+        the command line adds them to it; ``revert`` of everything clears it, of some patches
+        drops them."""
+        previous = self.record.selection
+        partial = self.request.command_line_selection
+        ids = {p.id for p in self.patches}
+        kept = tuple(p for p in previous.patches if p.id not in ids) if previous and partial else ()
+        if self.operation == "revert":
+            return replace(previous, patches=kept) if previous and partial else None
+        by_id = {o.patch_id: o for o in outcomes}
+        entries = [self.selected(patch, by_id[patch.id]) for patch in self.patches]
+        config = self.config
+        if config is None and previous is not None:
+            return replace(previous, patches=(*kept, *entries))
+        return SelectionRecord(
+            patches=(*kept, *entries),
+            guard=config.guard if config and config.guard else DEFAULT_GUARD,
+            project=str(config.project_dir) if config else None,
+            patch_dirs=tuple(str(d) for d in (config.patch_dirs if config else ())),
+        )
+
+    def selected(self, patch: Patch, outcome: PatchOutcome) -> SelectedPatch:
+        path = self.target_path(patch)
+        content = self.contents.get(str(path)) if outcome.file is not None else None
+        block = None
+        if content is not None:
+            try:
+                found = parse_file(content).block(patch.id)
+            except MarkerError:
+                found = None
+            block = found.declared_sha256 if found else None
+        return SelectedPatch(
+            id=patch.id, distribution=patch.target.distribution, module=patch.target.module,
+            verdict=outcome.verdict.value, ok=outcome.ok,
+            file=str(path) if content is not None else None,
+            file_sha256=sha256_hex(content) if content is not None else None,
+            block_sha256=block, folder=str(patch.folder))
+
+
+def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: FileFacts
+               ) -> str | None:
+    target, python = patch.target.distribution, env.python
+    version = env.version_of(target)
+    if verdict is Verdict.MISSING or verdict is Verdict.STALE:
+        return f"run: python -m hatch_vllm_patch apply --python {python} --patch {patch.id}"
+    if verdict is Verdict.MODIFIED:
+        info = env.distributions.get(target)
+        if facts.record_sha256 is None or (info is not None and info.editable):
+            return (f"restore {facts.path} in its checkout (e.g. `git checkout -- "
+                    f"{Path(facts.path).name}` in {Path(facts.path).parent}), then apply again")
+        return (f"restore the original with: uv pip install --python {python} --reinstall "
+                f"--no-deps {target}=={version}, then apply again")
+    if verdict is Verdict.UNKNOWN_SHAPE:
+        return (f"this {target} is not one the patch knows: check whether upstream fixed it "
+                f"({', '.join(patch.links[:1]) or patch.id}); do not force it")
+    if verdict is Verdict.NOT_INSTALLED and not patch.target.optional:
+        return f"install {target} into {python} first (e.g. uv sync)"
+    if verdict is Verdict.BLOCKED:
+        return (f"run: python -m hatch_vllm_patch revert --python {python} (removes every "
+                "block of ours and restores the original), then apply")
+    if verdict is Verdict.ERROR:
+        return (f"check that {facts.path} and its directory are writable by this user (or run "
+                "as the environment's owner), and that the disk has room; then run again")
+    return None
+
+
+def _deep(outcome: PatchOutcome, catalog: Catalog, env: TargetEnvironment) -> PatchOutcome:
+    """Run the patch's deep probe for an applied patch; a probe that cannot run on this machine
+    says why and does not fail the patch; a probe that ran and failed does."""
+    if outcome.verdict is not Verdict.APPLIED or outcome.patch_id not in catalog:
+        return outcome
+    patch = catalog[outcome.patch_id]
+    if patch.probe_path is None:
+        return replace(outcome, reason=f"{outcome.reason}; no deep probe for this patch")
+    passed, detail = run_probe(patch, env)
+    if passed is None:
+        return replace(outcome, reason=f"{outcome.reason}; deep probe could not run on this "
+                                        f"machine: {detail}")
+    if passed:
+        return replace(outcome, reason=f"{outcome.reason}; deep probe passed: {detail}")
+    return replace(outcome, verdict=Verdict.ERROR, ok=False,
+                   reason=f"deep probe failed: {detail}",
+                   next_step=f"the patched code does not behave as {patch.id} expects here; "
+                             "run `vllm-patch revert` and report it")
+
+
+PROBE_TIMEOUT = 900.0
+
+
+def run_probe(patch: Patch, env: TargetEnvironment) -> tuple[bool | None, str]:
+    """Run the patch's deep probe in the target interpreter: (passed, detail); passed is None
+    when the probe says it cannot run on this machine (``{"skipped": reason}``)."""
+    assert patch.probe_path is not None
+    try:
+        proc = run_bounded([str(env.python), str(patch.probe_path)], timeout=PROBE_TIMEOUT,
+                           env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"probe did not run: {exc}"
+    for line in reversed(proc.stdout.strip().splitlines()):
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(data, dict) and isinstance(data.get("skipped"), str):
+            return None, data["skipped"]
+        if isinstance(data, dict) and "ok" in data:
+            return bool(data["ok"]) and proc.returncode == 0, str(data.get("detail", ""))
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return False, f"probe exited {proc.returncode} without a verdict: {tail}"
+
+
+def _unified_diff(path: Path, env: TargetEnvironment, old: bytes, new: bytes) -> str:
+    """A ``diff -u`` of one file, named relative to site-packages where it lies there."""
+    try:
+        label = path.relative_to(env.purelib).as_posix()
+        names = (f"a/{label}", f"b/{label}")
+    except ValueError:
+        names = (str(path), str(path))
+    return "".join(difflib.unified_diff(
+        old.decode("utf-8", "replace").splitlines(keepends=True),
+        new.decode("utf-8", "replace").splitlines(keepends=True),
+        fromfile=names[0], tofile=names[1],
+    ))
 
 
 def apply(project_dir: Path | str | None = None, **options: object) -> Report:
@@ -380,4 +545,3 @@ def _request(project_dir: Path | str | None, options: dict[str, object]) -> Requ
         deep=deep,
         config=config if isinstance(config, Config) else None,
     )
-

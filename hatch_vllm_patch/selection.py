@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import difflib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -144,3 +145,30 @@ def unknown_architecture_notes(
         hint = f"; close matches: {', '.join(close)}" if close else ""
         notes.append(f"architecture {name!r} is not registered by the installed vLLM{hint}")
     return notes
+
+
+def registered_architectures(registry_file: Path | None) -> list[str] | None:
+    """The architecture names in the installed vLLM's model registry module (read with ``ast``,
+    never imported): the keys of its module-level ``*_MODELS`` dicts."""
+    if registry_file is None:
+        return None
+    try:
+        tree = ast.parse(registry_file.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return None
+    names: list[str] = []
+    for node in tree.body:
+        value: ast.expr | None
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign):
+            targets, value = [node.target], node.value
+        else:
+            continue
+        if not any(isinstance(t, ast.Name) and t.id.endswith("_MODELS")
+                   and "PREVIOUSLY" not in t.id for t in targets):
+            continue
+        if isinstance(value, ast.Dict):
+            names += [k.value for k in value.keys
+                      if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+    return names or None

@@ -1,0 +1,239 @@
+"""The environment's record: ``<site-packages>/.hatch-vllm-patch.json``, one file, one format.
+
+It holds two things, written together under the environment's lock by ``apply`` and ``revert``:
+
+``files``
+    the ledger: for each file we patched, the sha256 of its original bytes (the guard of files
+    that have no RECORD hash, such as editable checkouts) and of what we wrote;
+``selection``
+    what the last ``apply`` selected and found, per patch: the target file and the sha256 it had
+    afterwards, the block digest, the verdict; plus the guard mode and the project's own patch
+    folders. The guard that runs in every vLLM process checks the files against it.
+
+The files are the truth; the record is history that makes checks cheap and hand edits visible.
+A damaged record is never silently rewritten by a read-only command, and a record written by a
+newer release (a higher ``format``) is never overwritten.
+
+Import-light on purpose (``json`` and ``dataclasses``): the guard reads it in every vLLM process.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+RECORD_NAME = ".hatch-vllm-patch.json"
+FORMAT = 2
+GUARD_MODES = ("error", "warn", "apply", "off")
+DEFAULT_GUARD = "error"
+
+
+class RecordDamaged(ValueError):
+    """The record cannot be used; the message says why."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """What we know about one file we patched."""
+
+    distribution: str
+    distribution_version: str
+    original_sha256: str
+    patched_sha256: str
+    patches: Mapping[str, str]  # patch id -> block sha256
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "distribution": self.distribution,
+            "distribution_version": self.distribution_version,
+            "original_sha256": self.original_sha256,
+            "patched_sha256": self.patched_sha256,
+            "patches": dict(sorted(self.patches.items())),
+        }
+
+
+@dataclass(frozen=True)
+class SelectedPatch:
+    """One patch of the last ``apply``'s selection, as that apply left it."""
+
+    id: str
+    distribution: str
+    module: str
+    verdict: str
+    ok: bool
+    file: str | None = None  # the target file, when it exists
+    file_sha256: str | None = None  # its bytes after the apply
+    block_sha256: str | None = None  # our block's digest, when the block is in the file
+    folder: str | None = None  # the patch folder (built-in catalog or the project's)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "distribution": self.distribution, "module": self.module,
+                "verdict": self.verdict, "ok": self.ok, "file": self.file,
+                "file_sha256": self.file_sha256, "block_sha256": self.block_sha256,
+                "folder": self.folder}
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What the last ``apply`` selected for this environment, and the guard mode it asked for."""
+
+    patches: tuple[SelectedPatch, ...]
+    guard: str = DEFAULT_GUARD
+    project: str | None = None
+    patch_dirs: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"project": self.project, "guard": self.guard, "patch_dirs": list(self.patch_dirs),
+                "patches": [p.to_json() for p in self.patches]}
+
+
+@dataclass(frozen=True)
+class EnvironmentRecord:
+    """The parsed record; empty when there is none."""
+
+    files: Mapping[str, FileEntry] = field(default_factory=dict)
+    selection: Selection | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.files and self.selection is None
+
+    def with_file(self, path: str, entry: FileEntry | None) -> EnvironmentRecord:
+        """This record with ``path``'s entry replaced (None or no patches: forgotten)."""
+        files = {p: e for p, e in self.files.items() if p != path}
+        if entry is not None and entry.patches:
+            files[path] = entry
+        return replace(self, files=files)
+
+    def with_selection(self, selection: Selection | None) -> EnvironmentRecord:
+        return replace(self, selection=selection)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "tool": "hatch-vllm-patch",
+            "files": {p: e.to_json() for p, e in sorted(self.files.items())},
+            "selection": self.selection.to_json() if self.selection else None,
+        }
+
+    def render(self) -> bytes:
+        data = {**self.to_json(), "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        return (json.dumps(data, indent=2) + "\n").encode("utf-8")
+
+    def same_as(self, other: EnvironmentRecord) -> bool:
+        """Equal in content (the time of the last write aside)."""
+        return self.to_json() == other.to_json()
+
+
+@dataclass(frozen=True)
+class RecordRead:
+    """The outcome of reading the record: the record, or why it could not be used."""
+
+    path: Path
+    record: EnvironmentRecord
+    exists: bool
+    problem: str | None = None  # the record exists but cannot be used (damaged, unreadable, newer)
+
+    @property
+    def usable(self) -> bool:
+        return self.problem is None
+
+
+def read_record(directory: Path) -> RecordRead:
+    """Read ``<directory>/.hatch-vllm-patch.json``; never raises for a bad file."""
+    path = directory / RECORD_NAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return RecordRead(path, EnvironmentRecord(), exists=False)
+    except OSError as exc:
+        return RecordRead(path, EnvironmentRecord(), True,
+                          f"cannot be read ({exc.strerror or exc})")
+    try:
+        return RecordRead(path, parse_record(raw), True)
+    except RecordDamaged as exc:
+        return RecordRead(path, EnvironmentRecord(), True, str(exc))
+
+
+def parse_record(raw: bytes) -> EnvironmentRecord:
+    """The record in ``raw``; RecordDamaged naming the first problem."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise RecordDamaged(f"is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise RecordDamaged("does not hold a JSON object")
+    version = data.get("format")
+    if version not in (1, FORMAT):
+        if isinstance(version, int) and version > FORMAT:
+            raise RecordDamaged(f"was written by a newer hatch-vllm-patch (format {version}, "
+                                f"this release reads {FORMAT})")
+        raise RecordDamaged(f"has an unknown format {version!r}")
+    files_raw = data.get("files", {})
+    if not isinstance(files_raw, dict):
+        raise RecordDamaged('"files" is not an object')
+    files = {str(p): _file_entry(p, e) for p, e in files_raw.items()}
+    selection_raw = data.get("selection")
+    selection = None if selection_raw is None else _selection(selection_raw)
+    return EnvironmentRecord(files, selection)
+
+
+def _text(value: object, where: str, optional: bool = False) -> Any:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise RecordDamaged(f"{where} is not a string")
+    return value
+
+
+def _file_entry(path: str, raw: object) -> FileEntry:
+    where = f'"files"[{path!r}]'
+    if not isinstance(raw, dict):
+        raise RecordDamaged(f"{where} is not an object")
+    patches = raw.get("patches", {})
+    if not isinstance(patches, dict) or not all(isinstance(v, str) for v in patches.values()):
+        raise RecordDamaged(f"{where}.patches is not an object of digests")
+    return FileEntry(
+        distribution=_text(raw.get("distribution"), f"{where}.distribution"),
+        distribution_version=_text(raw.get("distribution_version"),
+                                   f"{where}.distribution_version"),
+        original_sha256=_text(raw.get("original_sha256"), f"{where}.original_sha256"),
+        patched_sha256=_text(raw.get("patched_sha256"), f"{where}.patched_sha256"),
+        patches={str(k): v for k, v in patches.items()},
+    )
+
+
+def _selection(raw: object) -> Selection:
+    if not isinstance(raw, dict):
+        raise RecordDamaged('"selection" is not an object')
+    guard = raw.get("guard", DEFAULT_GUARD)
+    if guard not in GUARD_MODES:
+        raise RecordDamaged(f'"selection".guard {guard!r} is not one of {", ".join(GUARD_MODES)}')
+    dirs = raw.get("patch_dirs", [])
+    patches = raw.get("patches", [])
+    if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
+        raise RecordDamaged('"selection".patch_dirs is not a list of paths')
+    if not isinstance(patches, list):
+        raise RecordDamaged('"selection".patches is not a list')
+    selected = []
+    for i, p in enumerate(patches):
+        where = f'"selection".patches[{i}]'
+        if not isinstance(p, dict) or not isinstance(p.get("ok"), bool):
+            raise RecordDamaged(f"{where} is not a patch entry")
+        selected.append(SelectedPatch(
+            id=_text(p.get("id"), f"{where}.id"),
+            distribution=_text(p.get("distribution"), f"{where}.distribution"),
+            module=_text(p.get("module"), f"{where}.module"),
+            verdict=_text(p.get("verdict"), f"{where}.verdict"),
+            ok=p["ok"],
+            file=_text(p.get("file"), f"{where}.file", optional=True),
+            file_sha256=_text(p.get("file_sha256"), f"{where}.file_sha256", optional=True),
+            block_sha256=_text(p.get("block_sha256"), f"{where}.block_sha256", optional=True),
+            folder=_text(p.get("folder"), f"{where}.folder", optional=True),
+        ))
+    return Selection(tuple(selected), guard, _text(raw.get("project"), '"selection".project',
+                                                   optional=True), tuple(dirs))
