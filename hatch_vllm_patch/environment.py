@@ -170,10 +170,11 @@ def inspect_environment(
     python = choice.python
     payload = [{"distribution": q.distribution, "module": q.module,
                 "relative_path": q.relative_path} for q in queries]
+    expected = {q["module"] for q in payload}
     if in_process and is_running_interpreter(python):
         from . import _probe
 
-        return _environment(choice, _probe.answer(payload))
+        return _environment(choice, _probe.answer(payload), expected)
     if python.is_dir():
         raise InterpreterNotFoundError(
             f"{python} ({choice.reason}) is not a Python environment: it has no bin/python; "
@@ -202,10 +203,10 @@ def inspect_environment(
         data = json.loads(lines[-1])
     except (ValueError, IndexError):
         data = None
-    return _environment(choice, data)
+    return _environment(choice, data, expected)
 
 
-def _environment(choice: InterpreterChoice, data: Any) -> TargetEnvironment:
+def _environment(choice: InterpreterChoice, data: Any, expected: set[str]) -> TargetEnvironment:
     """The probe's answer as a :class:`TargetEnvironment`; TargetEnvironmentError when it is not
     the answer of a Python interpreter running the probe."""
 
@@ -226,6 +227,8 @@ def _environment(choice: InterpreterChoice, data: Any) -> TargetEnvironment:
     dists, mods = data.get("distributions"), data.get("modules")
     if not isinstance(dists, dict) or not isinstance(mods, dict):
         raise bad("'distributions' or 'modules' is not an object")
+    if not expected <= set(mods):
+        raise bad(f"no answer for {', '.join(sorted(expected - set(mods)))}")
     distributions: dict[str, DistributionInfo | None] = {}
     for name, info in dists.items():
         if info is None:

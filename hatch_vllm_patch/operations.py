@@ -254,7 +254,35 @@ class _Session:
             plan = replace(plan, reason=f"would apply: {plan.reason}")
         elif op in _WRITES and plan.new_content is not None:
             plan = self.write(plan, path, patch.target.distribution, facts)
+        if op in _WRITES and plan.verdict not in {Verdict.MODIFIED, Verdict.ERROR}:
+            self.reconcile(path, patch.target.distribution)
         return self.outcome(patch, plan, facts, diff)
+
+    def reconcile(self, path: Path, distribution: str) -> None:
+        """Bring the ledger entry of ``path`` in line with the file, whose original bytes were
+        just checked: a run killed between the file and the record leaves them apart."""
+        content = self.contents.get(str(path))
+        if content is None:
+            return
+        try:
+            parsed = parse_file(content)
+        except MarkerError:
+            return
+        entry = self.record.files.get(str(path))
+        ids = {b.patch_id: b.declared_sha256 for b in parsed.blocks}
+        if entry is not None and entry.patched_sha256 == sha256_hex(content) \
+                and dict(entry.patches) == ids:
+            return
+        if not ids:
+            self.record = self.record.with_file(str(path), None)
+            return
+        self.record = self.record.with_file(str(path), FileEntry(
+            distribution=distribution,
+            distribution_version=self.env.version_of(distribution) or "unknown",
+            original_sha256=sha256_hex(parsed.original),  # checked against RECORD or ledger
+            patched_sha256=sha256_hex(content),
+            patches=ids,
+        ))
 
     def write(self, plan: Plan, path: Path, distribution: str, facts: FileFacts) -> Plan:
         assert plan.new_content is not None and facts.content is not None
@@ -267,14 +295,7 @@ class _Session:
         self.wrote_targets = True
         self.contents[str(path)] = plan.new_content
         drop_bytecode(path, self.env.pycache_prefix)
-        parsed = parse_file(plan.new_content)  # the plan keeps the original bytes as they were
-        self.record = self.record.with_file(str(path), FileEntry(
-            distribution=distribution,
-            distribution_version=self.env.version_of(distribution) or "unknown",
-            original_sha256=sha256_hex(parsed.original),
-            patched_sha256=sha256_hex(plan.new_content),
-            patches={b.patch_id: b.declared_sha256 for b in parsed.blocks},
-        ))
+        self.reconcile(path, distribution)
         return plan
 
     def outcome(self, patch: Patch, plan: Plan, facts: FileFacts, diff: str | None = None
@@ -364,6 +385,8 @@ class _Session:
         new = self.record.with_selection(self.selection_record(outcomes))
         if new.same_as(self.initial):
             return []
+        if not self.wrote_targets and not all(o.ok for o in outcomes):
+            return []  # a refusal or a failure that wrote nothing leaves the record alone too
         path = self.env.purelib / ".hatch-vllm-patch.json"
         try:
             remove_stale_temps(self.env.purelib)
@@ -416,7 +439,11 @@ class _Session:
             block = found.declared_sha256 if found else None
         return SelectedPatch(
             id=patch.id, distribution=patch.target.distribution, module=patch.target.module,
-            verdict=outcome.verdict.value, ok=outcome.ok,
+            # "applied" whether written now or before: an apply with nothing to do must leave
+            # the record byte for byte as it was.
+            verdict=(Verdict.APPLIED if outcome.verdict is Verdict.ALREADY_APPLIED
+                     else outcome.verdict).value,
+            ok=outcome.ok,
             file=str(path) if content is not None else None,
             file_sha256=sha256_hex(content) if content is not None else None,
             block_sha256=block, folder=str(patch.folder))
