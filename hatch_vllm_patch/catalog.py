@@ -22,6 +22,14 @@ from packaging.version import InvalidVersion, Version
 from . import _toml
 from .errors import CatalogError
 
+
+class DuplicatePatchError(CatalogError):
+    """Two patch folders define the same id; ``errors`` says which."""
+
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = errors
+        super().__init__("; ".join(errors))
+
 ShapeClassifier = Callable[[str], "tuple[str, str]"]
 
 _ID = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
@@ -81,6 +89,7 @@ class Catalog(Mapping[str, Patch]):
 
     patches: tuple[Patch, ...]
     root: Path
+    extra_roots: tuple[Path, ...] = ()  # project patch folders merged in
 
     def __getitem__(self, key: str) -> Patch:
         for patch in self.patches:
@@ -96,6 +105,23 @@ class Catalog(Mapping[str, Patch]):
 
     def for_architecture(self, architecture: str) -> tuple[Patch, ...]:
         return tuple(p for p in self.patches if architecture in p.architectures)
+
+    def merged(self, other: Catalog) -> Catalog:
+        """This catalog and ``other`` (a project's own patch folders) as one, in id order.
+
+        The same folder seen twice is one patch; two folders with one id are refused, naming
+        both: which one would win is not a guess to make for the user."""
+        mine = {p.id: p for p in self.patches}
+        clashes = [f"patch id {p.id!r} is defined twice: {mine[p.id].folder} and {p.folder}; "
+                   "rename the project's folder (and its id)"
+                   for p in other.patches
+                   if p.id in mine and mine[p.id].folder.resolve() != p.folder.resolve()]
+        if clashes:
+            raise DuplicatePatchError(clashes)
+        for patch in other.patches:
+            mine.setdefault(patch.id, patch)
+        return Catalog(tuple(mine[i] for i in sorted(mine)), self.root,
+                       (*self.extra_roots, other.root, *other.extra_roots))
 
 
 CATALOG_ENV = "HATCH_VLLM_PATCH_CATALOG"
@@ -119,10 +145,20 @@ def default_catalog_root() -> Path:
     )
 
 
-@lru_cache(maxsize=8)
 def load_catalog(root: Path | None = None) -> Catalog:
-    """Read every ``<root>/<id>/patch.toml``; raise :class:`CatalogError` listing all problems."""
-    root = root or default_catalog_root()
+    """Read every ``<root>/<id>/patch.toml`` (default: :func:`default_catalog_root`); raise
+    :class:`CatalogError` listing all problems. Each folder is read once per process."""
+    return _load_cached(root or default_catalog_root())
+
+
+@lru_cache(maxsize=16)
+def _load_cached(root: Path) -> Catalog:
+    return load_patch_folders(root)
+
+
+def load_patch_folders(root: Path) -> Catalog:
+    """The patch folders directly under ``root`` (a catalog, or a project's own patch folder);
+    :class:`CatalogError` listing every problem of every folder."""
     errors: list[str] = []
     patches: list[Patch] = []
     folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))

@@ -6,6 +6,9 @@ Schema::
     python = ".venv"                       # optional: target interpreter or environment
     guard = "error"                        # optional: what vLLM processes do when a patch is
                                            # not in place: error | warn | apply | off
+    patch-dir = "vllm-patches"             # optional: the project's own patch folders
+                                           # (default: vllm-patches/ when it exists)
+    patches = ["my-fix"]                   # optional: patches for every model served
     models = ["./models/my-finetune"]      # optional: model dirs; config.json gives architectures
 
     [tool.vllm-patch.architectures.Qwen3_5MoeForConditionalGeneration]
@@ -20,12 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from . import _toml
-from .catalog import Catalog
-from .errors import ConfigurationError
+from .catalog import Catalog, DuplicatePatchError, load_patch_folders
+from .errors import CatalogError, ConfigurationError
 from .record import GUARD_MODES
 
 TABLE = "tool.vllm-patch"
-_TOP_KEYS = {"python", "models", "architectures", "guard"}
+DEFAULT_PATCH_DIR = "vllm-patches"
+_TOP_KEYS = {"python", "models", "architectures", "guard", "patch-dir", "patches"}
 _ARCH_KEYS = {"patches"}
 
 
@@ -47,6 +51,8 @@ class Config:
     architectures: tuple[ArchitectureEntry, ...] = ()
     guard: str | None = None  # None: not set (the default mode, "error")
     patch_dirs: tuple[Path, ...] = ()  # the project's own patch folders
+    patches: tuple[str, ...] = ()  # top-level: for whatever model is served
+    catalog: Catalog | None = None  # the catalog with the project's own patches merged in
 
     @property
     def project_dir(self) -> Path:
@@ -64,7 +70,7 @@ def _type_name(value: object) -> str:
 def validate(table: Mapping[str, Any], source: Path, catalog: Catalog) -> Config:
     """Validate the ``[tool.vllm-patch]`` mapping; raise ConfigurationError with all errors."""
     errors: list[str] = []
-    known_ids = ", ".join(catalog) or "(none)"
+    patch_dirs, catalog = _project_patches(table, source, catalog, errors)
     for key in sorted(set(table) - _TOP_KEYS):
         expected = ", ".join(sorted(_TOP_KEYS))
         errors.append(f"{TABLE}.{key}: unknown key (expected one of: {expected})")
@@ -119,22 +125,67 @@ def validate(table: Mapping[str, Any], source: Path, catalog: Catalog) -> Config
             errors.append(f"{where}.patches: expected an array of patch ids, "
                           f"found {_type_name(patches)}")
             continue
-        ids: list[str] = []
-        for i, pid in enumerate(patches):
-            if not isinstance(pid, str):
-                errors.append(f"{where}.patches[{i}]: expected a patch id, found {_type_name(pid)}")
-            elif pid not in catalog:
-                errors.append(f"{where}.patches[{i}]: unknown patch {pid!r} "
-                              f"(known patches: {known_ids})")
-            elif pid in ids:
-                errors.append(f"{where}.patches[{i}]: {pid!r} is listed twice")
-            else:
-                ids.append(pid)
-        entries.append(ArchitectureEntry(name, tuple(ids)))
+        entries.append(ArchitectureEntry(name, _patch_ids(patches, where, catalog, errors)))
+
+    top_patches: tuple[str, ...] = ()
+    raw_patches = table.get("patches", [])
+    if not isinstance(raw_patches, list):
+        errors.append(f"{TABLE}.patches: expected an array of patch ids, "
+                      f"found {_type_name(raw_patches)}")
+    else:
+        top_patches = _patch_ids(raw_patches, TABLE, catalog, errors)
 
     if errors:
         raise ConfigurationError(errors, str(source))
-    return Config(source, python, tuple(models), tuple(entries), guard)
+    return Config(source, python, tuple(models), tuple(entries), guard, patch_dirs, top_patches,
+                  catalog)
+
+
+def _patch_ids(values: list[Any], where: str, catalog: Catalog, errors: list[str]
+               ) -> tuple[str, ...]:
+    known_ids = ", ".join(catalog) or "(none)"
+    ids: list[str] = []
+    for i, pid in enumerate(values):
+        if not isinstance(pid, str):
+            errors.append(f"{where}.patches[{i}]: expected a patch id, found {_type_name(pid)}")
+        elif pid not in catalog:
+            errors.append(f"{where}.patches[{i}]: unknown patch {pid!r} "
+                          f"(known patches: {known_ids})")
+        elif pid in ids:
+            errors.append(f"{where}.patches[{i}]: {pid!r} is listed twice")
+        else:
+            ids.append(pid)
+    return tuple(ids)
+
+
+def _project_patches(table: Mapping[str, Any], source: Path, catalog: Catalog,
+                     errors: list[str]) -> tuple[tuple[Path, ...], Catalog]:
+    """The project's own patch folder (``patch-dir``, default ``vllm-patches`` when it exists),
+    merged into ``catalog``."""
+    raw = table.get("patch-dir")
+    if raw is None:
+        folder = source.parent / DEFAULT_PATCH_DIR
+        if not folder.is_dir():
+            return (), catalog
+    elif not isinstance(raw, str) or not raw.strip():
+        errors.append(f"{TABLE}.patch-dir: expected a folder path, found {_type_name(raw)}")
+        return (), catalog
+    else:
+        folder = source.parent / raw
+        if not folder.is_dir():
+            errors.append(f"{TABLE}.patch-dir: {raw!r} is not a folder ({folder} not found)")
+            return (), catalog
+    folder = folder.resolve()
+    try:
+        merged = catalog.merged(load_patch_folders(folder))
+    except DuplicatePatchError as exc:
+        errors += [f"{TABLE}.patch-dir: {e}" for e in exc.errors]
+        return (folder,), catalog
+    except CatalogError as exc:
+        errors += [f"{TABLE}.patch-dir: {line}" for line in str(exc).splitlines()
+                   if line.strip() and line != "the patch catalog is invalid:"]
+        return (folder,), catalog
+    return (folder,), merged
 
 
 def load_project_config(project_dir: Path, catalog: Catalog) -> Config | None:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .catalog import Catalog, Patch, load_catalog
+from .catalog import Catalog, Patch, load_catalog, load_patch_folders
 from .config import Config, load_project_config
 from .engine import (
     FileFacts,
@@ -39,7 +39,7 @@ from .environment import (
     inspect_environment,
     run_bounded,
 )
-from .errors import TargetEnvironmentError, UsageError
+from .errors import CatalogError, ConfigurationError, TargetEnvironmentError, UsageError
 from .files import drop_bytecode, locked, remove_stale_temps, write_atomic
 from .markers import MarkerError, parse_file, sha256_hex
 from .record import (
@@ -81,6 +81,7 @@ class Request:
     deep: bool = False
     catalog: Catalog | None = None
     config: Config | None = None  # given: used as is; None: read from the project
+    extra_patch_dirs: tuple[Path, ...] = ()  # project patch folders to merge (the guard's record)
     in_process: bool = True  # inspect the running interpreter in this process when it is the target
     on_wait: Callable[[str], None] | None = field(default=None, compare=False)
 
@@ -96,6 +97,13 @@ def resolve(request: Request) -> tuple[Catalog, Config | None, Selection, Interp
     config = request.config
     if config is None and project_dir is not None:
         config = load_project_config(project_dir, catalog)
+    if config is not None and config.catalog is not None:
+        catalog = config.catalog
+    for folder in request.extra_patch_dirs:
+        try:
+            catalog = catalog.merged(load_patch_folders(folder))
+        except CatalogError as exc:
+            raise ConfigurationError([f"{folder}: {exc}"]) from None
     selection = select(catalog, config, patches=request.patches,
                        architectures=request.architectures, models=request.models)
     choice = choose_interpreter(project_dir, request.python, config.python if config else None)

@@ -117,6 +117,8 @@ def select(
         return builder.build()
     if config is None:
         return builder.build()
+    for pid in config.patches:
+        builder.add(pid, "[tool.vllm-patch] patches (for every model served)")
     by_arch: dict[str, ModelInfo] = {}
     for i, path in enumerate(config.models):
         info = read_model(path, f"tool.vllm-patch.models[{i}]")

@@ -112,6 +112,14 @@ def demo_wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return wheels
 
 
+@pytest.fixture(scope="session")
+def project_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This checkout built as a wheel, to install where a downstream project would have it."""
+    out = tmp_path_factory.mktemp("dist")
+    run([UV, "build", "--wheel", "--quiet", "--out-dir", str(out), str(REPO)])
+    return next(out.glob("hatch_vllm_patch-*.whl"))
+
+
 @pytest.fixture
 def demo_catalog(tmp_path: Path) -> Path:
     return write_demo_catalog(tmp_path / "catalog")

@@ -61,7 +61,8 @@ def test_every_error_is_reported_with_its_toml_path(tmp_path: Path, catalog: Cat
     with pytest.raises(ConfigurationError) as info:
         load_project_config(root, catalog)
     assert info.value.errors == [
-        "tool.vllm-patch.extra: unknown key (expected one of: architectures, guard, models, python)",
+        "tool.vllm-patch.extra: unknown key (expected one of: architectures, guard, models, "
+        "patch-dir, patches, python)",
         "tool.vllm-patch.python: expected a non-empty string, found an integer",
         "tool.vllm-patch.models: expected an array of paths, found a string",
         "tool.vllm-patch.architectures.A: expected a table (e.g. patches = [...]), found an array",

@@ -100,20 +100,22 @@ def test_without_two_phase_setting_apply_fixes_what_sync_left(tmp_path: Path) ->
     assert re.search(rf"missing\s+{PATCH}", result.stdout), result.stdout
     assert "hatch_vllm_patch apply" in result.stdout
 
-    # vLLM would load the project's general plugin, which reports the missing patch.
-    check = ("import logging; logging.basicConfig(); "
-             "from qwen36_service.vllm_plugin import check_patches; check_patches()")
+    # vLLM loads hatch-vllm-patch's guard in every process: without a record of an apply it
+    # checks the project's [tool.vllm-patch] (guard = "error": it stops the process).
     plugins = uv(project, "run", "--no-sync", "python", "-c",
                  "import importlib.metadata as m; "
                  "print([e.value for e in m.entry_points(group='vllm.general_plugins')])")
-    assert "qwen36_service.vllm_plugin:check_patches" in plugins.stdout
-    logged = uv(project, "run", "--no-sync", "python", "-c", check)
-    assert f"{PATCH} is missing" in logged.stderr
+    assert plugins.stdout.strip() == "['hatch_vllm_patch.guard:check']", plugins.stdout
+    load = "from vllm.plugins import load_general_plugins; load_general_plugins(); print('served')"
+    stopped = uv(project, "run", "--no-sync", "python", "-c", load, check=False)
+    assert stopped.returncode == 1 and "served" not in stopped.stdout, stopped.stdout
+    assert f"{PATCH}: missing in" in stopped.stderr and "Traceback" not in stopped.stderr
 
     applied = uv(project, "run", "vllm-patch", "apply")
     assert re.search(rf"applied\s+{PATCH}", applied.stdout), applied.stdout
     assert verify(project).returncode == 0
-    assert PATCH not in uv(project, "run", "--no-sync", "python", "-c", check).stderr
+    started = uv(project, "run", "--no-sync", "python", "-c", load)
+    assert "served" in started.stdout and "patches in place" in started.stdout + started.stderr
 
     served = uv(project, "run", "--no-sync", "qwen36-serve", "/models/ft", "--dry-run")
     assert "vllm serve /models/ft --tensor-parallel-size 2 --hf-overrides" in served.stdout

@@ -301,14 +301,6 @@ def as_nobody(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
                           check=False)
 
 
-@pytest.fixture(scope="module")
-def project_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("dist")
-    run([UV, "build", "--wheel", "--quiet", "--out-dir", str(out),
-         str(Path(__file__).resolve().parents[1])])
-    return next(out.glob("hatch_vllm_patch-*.whl"))
-
-
 @pytest.fixture
 def world_readable_dir() -> Iterator[Path]:
     """A directory that uid 65534 can enter (pytest's own temporary directories are 0700)."""

@@ -1,0 +1,335 @@
+"""The guard that vLLM loads in every process (``vllm.general_plugins``): modes, healing, the
+in-memory re-run of blocks, and silence where there is nothing to guard.
+
+Fast tests use the demo distribution in a venv that also has hatch-vllm-patch installed from its
+wheel, as a downstream project has it, and call the guard as vLLM does (the entry point, in a new
+process). The slow test runs vLLM 0.20.2's own plugin loading in ``spawn`` children.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import DEMO_BLOCK, write_demo_catalog
+from venvs import UV, create_venv, run, site_packages
+
+RECORD = ".hatch-vllm-patch.json"
+PATCH = "kv-cache-page-unification"
+
+# What vLLM does in each process: load the entry points of vllm.general_plugins and call them.
+# `pre` imports the target module first, as vLLM's engine core does before loading plugins.
+DEMO_PROCESS = textwrap.dedent("""\
+    import importlib.metadata, logging, sys
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if sys.argv[1:] == ["pre"]:
+        import demo_pkg.core
+    for ep in importlib.metadata.entry_points(group="vllm.general_plugins"):
+        ep.load()()
+    import demo_pkg.core
+    print("patched:", "_hvp_demo_original" in vars(demo_pkg.core))
+    """)
+
+
+@pytest.fixture
+def guarded(tmp_path: Path, demo_wheels: dict[str, Path], project_wheel: Path) -> Path:
+    """A venv with demo-pkg 1.0.0 and hatch-vllm-patch (its guard entry point included)."""
+    return create_venv(tmp_path / "venv", str(demo_wheels["1.0.0"]), str(project_wheel))
+
+
+def vllm_like(python: Path, cwd: Path, *args: str, mode: str | None = None,
+              catalog: Path | None = None) -> subprocess.CompletedProcess[str]:
+    program = cwd / "serve.py"
+    program.write_text(DEMO_PROCESS)
+    env = {k: v for k, v in os.environ.items()
+           if k not in {"HATCH_VLLM_PATCH_GUARD", "VIRTUAL_ENV", "HATCH_VLLM_PATCH_CATALOG"}}
+    if mode is not None:
+        env["HATCH_VLLM_PATCH_GUARD"] = mode
+    if catalog is not None:
+        env["HATCH_VLLM_PATCH_CATALOG"] = str(catalog)
+    return subprocess.run([str(python), str(program), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def cli_in(python: Path, *args: str, catalog: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return run([str(python), "-m", "hatch_vllm_patch", *args], cwd=cwd,
+               env={"HATCH_VLLM_PATCH_CATALOG": str(catalog)}, check=False)
+
+
+def reinstall_demo(python: Path, wheel: Path) -> None:
+    run([UV, "pip", "install", "--quiet", "--reinstall", "--no-deps", "--python", str(python),
+         str(wheel)])
+
+
+def test_entry_point_is_shipped(guarded: Path) -> None:
+    """Installing hatch-vllm-patch registers the guard in vllm.general_plugins."""
+    proc = run([str(guarded), "-c", "import importlib.metadata as m; print([(e.name, e.value) "
+                "for e in m.entry_points(group='vllm.general_plugins')])"])
+    assert proc.stdout.strip() == "[('hatch_vllm_patch', 'hatch_vllm_patch.guard:check')]"
+
+
+def test_in_place_logs_one_info_line(guarded: Path, tmp_path: Path) -> None:
+    """After apply, the guard logs one INFO line naming the patches and its time."""
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    assert cli_in(guarded, "apply", "--patch", "demo-fix", catalog=catalog,
+                  cwd=tmp_path).returncode == 0
+    proc = vllm_like(guarded, tmp_path, catalog=catalog)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "hatch-vllm-patch" in line]
+    assert len(lines) == 1 and lines[0].startswith("INFO vllm.hatch_vllm_patch: "), lines
+    assert "patches in place (demo-fix) [guard error, " in lines[0] and " ms]" in lines[0]
+    assert "patched: True" in proc.stdout
+
+
+def test_modes_after_a_reinstall_behind_our_back(guarded: Path, tmp_path: Path,
+                                                 demo_wheels: dict[str, Path]) -> None:
+    """After a reinstall without apply: error stops with the fix, warn logs and goes on, off is
+    silent, apply heals the file and the module a process had already imported."""
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    cli_in(guarded, "apply", "--patch", "demo-fix", catalog=catalog, cwd=tmp_path)
+    reinstall_demo(guarded, demo_wheels["1.0.0"])
+    target = site_packages(guarded.parent.parent) / "demo_pkg" / "core.py"
+    unpatched = target.read_bytes()
+
+    stopped = vllm_like(guarded, tmp_path, catalog=catalog)
+    assert stopped.returncode == 1 and "Traceback" not in stopped.stderr
+    assert "patched:" not in stopped.stdout
+    message = stopped.stderr
+    for part in ("demo-fix: missing in", str(target), "fix: run: python -m hatch_vllm_patch "
+                 "apply", "guard error"):
+        assert part in message, message
+
+    warned = vllm_like(guarded, tmp_path, mode="warn", catalog=catalog)
+    assert warned.returncode == 0 and "patched: False" in warned.stdout
+    assert "WARNING vllm.hatch_vllm_patch:" in warned.stdout and "demo-fix: missing" in \
+        warned.stdout
+    assert target.read_bytes() == unpatched
+
+    silent = vllm_like(guarded, tmp_path, mode="off", catalog=catalog)
+    assert "hatch-vllm-patch" not in silent.stdout + silent.stderr
+
+    healed = vllm_like(guarded, tmp_path, "pre", mode="apply", catalog=catalog)
+    assert healed.returncode == 0, healed.stdout + healed.stderr
+    assert "healed (demo-fix)" in healed.stdout
+    assert "demo-fix re-run in the already imported demo_pkg.core" in healed.stdout
+    assert "patched: True" in healed.stdout, "the imported module kept the original"
+    assert target.read_bytes() != unpatched
+    again = vllm_like(guarded, tmp_path, catalog=catalog)
+    assert "patches in place (demo-fix)" in again.stdout and "patched: True" in again.stdout
+
+
+def test_silent_without_record_or_configuration(guarded: Path, tmp_path: Path) -> None:
+    """A vLLM that merely has hatch-vllm-patch installed: no record, no pyproject.toml above the
+    working directory: the guard says nothing and changes nothing."""
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = vllm_like(guarded, work)
+    assert proc.returncode == 0, proc.stderr
+    assert "hatch-vllm-patch" not in proc.stdout + proc.stderr
+    assert not (site_packages(guarded.parent.parent) / RECORD).exists()
+
+
+def test_without_record_the_nearest_pyproject_decides(guarded: Path, tmp_path: Path) -> None:
+    """No apply ever ran here (pip, a Ray node): the [tool.vllm-patch] of the nearest
+    pyproject.toml above the working directory selects, and its guard mode applies."""
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    project = tmp_path / "project"
+    (project / "deep" / "inside").mkdir(parents=True)
+    (project / "pyproject.toml").write_text(
+        '[tool.vllm-patch]\nguard = "apply"\n\n[tool.vllm-patch.architectures.DemoForCausalLM]\n')
+    proc = vllm_like(guarded, project / "deep" / "inside", catalog=catalog)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "healed (demo-fix)" in proc.stdout and "patched: True" in proc.stdout
+    record = json.loads((site_packages(guarded.parent.parent) / RECORD).read_text())
+    assert record["selection"]["guard"] == "apply"
+    assert [p["id"] for p in record["selection"]["patches"]] == ["demo-fix"]
+
+
+def test_revert_of_everything_clears_the_selection(guarded: Path, tmp_path: Path) -> None:
+    """revert (all) leaves no selection: the guard has nothing to check."""
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    cli_in(guarded, "apply", "--patch", "demo-fix", catalog=catalog, cwd=tmp_path)
+    cli_in(guarded, "revert", catalog=catalog, cwd=tmp_path)
+    path = site_packages(guarded.parent.parent) / RECORD
+    assert json.loads(path.read_text())["selection"] is None
+    proc = vllm_like(guarded, tmp_path, catalog=catalog)
+    assert "hatch-vllm-patch" not in proc.stdout + proc.stderr
+
+
+@contextlib.contextmanager
+def read_only(path: Path) -> Iterator[None]:
+    """``path`` as a read-only bind mount (root only): even root cannot write there."""
+    if os.geteuid() != 0:
+        pytest.skip("a read-only bind mount needs root")
+    done = subprocess.run(["mount", "--bind", str(path), str(path)], capture_output=True,
+                          check=False)
+    if done.returncode != 0:
+        pytest.skip("bind mounts are not available here")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], check=True)
+        yield
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
+
+
+def test_read_only_environment_in_apply_mode(guarded: Path, tmp_path: Path,
+                                             demo_wheels: dict[str, Path]) -> None:
+    """apply mode cannot heal a read-only environment: the message, exit 1, no traceback."""
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    cli_in(guarded, "apply", "--patch", "demo-fix", catalog=catalog, cwd=tmp_path)
+    reinstall_demo(guarded, demo_wheels["1.0.0"])
+    package = site_packages(guarded.parent.parent) / "demo_pkg"
+    with read_only(package):
+        proc = vllm_like(guarded, tmp_path, mode="apply", catalog=catalog)
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
+    assert "could not heal" in proc.stderr and "Read-only file system" in proc.stderr
+
+
+NEURON_STAND_INS = {
+    "neuron-runner-kv-spec": ("NeuronxDistributedModelRunner", "get_kv_cache_spec", textwrap.dedent(
+        """\
+        class NeuronxDistributedModelRunner:
+            def get_kv_cache_spec(self):
+                return {"layers.0.self_attn": 1}
+        """)),
+    "neuron-platform-prefix-caching": ("NeuronPlatform", "check_and_update_config",
+                                       textwrap.dedent(
+        """\
+        class NeuronPlatform:
+            @classmethod
+            def check_and_update_config(cls, vllm_config):
+                return None
+        """)),
+}
+
+
+def wrappers(function: object, patch_id: str) -> int:
+    count = 0
+    function = getattr(function, "__func__", function)
+    while getattr(function, "_hvp_patch_id", None) == patch_id:
+        count, function = count + 1, getattr(function, "__wrapped__", None)
+    return count
+
+
+@pytest.mark.parametrize("patch_id", sorted(NEURON_STAND_INS))
+def test_neuron_blocks_run_twice_wrap_once(patch_id: str) -> None:
+    """apply mode re-runs a block in a module a process already imported: the catalog's blocks
+    find their own wrapper and leave it (the KV block is checked on real vLLM, in scenarios.py
+    and in the spawn test below)."""
+    cls_name, method, source = NEURON_STAND_INS[patch_id]
+    block = (Path(__file__).resolve().parents[1] / "patches" / patch_id / "block.py").read_text()
+    namespace: dict[str, object] = {"__name__": "stand_in"}
+    exec(source, namespace)
+    exec(block, namespace)
+    first = vars(namespace[cls_name])[method]
+    exec(block, namespace)
+    again = vars(namespace[cls_name])[method]
+    assert again is first and wrappers(again, patch_id) == 1
+
+
+def test_demo_block_run_twice_wraps_the_original_once() -> None:
+    """The demo block, run twice, still wraps vLLM's... the module's original function once."""
+    namespace: dict[str, object] = {}
+    exec("def compute(values):\n    return max(values)\n", namespace)
+    original = namespace["compute"]
+    exec(DEMO_BLOCK, namespace)
+    exec(DEMO_BLOCK, namespace)
+    assert namespace["_hvp_demo_original"] is original
+
+
+# --- real vLLM: its own plugin loading, in spawn children -------------------------------------
+
+SPAWN = textwrap.dedent("""\
+    import multiprocessing, sys
+
+    def child(pre):
+        if pre:  # as vLLM's engine core: the module is imported before the plugins are loaded
+            import vllm.v1.core.kv_cache_utils
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        import vllm.v1.core.kv_cache_utils as k
+        function = k.unify_kv_cache_spec_page_size
+        print("CHILD patched:", getattr(function, "_hvp_patch_id", None), flush=True)
+
+    if __name__ == "__main__":
+        process = multiprocessing.get_context("spawn").Process(
+            target=child, args=(sys.argv[1:] == ["pre"],))
+        process.start()
+        process.join()
+        sys.exit(process.exitcode)
+    """)
+
+
+@pytest.fixture(scope="module")
+def vllm_guarded(tmp_path_factory: pytest.TempPathFactory, project_wheel: Path) -> Path:
+    """A full vllm==0.20.2 with hatch-vllm-patch installed from its wheel, not yet patched."""
+    return create_venv(tmp_path_factory.mktemp("guarded") / "venv", "vllm==0.20.2",
+                       str(project_wheel))
+
+
+@pytest.mark.slow
+def test_vllm_spawn_children_are_guarded(vllm_guarded: Path, tmp_path: Path) -> None:
+    """vLLM 0.20.2's load_general_plugins in spawn children: the INFO line after apply; after a
+    reinstall error stops, warn goes on unpatched, apply heals the already imported module and
+    the next child gets the patched file; silence without a record or a project."""
+    python = vllm_guarded
+    program = tmp_path / "spawn.py"
+    program.write_text(SPAWN)
+    work = tmp_path / "work"
+    work.mkdir()
+    target = site_packages(python.parent.parent) / "vllm" / "v1" / "core" / "kv_cache_utils.py"
+
+    def spawn(*args: str, mode: str | None = None) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items()
+               if k not in {"HATCH_VLLM_PATCH_GUARD", "VIRTUAL_ENV", "HATCH_VLLM_PATCH_CATALOG"}}
+        env["HF_HUB_OFFLINE"] = "1"
+        if mode:
+            env["HATCH_VLLM_PATCH_GUARD"] = mode
+        proc = subprocess.run([str(python), str(program), *args], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=900, check=False)
+        assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+        return proc
+
+    def reinstall() -> None:
+        run([UV, "pip", "install", "--quiet", "--reinstall", "--no-deps", "--python",
+             str(python), "vllm==0.20.2"])
+
+    run([str(python), "-m", "hatch_vllm_patch", "apply", "--patch", PATCH], cwd=work)
+    ok = spawn()
+    assert ok.returncode == 0 and f"CHILD patched: {PATCH}" in ok.stdout
+    assert f"hatch-vllm-patch: patches in place ({PATCH}) [guard error" in ok.stdout
+
+    reinstall()
+    stopped = spawn()
+    assert stopped.returncode == 1 and "CHILD patched" not in stopped.stdout
+    assert f"{PATCH}: missing in {target}" in stopped.stderr
+    assert "fix: run: python -m hatch_vllm_patch apply" in stopped.stderr
+
+    warned = spawn(mode="warn")
+    assert warned.returncode == 0 and "CHILD patched: None" in warned.stdout
+    assert f"{PATCH}: missing" in warned.stdout
+
+    healed = spawn("pre", mode="apply")
+    assert healed.returncode == 0, healed.stdout
+    assert f"{PATCH} re-run in the already imported vllm.v1.core.kv_cache_utils" in healed.stdout
+    assert f"CHILD patched: {PATCH}" in healed.stdout
+    second = spawn()
+    assert f"CHILD patched: {PATCH}" in second.stdout and "patches in place" in second.stdout
+
+    reinstall()
+    with read_only(target.parent):
+        blocked = spawn(mode="apply")
+    assert blocked.returncode == 1 and "could not heal" in blocked.stderr
+
+    run([str(python), "-m", "hatch_vllm_patch", "revert"], cwd=work)
+    (site_packages(python.parent.parent) / RECORD).unlink()
+    silent = spawn()
+    assert silent.returncode == 0 and "CHILD patched: None" in silent.stdout
+    assert "hatch-vllm-patch" not in silent.stdout + silent.stderr
