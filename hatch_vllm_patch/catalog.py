@@ -38,20 +38,33 @@ _SYMBOL = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)?$")
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
+ABSENT = "absent"  # a shape entry meaning: the symbol must not exist (a function the patch adds)
+
+
 @dataclass(frozen=True)
 class Target:
-    """Where a patch goes: a symbol in a module of an installed distribution."""
+    """Where a patch goes: symbols (functions, or methods of classes) in a module of an
+    installed distribution. The first symbol names the patch's target in messages."""
 
     distribution: str
     module: str
-    symbol: str
+    symbols: tuple[str, ...]
     optional: bool = False
+    version: str | None = None  # the version the patch was made on (informational)
+
+    @property
+    def symbol(self) -> str:
+        return self.symbols[0]
 
     @property
     def relative_path(self) -> str:
-        """The module's file relative to its top-level package directory."""
-        parts = self.module.split(".")[1:]
-        return "/".join(parts) + ".py" if parts else "__init__.py"
+        return module_relative_path(self.module)
+
+
+def module_relative_path(module: str) -> str:
+    """A module's file relative to its top-level package directory."""
+    parts = module.split(".")[1:]
+    return "/".join(parts) + ".py" if parts else "__init__.py"
 
 
 @dataclass(frozen=True)
@@ -66,11 +79,24 @@ class Patch:
     architectures: tuple[str, ...]
     target: Target
     fixed_in: Version | None
-    shapes: frozenset[str]
+    symbol_shapes: Mapping[str, frozenset[str]]  # symbol -> known digests (or ABSENT)
     block: str
     folder: Path
     classifier_path: Path | None = None
     probe_path: Path | None = None
+    # Digests of the target symbol in releases known to carry the upstream fix; an entry
+    # "module:digest" names the module the symbol moved to.
+    fixed_shapes: frozenset[str] = frozenset()
+
+    @property
+    def shapes(self) -> frozenset[str]:
+        """The known digests of the (first) target symbol."""
+        return self.symbol_shapes.get(self.target.symbol, frozenset())
+
+    @property
+    def fixed_modules(self) -> tuple[str, ...]:
+        """Other modules where the fixed symbol may now live (from ``fixed-shapes``)."""
+        return tuple(sorted({s.split(":", 1)[0] for s in self.fixed_shapes if ":" in s}))
 
     @property
     def block_digest(self) -> str:
@@ -215,21 +241,24 @@ def _load_patch(folder: Path) -> Patch:
     if not isinstance(applies, dict):
         errors.append(f"{where}: [applies] must be a table")
         applies = {}
-    for key in sorted(set(target_table) - {"distribution", "module", "symbol", "optional"}):
+    for key in sorted(set(target_table) - {"distribution", "module", "symbol", "symbols",
+                                           "optional", "version"}):
         errors.append(f"{where}: unknown key target.{key}")
-    for key in sorted(set(applies) - {"fixed-in", "shapes", "classifier"}):
+    for key in sorted(set(applies) - {"fixed-in", "fixed-shapes", "shapes", "classifier"}):
         errors.append(f"{where}: unknown key applies.{key}")
 
     module = text(target_table, "module", "target.module")
     if module and not _MODULE.match(module):
         errors.append(f"{where}: target.module {module!r} is not a dotted module path")
-    symbol = text(target_table, "symbol", "target.symbol")
-    if symbol and not _SYMBOL.match(symbol):
-        errors.append(f"{where}: target.symbol {symbol!r} must be 'name' or 'Class.name'")
+    symbols = _symbols(target_table, where, errors)
     optional = target_table.get("optional", False)
     if not isinstance(optional, bool):
         errors.append(f"{where}: target.optional must be true or false")
         optional = False
+    version = target_table.get("version")
+    if version is not None and not isinstance(version, str):
+        errors.append(f"{where}: target.version must be a string")
+        version = None
 
     fixed_in: Version | None = None
     if "fixed-in" in applies:
@@ -237,16 +266,19 @@ def _load_patch(folder: Path) -> Patch:
             fixed_in = Version(str(applies["fixed-in"]))
         except InvalidVersion:
             errors.append(f"{where}: applies.fixed-in {applies['fixed-in']!r} is not a version")
-    shapes = strings(applies, "shapes", "applies.shapes")
-    for digest in shapes:
-        if not _SHA256.match(digest):
-            errors.append(f"{where}: applies.shapes entry {digest!r} is not a sha256 hex digest")
+    symbol_shapes = _shapes(applies.get("shapes"), symbols, where, errors)
+    fixed_shapes = strings(applies, "fixed-shapes", "applies.fixed-shapes")
+    for i, entry in enumerate(fixed_shapes):
+        owner, _, digest = entry.rpartition(":")
+        if not _SHA256.match(digest) or (owner and not _MODULE.match(owner)):
+            errors.append(f"{where}: applies.fixed-shapes[{i}]: {entry!r} is not a sha256 digest "
+                          "or 'module:digest'")
     classifier_path: Path | None = None
     if "classifier" in applies:
         classifier_path = folder / str(applies["classifier"])
         if not classifier_path.is_file():
             errors.append(f"{where}: applies.classifier {classifier_path} does not exist")
-    if not shapes and classifier_path is None:
+    if not symbol_shapes and classifier_path is None:
         errors.append(f"{where}: [applies] needs `shapes` (known digests) or `classifier`")
 
     block_path = folder / "block.py"
@@ -279,14 +311,70 @@ def _load_patch(folder: Path) -> Patch:
         links=links,
         removal=removal,
         architectures=architectures,
-        target=Target(distribution=distribution, module=module, symbol=symbol, optional=optional),
+        target=Target(distribution=distribution, module=module, symbols=symbols,
+                      optional=optional, version=version),
         fixed_in=fixed_in,
-        shapes=frozenset(shapes),
+        symbol_shapes=symbol_shapes,
+        fixed_shapes=frozenset(fixed_shapes),
         block=block,
         folder=folder,
         classifier_path=classifier_path,
         probe_path=probe if probe.is_file() else None,
     )
+
+
+def _symbols(target: dict[str, Any], where: str, errors: list[str]) -> tuple[str, ...]:
+    """``target.symbol`` (one) or ``target.symbols`` (several), each 'name' or 'Class.name'."""
+    if ("symbol" in target) == ("symbols" in target):
+        errors.append(f"{where}: [target] needs exactly one of `symbol` or `symbols`")
+        return ("?",)
+    raw = [target["symbol"]] if "symbol" in target else target["symbols"]
+    key = "target.symbol" if "symbol" in target else "target.symbols"
+    if not isinstance(raw, list) or not raw:
+        errors.append(f"{where}: {key} must be a non-empty list of names")
+        return ("?",)
+    for i, name in enumerate(raw):
+        if not isinstance(name, str) or not _SYMBOL.match(name):
+            shown = key if "symbol" in target else f"{key}[{i}]"
+            errors.append(f"{where}: {shown} {name!r} must be 'name' or 'Class.name'")
+    if len(set(map(str, raw))) != len(raw):
+        errors.append(f"{where}: {key} lists a name twice")
+    return tuple(str(n) for n in raw)
+
+
+def _shapes(raw: object, symbols: tuple[str, ...], where: str, errors: list[str]
+            ) -> dict[str, frozenset[str]]:
+    """``applies.shapes``: a list of digests of the one target symbol, or a table from each
+    target symbol to its digests (``"absent"``: a symbol the patch adds must not exist)."""
+    if raw is None:
+        return {}
+    table: dict[str, object]
+    if isinstance(raw, list):
+        if len(symbols) != 1:
+            errors.append(f"{where}: applies.shapes must be a table (symbol = [digests]) when "
+                          "target.symbols lists several")
+            return {}
+        table = {symbols[0]: raw}
+    elif isinstance(raw, dict):
+        table = dict(raw)
+        for name in sorted(set(table) ^ set(symbols)):
+            errors.append(f"{where}: applies.shapes.{name}: "
+                          + ("not a target symbol" if name in table else "missing"))
+    else:
+        errors.append(f"{where}: applies.shapes must be a list of digests or a table")
+        return {}
+    shapes: dict[str, frozenset[str]] = {}
+    for name, digests in table.items():
+        path = "applies.shapes" if isinstance(raw, list) else f"applies.shapes.{name}"
+        if not isinstance(digests, list) or not digests:
+            errors.append(f"{where}: {path} must be a non-empty list of digests")
+            continue
+        for i, digest in enumerate(digests):
+            if not isinstance(digest, str) or not (_SHA256.match(digest) or digest == ABSENT):
+                errors.append(f"{where}: {path}[{i}]: {digest!r} is not a sha256 hex digest "
+                              f"(or {ABSENT!r})")
+        shapes[name] = frozenset(str(d) for d in digests)
+    return shapes
 
 
 @cache

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import ast
 import enum
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from packaging.version import InvalidVersion, Version
 
+from .catalog import ABSENT
 from .markers import (
     BEGIN,
     END,
@@ -30,10 +32,31 @@ if TYPE_CHECKING:
     from .catalog import Patch
 
 __all__ = [
-    "BEGIN", "END", "AppliedBlock", "FileFacts", "Inspection", "MarkerError", "ParsedFile", "Plan",
-    "Verdict", "classify_shape", "find_symbol", "inspect", "locate_function", "parse_file",
-    "plain_parameters", "plan_apply", "plan_remove_blocks", "plan_revert", "plan_verify",
-    "render_block", "sha256_hex", "symbol_digest",
+    "BEGIN",
+    "END",
+    "AppliedBlock",
+    "FileFacts",
+    "Inspection",
+    "MarkerError",
+    "ParsedFile",
+    "Plan",
+    "Verdict",
+    "classify_shape",
+    "find_symbol",
+    "fixed_shape_note",
+    "inspect",
+    "locate_function",
+    "locate_in",
+    "node_source",
+    "parse_file",
+    "plain_parameters",
+    "plan_apply",
+    "plan_remove_blocks",
+    "plan_revert",
+    "plan_verify",
+    "render_block",
+    "sha256_hex",
+    "symbol_digest",
 ]
 
 
@@ -70,6 +93,8 @@ class FileFacts:
     ledger_original_sha256: str | None = None  # what we recorded as original when we patched it
     known_ids: frozenset[str] | None = None  # the catalog's ids; None: do not check other blocks
     read_error: str | None = None
+    # Other modules of the distribution where a fixed release keeps the symbol (fixed-shapes).
+    elsewhere: Mapping[str, bytes | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -91,6 +116,11 @@ def locate_function(source: str, symbol: str) -> tuple[FunctionNode | None, str]
         tree = ast.parse(source)
     except SyntaxError as exc:
         return None, f"the module does not parse: {exc.msg} (line {exc.lineno})"
+    return locate_in(tree, symbol)
+
+
+def locate_in(tree: ast.Module, symbol: str) -> tuple[FunctionNode | None, str]:
+    """:func:`locate_function` in an already parsed module."""
     scope: list[ast.stmt] = tree.body
     *classes, name = symbol.split(".")
     for class_name in classes:
@@ -104,6 +134,13 @@ def locate_function(source: str, symbol: str) -> tuple[FunctionNode | None, str]
         owner = f"{classes[-1]} defines no method" if classes else "no module-level function"
         return None, f"{owner} {name}"
     return defs[-1], ""
+
+
+def node_source(source: str, node: FunctionNode) -> str:
+    """The exact source lines of a ``def`` (first decorator to last line)."""
+    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+    last = node.end_lineno or node.lineno
+    return "".join(source.splitlines(keepends=True)[first - 1 : last])
 
 
 def find_symbol(source: str, symbol: str) -> FunctionNode | None:
@@ -123,16 +160,14 @@ def plain_parameters(node: FunctionNode) -> tuple[str, ...] | None:
 def symbol_digest(source: str, symbol: str) -> str | None:
     """sha256 of the exact source lines of ``symbol`` (first decorator to last line), or None."""
     node = find_symbol(source, symbol)
-    if node is None:
-        return None
-    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-    last = node.end_lineno or node.lineno
-    lines = source.splitlines(keepends=True)[first - 1 : last]
-    return sha256_hex("".join(lines).encode("utf-8"))
+    return None if node is None else sha256_hex(node_source(source, node).encode("utf-8"))
 
 
 def classify_shape(patch: Patch, original: bytes) -> tuple[str, str]:
-    """("known" | "not-applicable" | "unknown", reason) for the original text of the target."""
+    """("known" | "not-applicable" | "unknown", reason) for the original text of the target.
+
+    With a classifier (``classify.py``) it decides; otherwise every target symbol must have one
+    of its known digests (a symbol the patch adds, known as ``"absent"``, must not exist)."""
     try:
         source = original.decode("utf-8")
     except UnicodeDecodeError:
@@ -143,15 +178,54 @@ def classify_shape(patch: Patch, original: bytes) -> tuple[str, str]:
         if status not in {"known", "not-applicable", "unknown"}:
             return "unknown", f"classifier returned {status!r}"
         return status, reason
-    node, missing = locate_function(source, patch.target.symbol)
-    digest = symbol_digest(source, patch.target.symbol)
-    if node is None or digest is None:
-        return "unknown", f"{patch.target.symbol} is not defined in this file ({missing})"
-    if digest in patch.shapes:
-        return "known", f"{patch.target.symbol} has a known shape (sha256 {digest[:12]})"
-    return "unknown", (
-        f"{patch.target.symbol} has a shape this patch does not know (sha256 {digest[:12]})"
-    )
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as exc:
+        return "unknown", f"the module does not parse: {exc.msg} (line {exc.lineno})"
+    seen = []
+    for symbol, known in patch.symbol_shapes.items():
+        node, missing = locate_in(tree, symbol)
+        if node is None:
+            if ABSENT in known:
+                seen.append(f"{symbol} absent")
+                continue
+            return "unknown", f"{symbol} is not defined in this file ({missing})"
+        digest = sha256_hex(node_source(source, node).encode("utf-8"))
+        if digest not in known:
+            what = ("exists, but the patch adds it" if known == {ABSENT}
+                    else "has a shape this patch does not know")
+            return "unknown", f"{symbol} {what} (sha256 {digest[:12]})"
+        seen.append(f"sha256 {digest[:12]}" if len(patch.symbol_shapes) == 1
+                    else f"{symbol} {digest[:12]}")
+    if len(patch.symbol_shapes) == 1:
+        return "known", f"{patch.target.symbol} has a known shape ({seen[0]})"
+    return "known", f"every target symbol has a known shape ({', '.join(seen)})"
+
+
+def fixed_shape_note(patch: Patch, original: bytes | None,
+                     elsewhere: Mapping[str, bytes | None]) -> str:
+    """For a release at or past ``fixed-in``: does its code look like a fix the patch knows?
+    Empty when the patch lists no fixed shapes (the version is all there is to go by)."""
+    if not patch.fixed_shapes:
+        return ""
+    symbol = patch.target.symbol
+    sources = [(patch.target.module, original), *elsewhere.items()]
+    seen = []
+    for module, content in sources:
+        try:
+            text = content.decode("utf-8") if content is not None else None
+        except UnicodeDecodeError:
+            text = None
+        digest = symbol_digest(text, symbol) if text is not None else None
+        if digest is None:
+            continue
+        key = digest if module == patch.target.module else f"{module}:{digest}"
+        if key in patch.fixed_shapes:
+            return f"; {module}.{symbol} is a fixed shape the patch knows (sha256 {digest[:12]})"
+        seen.append(f"{module} sha256 {digest[:12]}")
+    found = ", ".join(seen) if seen else "found nowhere the patch looks"
+    return (f"; but {symbol} has a shape never checked against the fix ({found}): the version "
+            "alone says fixed, so check this release before relying on it")
 
 
 def _fixed_upstream(patch: Patch, version: str | None) -> bool:
@@ -202,7 +276,7 @@ def inspect(patch: Patch, facts: FileFacts) -> Inspection:
         if _fixed_upstream(patch, facts.installed_version):
             return Inspection(
                 Verdict.NOT_NEEDED, f"{dist} {facts.installed_version} >= {patch.fixed_in}: "
-                "fixed upstream",
+                f"fixed upstream{fixed_shape_note(patch, None, facts.elsewhere)}",
             )
         return Inspection(Verdict.UNKNOWN_SHAPE, f"{facts.path} does not exist")
     try:
@@ -241,9 +315,10 @@ def inspect(patch: Patch, facts: FileFacts) -> Inspection:
             Verdict.ALREADY_APPLIED, f"block sha256 {patch.block_digest[:12]} in place", parsed
         )
     if _fixed_upstream(patch, facts.installed_version):
+        note = fixed_shape_note(patch, parsed.original, facts.elsewhere)
         return Inspection(
             Verdict.NOT_NEEDED,
-            f"{dist} {facts.installed_version} >= {patch.fixed_in}: fixed upstream",
+            f"{dist} {facts.installed_version} >= {patch.fixed_in}: fixed upstream{note}",
             parsed,
         )
     status, reason = classify_shape(patch, parsed.original)

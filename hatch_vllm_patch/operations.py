@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .catalog import Catalog, Patch, load_catalog, load_patch_folders
+from .catalog import Catalog, Patch, load_catalog, load_patch_folders, module_relative_path
 from .config import Config, load_project_config
 from .engine import (
     FileFacts,
@@ -122,6 +122,10 @@ def run(operation: str, request: Request) -> Report:
         why = {p.id: ("all catalog patches",) for p in patches}
     queries = {p.target.module: ModuleQuery(p.target.distribution, p.target.module,
                                             p.target.relative_path) for p in patches}
+    for p in patches:  # where a fixed release keeps the symbol now (fixed-shapes)
+        for module in p.fixed_modules:
+            queries.setdefault(module, ModuleQuery(p.target.distribution, module,
+                                                   module_relative_path(module)))
     if selection.architectures:
         queries[_REGISTRY.module] = _REGISTRY
     env = inspect_environment(choice, queries.values(), in_process=request.in_process)
@@ -224,6 +228,10 @@ class _Session:
             version = "unknown"  # importable (e.g. a bare checkout on PYTHONPATH), no metadata
         content, error = self.read(path) if location.file is not None else (None, None)
         entry = self.record.files.get(str(path))
+        elsewhere = {}
+        for module in patch.fixed_modules:
+            other = self.env.modules.get(module)
+            elsewhere[module] = self.read(other.file)[0] if other and other.file else None
         return FileFacts(
             path=str(path),
             content=content,
@@ -232,6 +240,7 @@ class _Session:
             ledger_original_sha256=entry.original_sha256 if entry else None,
             known_ids=frozenset(self.catalog),
             read_error=error,
+            elsewhere=elsewhere,
         )
 
     def read(self, path: Path) -> tuple[bytes | None, str | None]:
