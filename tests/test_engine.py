@@ -195,3 +195,24 @@ def test_block_over_a_shape_the_catalog_no_longer_knows(patch: Patch, tmp_path: 
     assert plan_apply(forgotten, facts(new)).verdict is Verdict.UNKNOWN_SHAPE
     plan = plan_revert(forgotten, facts(new))
     assert plan.verdict is Verdict.REVERTED and plan.new_content == ORIGINAL
+
+
+def test_not_needed_says_whether_the_fixed_code_is_known(tmp_path: Path) -> None:
+    """Past fixed-in, a function with a fixed shape the patch lists is named as such; any other
+    shape is still not-needed, but the reason says it was never checked."""
+    fixed_source = DEMO_SOURCE.replace('raise NotImplementedError("empty")', "return 0")
+    fixed = fixed_source.encode()
+    lines = fixed_source.splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if line.startswith("def compute"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("def other"))
+    digest = hashlib.sha256("".join(lines[start:end]).rstrip("\n").encode() + b"\n").hexdigest()
+    root = write_demo_catalog(tmp_path / "c", fixed_in="2.0.0")
+    toml = root / "demo-fix" / "patch.toml"
+    toml.write_text(toml.read_text().replace(
+        "[applies]\n", f'[applies]\nfixed-shapes = ["{digest}"]\n'))
+    patch = load_catalog(root)["demo-fix"]
+    known = plan_verify(patch, facts(fixed, version="2.0.0", record=None))
+    assert known.verdict is Verdict.NOT_NEEDED and "fixed shape the patch knows" in known.reason
+    other = fixed.replace(b"return 0", b"return -1")
+    unknown = plan_verify(patch, facts(other, version="2.1.0", record=None))
+    assert unknown.verdict is Verdict.NOT_NEEDED and "never checked" in unknown.reason
