@@ -38,15 +38,26 @@ _HELP = {
 }
 
 
+_AUTHORING = {
+    "edit": "make an installed module safe to edit in place (its own file, pristine bytes "
+            "kept); prints its path",
+    "create": "turn the edit of a module into a patch folder of the project, restore the "
+              "module and apply the patch",
+    "new": "scaffold a patch folder with a wrapper of MODULE:SYMBOL that calls the original",
+    "check": "validate patch folders (default: the project's patch-dir)",
+}
+
+
 def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--python", metavar="PATH",
-                        help="target interpreter or environment directory "
-                             "(default: [tool.vllm-patch] python, $UV_PROJECT_ENVIRONMENT, "
-                             "<project>/.venv, then this interpreter)")
-    common.add_argument("--project", metavar="DIR", type=Path, default=None,
-                        help="project whose pyproject.toml holds [tool.vllm-patch] "
-                             "(default: the current directory)")
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument("--python", metavar="PATH",
+                       help="target interpreter or environment directory "
+                            "(default: [tool.vllm-patch] python, $UV_PROJECT_ENVIRONMENT, "
+                            "<project>/.venv, then this interpreter)")
+    where.add_argument("--project", metavar="DIR", type=Path, default=None,
+                       help="project whose pyproject.toml holds [tool.vllm-patch] "
+                            "(default: the current directory)")
+    common = argparse.ArgumentParser(add_help=False, parents=[where])
     common.add_argument("--patch", metavar="ID", action="append", default=[], dest="patches",
                         help="select this patch (repeatable); overrides the project's selection")
     common.add_argument("--architecture", metavar="NAME", action="append", default=[],
@@ -69,6 +80,27 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--deep", action="store_true",
                            help="also import the patched modules in the target environment and "
                                 "exercise them (slow: imports vLLM)")
+    for name, text in _AUTHORING.items():
+        p = sub.add_parser(name, parents=[where], help=text, description=text)
+        if name == "edit":
+            p.add_argument("module", metavar="MODULE", help="e.g. vllm.v1.core.kv_cache_utils")
+            p.add_argument("--discard", action="store_true",
+                           help="put the pristine file back and end the edit")
+        elif name == "create":
+            p.add_argument("patch_id", metavar="ID", help="the new patch's id (kebab-case)")
+            p.add_argument("--module", help="the edited module (when several are open)")
+            p.add_argument("--summary", help="one line: what it changes")
+            p.add_argument("--why", help="the bug, and why this fix (the description)")
+            p.add_argument("--removal", help="when to delete the patch")
+            p.add_argument("--fixed-in", dest="fixed_in", metavar="VERSION",
+                           help="the first release with the upstream fix")
+        elif name == "new":
+            p.add_argument("patch_id", metavar="ID", help="the new patch's id (kebab-case)")
+            p.add_argument("--target", required=True, metavar="MODULE:SYMBOL",
+                           help="e.g. vllm.v1.core.kv_cache_utils:get_kv_cache_groups")
+        else:
+            p.add_argument("folders", metavar="PATCH_DIR", nargs="*", type=Path,
+                           help="patch folders, or folders of them")
     return parser
 
 
@@ -177,13 +209,15 @@ def _main(argv: Sequence[str] | None) -> int:
     request = Request(
         project_dir=project,
         python=args.python,
-        patches=tuple(args.patches),
-        architectures=tuple(args.architectures),
-        models=tuple(m.resolve() for m in args.models),
+        patches=tuple(getattr(args, "patches", ())),
+        architectures=tuple(getattr(args, "architectures", ())),
+        models=tuple(m.resolve() for m in getattr(args, "models", ())),
         deep=getattr(args, "deep", False),
         on_wait=_notice,
     )
     try:
+        if args.operation in _AUTHORING:
+            return _author(args, request)
         report = run(args.operation, request)
     except ConfigurationError as exc:
         _write(partial(_error, args, str(exc), exc.errors))
@@ -199,3 +233,67 @@ def _main(argv: Sequence[str] | None) -> int:
     else:
         _write(lambda: _print_report(report, sys.stdout))
     return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def _author(args: argparse.Namespace, request: Request) -> int:
+    """edit / create / new / check (imported only for them)."""
+    from . import authoring
+
+    if args.operation == "edit":
+        edited = authoring.edit(request, args.module, discard=args.discard)
+        for note in edited.notes:
+            _notice(f"note: {note}")
+        if edited.discarded:
+            _notice(f"{edited.file}: pristine again, edit ended")
+        else:
+            state = "already open" if edited.already else "open"
+            removed = (f"; took out {', '.join(edited.removed)} (re-applied after create)"
+                       if edited.removed else "")
+            _notice(f"{edited.module} ({edited.version}) is {state} for editing{removed}; "
+                    "change it, run the server, then `vllm-patch create ID`")
+            _write(lambda: print(edited.file))
+        return EXIT_OK
+    if args.operation == "create":
+        made = authoring.create(request, args.patch_id, module=args.module,
+                                summary=args.summary, why=args.why, removal=args.removal,
+                                fixed_in=args.fixed_in, ask=authoring.interactive_ask())
+
+        def show() -> None:
+            out = sys.stdout
+            out.write(made.diff)
+            names = ", ".join(f"{c.symbol}{' (added)' if c.added else ''}" for c in made.changes)
+            print(f"created {made.folder}: redefines {names}", file=out)
+            for warning in made.warnings:
+                print(f"warning: {made.module}: {warning}", file=out)
+            for note in made.notes:
+                print(f"note: {note}", file=out)
+            if made.report is not None:
+                _print_report(made.report, out)
+            print(f"next: fill in the TODOs of {made.folder / 'patch.toml'}, select it in "
+                  f"[tool.vllm-patch] patches = [\"{made.folder.name}\"], commit the folder",
+                  file=out)
+
+        _write(show)
+        return EXIT_OK if made.report is None or made.report.ok else EXIT_FAILED
+    if args.operation == "new":
+        folder = authoring.new(request, args.patch_id, args.target)
+        _write(lambda: print(folder))
+        _notice(f"edit {folder / 'block.py'} (the wrapper) and the TODOs of patch.toml, then "
+                "`vllm-patch check` and `vllm-patch apply --patch " + args.patch_id + "`")
+        return EXIT_OK
+    results = authoring.check(request, list(args.folders))
+
+    def show_checks() -> None:
+        for result in results:
+            print(f"{'ok' if result.ok else 'FAILED':<6} {result.folder}")
+            for line in result.errors:
+                print(f"  error: {line}")
+            for line in result.warnings:
+                print(f"  warning: {line}")
+            for line in result.info:
+                print(f"  {line}")
+        failed = sum(not r.ok for r in results)
+        print(f"vllm-patch check: {len(results) - failed} ok, {failed} failed")
+
+    _write(show_checks)
+    return EXIT_OK if all(r.ok for r in results) else EXIT_FAILED

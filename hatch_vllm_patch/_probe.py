@@ -60,13 +60,19 @@ def answer(queries: list[dict[str, str]]) -> dict[str, Any]:
     }
     dists: dict[str, Any] = {}
     files: dict[str, list[Any]] = {}
+    owners: dict[str, list[str]] | None = None
     for q in queries:
         name = q["distribution"]
-        if name not in dists:
+        if not name:  # the distribution that installs this top-level package (Python 3.10+)
+            if owners is None:
+                owners = dict(getattr(md, "packages_distributions", dict)())
+            found = owners.get(q["module"].split(".")[0]) or [""]
+            name = found[0]
+        if name and name not in dists:
             dists[name], out["distributions"][name] = _distribution(name)
-        dist = dists[name]
+        dist = dists.get(name)
         entry: dict[str, str | None] = {"file": None, "package_dir": None,
-                                        "record_sha256": None}
+                                        "record_sha256": None, "distribution": name or None}
         out["modules"][q["module"]] = entry
         try:
             spec = importlib.util.find_spec(q["module"].split(".")[0])

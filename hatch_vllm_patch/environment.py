@@ -38,6 +38,7 @@ class ModuleLocation:
     file: Path | None
     package_dir: Path | None
     record_sha256: str | None
+    distribution: str | None = None  # the distribution that owns it, as the probe found it
 
 
 @dataclass(frozen=True)
@@ -245,13 +246,14 @@ def _environment(choice: InterpreterChoice, data: Any, expected: set[str]) -> Ta
     for name, m in mods.items():
         if not isinstance(m, dict) or not all(
                 m.get(k) is None or isinstance(m.get(k), str)
-                for k in ("file", "package_dir", "record_sha256")):
+                for k in ("file", "package_dir", "record_sha256", "distribution")):
             raise bad(f"module {name!r} is malformed")
         modules[name] = ModuleLocation(
             module=name,
             file=Path(m["file"]) if m.get("file") else None,
             package_dir=Path(m["package_dir"]) if m.get("package_dir") else None,
             record_sha256=m.get("record_sha256"),
+            distribution=m.get("distribution"),
         )
     return TargetEnvironment(
         python=choice.python,

@@ -79,11 +79,12 @@ def _check(logger: logging.Logger, override: str | None, started: float) -> None
         mode = override or selection.guard
         if mode == "off":
             return
-        changed = _changed_since_apply(state)
+        editing = set(state.record.edits)
+        changed = _changed_since_apply(state, editing)
         if changed is None:
             ids = ", ".join(p.id for p in selection.patches) or "none selected"
-            logger.info("hatch-vllm-patch: patches in place (%s) [guard %s, %.1f ms]", ids, mode,
-                        (time.perf_counter() - started) * 1000)
+            logger.info("hatch-vllm-patch: patches in place (%s) [guard %s, %.1f ms]%s", ids,
+                        mode, (time.perf_counter() - started) * 1000, _editing(editing))
             return
         _full_check(logger, mode, started, patches=tuple(p.id for p in selection.patches),
                     patch_dirs=tuple(Path(d) for d in selection.patch_dirs),
@@ -103,12 +104,21 @@ def _check(logger: logging.Logger, override: str | None, started: float) -> None
                 why=f"no record of an apply in this environment; using {project}/pyproject.toml")
 
 
-def _changed_since_apply(state: RecordRead) -> str | None:
+def _editing(files: set[str]) -> str:
+    if not files:
+        return ""
+    return (f"; not checked, open for editing (vllm-patch edit): {', '.join(sorted(files))}")
+
+
+def _changed_since_apply(state: RecordRead, editing: set[str]) -> str | None:
     """None when every recorded target is as the last apply left it (and that was fine), else
-    what differs. Hashes a few files: well under a millisecond."""
+    what differs. Hashes a few files: well under a millisecond. Files open for editing (the
+    user is trying a fix with the server) are not checked."""
     selection = state.record.selection
     assert selection is not None
     for entry in selection.patches:
+        if entry.file in editing:
+            continue
         if entry.file is None:
             import importlib.util
 
@@ -167,7 +177,7 @@ def _full_check(logger: logging.Logger, mode: str, started: float, *, patches: t
         return Request(project_dir=None if patches else project, python=sys.executable,
                        patches=patches, extra_patch_dirs=patch_dirs, on_wait=logger.info)
 
-    report = run("verify", request())
+    report = _without_edits(run("verify", request()))
     if report.ok:
         logger.info("hatch-vllm-patch: patches in place (%s) [guard %s, full check: %s, %.1f ms]",
                     _ids(report), mode, why, (time.perf_counter() - started) * 1000)
@@ -175,7 +185,8 @@ def _full_check(logger: logging.Logger, mode: str, started: float, *, patches: t
     if mode == "apply":
         healed = run("apply", request())
         _reload_in_memory(healed, resolve(request())[0], logger)
-        if healed.ok and run("verify", request()).ok:
+        healed = _without_edits(healed)
+        if healed.ok and _without_edits(run("verify", request())).ok:
             logger.info("hatch-vllm-patch: healed (%s) [guard apply, %.1f ms]",
                         _healed(healed), (time.perf_counter() - started) * 1000)
             return
@@ -186,6 +197,17 @@ def _full_check(logger: logging.Logger, mode: str, started: float, *, patches: t
         return
     logger.error("%s", message)
     raise GuardStop(message)
+
+
+def _without_edits(report: Report) -> Report:
+    """The report without the patches of files open for editing (``vllm-patch edit``)."""
+    from dataclasses import replace
+
+    editing = set(read_record(report.environment.purelib).record.edits)
+    if not editing:
+        return report
+    kept = tuple(o for o in report.outcomes if str(o.file) not in editing)
+    return replace(report, outcomes=kept)
 
 
 def _ids(report: Report) -> str:

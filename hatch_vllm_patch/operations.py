@@ -63,7 +63,7 @@ _WRITES = frozenset({"apply", "revert"})
 _FINE = {
     "apply": {Verdict.APPLIED, Verdict.ALREADY_APPLIED, Verdict.NOT_NEEDED, Verdict.NOT_APPLICABLE},
     "verify": {Verdict.APPLIED, Verdict.NOT_NEEDED, Verdict.NOT_APPLICABLE},
-    "revert": {Verdict.REVERTED, Verdict.NOT_APPLIED},
+    "revert": {Verdict.REVERTED, Verdict.NOT_APPLIED, Verdict.NOT_INSTALLED},
     "diff": {Verdict.APPLIED, Verdict.ALREADY_APPLIED, Verdict.NOT_NEEDED, Verdict.NOT_APPLICABLE},
     "status": set(Verdict),  # informational
 }
@@ -273,6 +273,10 @@ class _Session:
             plan = self.write(plan, path, patch.target.distribution, facts)
         if op in _WRITES and plan.verdict not in {Verdict.MODIFIED, Verdict.ERROR}:
             self.reconcile(path, patch.target.distribution)
+        if plan.verdict is Verdict.MODIFIED and str(path) in self.record.edits:
+            plan = replace(plan, reason=f"{plan.reason}; it is open for editing (`vllm-patch "
+                                        "edit`): finish with `vllm-patch create ID`, or end it "
+                                        "with `vllm-patch edit MODULE --discard`")
         return self.outcome(patch, plan, facts, diff)
 
     def reconcile(self, path: Path, distribution: str) -> None:

@@ -9,6 +9,10 @@ It holds two things, written together under the environment's lock by ``apply`` 
     what the last ``apply`` selected and found, per patch: the target file and the sha256 it had
     afterwards, the block digest, the verdict; plus the guard mode and the project's own patch
     folders. The guard that runs in every vLLM process checks the files against it.
+``edits``
+    the files ``vllm-patch edit`` opened for editing, with the sha256 of their pristine bytes
+    (kept beside the record, in ``.hatch-vllm-patch-edits/``) until ``create`` turns the edit
+    into a patch.
 
 The files are the truth; the record is history that makes checks cheap and hand edits visible.
 A damaged record is never silently rewritten by a read-only command, and a record written by a
@@ -27,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 RECORD_NAME = ".hatch-vllm-patch.json"
+EDITS_DIR = ".hatch-vllm-patch-edits"  # pristine copies of files under edit, by sha256
 FORMAT = 2
 GUARD_MODES = ("error", "warn", "apply", "off")
 DEFAULT_GUARD = "error"
@@ -92,15 +97,44 @@ class Selection:
 
 
 @dataclass(frozen=True)
+class EditSession:
+    """A file opened with ``vllm-patch edit``: where its pristine bytes are, and what was taken
+    out of it (our blocks, re-applied after ``create``)."""
+
+    module: str
+    distribution: str
+    version: str
+    pristine_sha256: str
+    removed: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"module": self.module, "distribution": self.distribution,
+                "version": self.version, "pristine_sha256": self.pristine_sha256,
+                "removed": list(self.removed)}
+
+
+def pristine_copy(directory: Path, digest: str) -> Path:
+    """Where the pristine bytes with ``digest`` are kept while a file is edited."""
+    return directory / EDITS_DIR / f"{digest}.py"
+
+
+@dataclass(frozen=True)
 class EnvironmentRecord:
     """The parsed record; empty when there is none."""
 
     files: Mapping[str, FileEntry] = field(default_factory=dict)
     selection: Selection | None = None
+    edits: Mapping[str, EditSession] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
-        return not self.files and self.selection is None
+        return not self.files and self.selection is None and not self.edits
+
+    def with_edit(self, path: str, session: EditSession | None) -> EnvironmentRecord:
+        edits = {p: e for p, e in self.edits.items() if p != path}
+        if session is not None:
+            edits[path] = session
+        return replace(self, edits=edits)
 
     def with_file(self, path: str, entry: FileEntry | None) -> EnvironmentRecord:
         """This record with ``path``'s entry replaced (None or no patches: forgotten)."""
@@ -118,6 +152,7 @@ class EnvironmentRecord:
             "tool": "hatch-vllm-patch",
             "files": {p: e.to_json() for p, e in sorted(self.files.items())},
             "selection": self.selection.to_json() if self.selection else None,
+            "edits": {p: e.to_json() for p, e in sorted(self.edits.items())},
         }
 
     def render(self) -> bytes:
@@ -179,7 +214,27 @@ def parse_record(raw: bytes) -> EnvironmentRecord:
     files = {str(p): _file_entry(p, e) for p, e in files_raw.items()}
     selection_raw = data.get("selection")
     selection = None if selection_raw is None else _selection(selection_raw)
-    return EnvironmentRecord(files, selection)
+    edits_raw = data.get("edits", {})
+    if not isinstance(edits_raw, dict):
+        raise RecordDamaged('"edits" is not an object')
+    edits = {str(p): _edit(p, e) for p, e in edits_raw.items()}
+    return EnvironmentRecord(files, selection, edits)
+
+
+def _edit(path: str, raw: object) -> EditSession:
+    where = f'"edits"[{path!r}]'
+    if not isinstance(raw, dict):
+        raise RecordDamaged(f"{where} is not an object")
+    removed = raw.get("removed", [])
+    if not isinstance(removed, list) or not all(isinstance(r, str) for r in removed):
+        raise RecordDamaged(f"{where}.removed is not a list of patch ids")
+    return EditSession(
+        module=_text(raw.get("module"), f"{where}.module"),
+        distribution=_text(raw.get("distribution"), f"{where}.distribution"),
+        version=_text(raw.get("version"), f"{where}.version"),
+        pristine_sha256=_text(raw.get("pristine_sha256"), f"{where}.pristine_sha256"),
+        removed=tuple(removed),
+    )
 
 
 def _text(value: object, where: str, optional: bool = False) -> Any:
