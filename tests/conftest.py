@@ -120,6 +120,14 @@ def project_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return next(out.glob("hatch_vllm_patch-*.whl"))
 
 
+@pytest.fixture(scope="session")
+def vllm_with_tool(tmp_path_factory: pytest.TempPathFactory, project_wheel: Path) -> Path:
+    """A full vllm==0.20.2 (hardlinked from uv's cache) with hatch-vllm-patch installed from its
+    wheel, as a downstream project has it; tests that change it leave it as they found it."""
+    return create_venv(tmp_path_factory.mktemp("vllm-tool") / "venv", "vllm==0.20.2",
+                       str(project_wheel))
+
+
 @pytest.fixture
 def demo_catalog(tmp_path: Path) -> Path:
     return write_demo_catalog(tmp_path / "catalog")

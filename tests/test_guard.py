@@ -267,19 +267,12 @@ SPAWN = textwrap.dedent("""\
     """)
 
 
-@pytest.fixture(scope="module")
-def vllm_guarded(tmp_path_factory: pytest.TempPathFactory, project_wheel: Path) -> Path:
-    """A full vllm==0.20.2 with hatch-vllm-patch installed from its wheel, not yet patched."""
-    return create_venv(tmp_path_factory.mktemp("guarded") / "venv", "vllm==0.20.2",
-                       str(project_wheel))
-
-
 @pytest.mark.slow
-def test_vllm_spawn_children_are_guarded(vllm_guarded: Path, tmp_path: Path) -> None:
+def test_vllm_spawn_children_are_guarded(vllm_with_tool: Path, tmp_path: Path) -> None:
     """vLLM 0.20.2's load_general_plugins in spawn children: the INFO line after apply; after a
     reinstall error stops, warn goes on unpatched, apply heals the already imported module and
     the next child gets the patched file; silence without a record or a project."""
-    python = vllm_guarded
+    python = vllm_with_tool
     program = tmp_path / "spawn.py"
     program.write_text(SPAWN)
     work = tmp_path / "work"

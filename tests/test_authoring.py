@@ -1,0 +1,540 @@
+"""Carry your own fix: `edit` / `create` / `new` / `check` on a real wheel in a real venv (fast)
+and on real vLLM code (slow: a method using super(), a property, a function; a spawn child runs
+the edited code; another release says unknown-shape; a module-level edit is refused)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO
+from venvs import UV, cached_wheel, create_venv, release_venv, run, site_packages
+
+from hatch_vllm_patch.authoring import (
+    InexpressibleEdit,
+    captured_references,
+    render_block,
+    symbol_changes,
+)
+
+MODULE_SOURCE = textwrap.dedent('''\
+    """A module with the shapes a fix touches."""
+
+    import functools
+
+    REGISTRY = {}
+
+
+    def register(fn):
+        REGISTRY[fn.__name__] = fn
+        return fn
+
+
+    def compute(values):
+        """Return the largest value."""
+        if not values:
+            raise NotImplementedError("empty")
+        return max(values)
+
+
+    @register
+    def handler(x):
+        return x
+
+
+    DISPATCH = {"compute": compute}
+
+
+    class Base:
+        def greet(self):
+            return "base"
+
+        @property
+        def name(self):
+            return "base"
+
+
+    class Child(Base):
+        __secret = 1
+        kind = "child"
+
+        def greet(self):
+            return "child of " + super().greet()
+
+        def secret(self):
+            return self.__secret
+
+        @staticmethod
+        def double(x):
+            return x * 2
+
+        @classmethod
+        def make(cls):
+            return cls()
+
+        @property
+        def name(self):
+            return "child of " + super().name
+
+        @functools.cache
+        def cached(self):
+            return "cached " + super().greet()
+
+        async def co(self):
+            return "co"
+    ''')
+
+EDITS = {
+    "compute": ('        raise NotImplementedError("empty")', "        return 0"),
+    "Child.greet": ('return "child of " + super().greet()',
+                    'return "patched child of " + super().greet()'),
+    "Child.secret": ("return self.__secret", "return self.__secret + 41"),
+    "Child.double": ("return x * 2", "return x * 3"),
+    "Child.make": ("return cls()", "return [cls()]"),
+    "Child.name": ('return "child of " + super().name', 'return "patched " + super().name'),
+    "Child.cached": ('return "cached " + super().greet()', 'return "cached! " + super().greet()'),
+    "Child.co": ('return "co"', 'return "co patched"'),
+}
+
+
+def edited_source(*symbols: str) -> str:
+    text = MODULE_SOURCE
+    for symbol in symbols:
+        old, new = EDITS[symbol]
+        assert text.count(old) == 1, symbol
+        text = text.replace(old, new)
+    return text
+
+
+def run_block(source: str, block: str) -> dict[str, Any]:
+    """Run the module, then the block in its namespace (as the appended block runs); the
+    module's classes stay the same objects."""
+    namespace: dict[str, Any] = {"__name__": "demo"}
+    exec(compile(source, "demo.py", "exec"), namespace)
+    classes = {k: v for k, v in namespace.items() if isinstance(v, type)}
+    exec(compile(block, "block.py", "exec"), namespace)
+    assert all(namespace[k] is v for k, v in classes.items()), "a class was rebound"
+    return namespace
+
+
+# --- the rebinding block, judged by what the edited source would do -----------------------------
+
+def test_block_behaves_like_the_edited_source_in_the_class() -> None:
+    """super() (plain, property, functools.cache), name mangling, staticmethod, classmethod and
+    async def: the patched module behaves exactly as the edited module does."""
+    edited = edited_source(*EDITS)
+    changes = symbol_changes(MODULE_SOURCE, edited, "demo")
+    assert sorted(c.symbol for c in changes) == sorted(EDITS)
+    patched = run_block(MODULE_SOURCE, render_block("demo-fix", "demo", "demo 1.0", changes))
+    expected: dict[str, Any] = {"__name__": "demo"}
+    exec(compile(edited, "demo.py", "exec"), expected)
+    for ns in (patched, expected):
+        child = ns["Child"]()
+        ns["facts"] = (ns["compute"]([]), child.greet(), child.secret(), ns["Child"].double(2),
+                       type(ns["Child"].make()).__name__, child.name, child.cached(),
+                       asyncio.run(child.co()), ns["Child"].greet.__qualname__)
+    assert patched["facts"] == expected["facts"] == (
+        0, "patched child of base", 42, 6, "list", "patched base", "cached! base", "co patched",
+        "Child.greet")
+
+
+def test_block_run_twice_is_the_same() -> None:
+    """Re-running a created block (apply mode in a process that imported the module) redefines
+    the same code: the behaviour is unchanged, nothing is wrapped twice."""
+    edited = edited_source("Child.greet", "compute")
+    block = render_block("demo-fix", "demo", "demo 1.0",
+                         symbol_changes(MODULE_SOURCE, edited, "demo"))
+    namespace = run_block(MODULE_SOURCE, block)
+    exec(compile(block, "block.py", "exec"), namespace)
+    assert namespace["Child"]().greet() == "patched child of base"
+    assert namespace["compute"]([]) == 0
+
+
+def test_added_method_and_function_are_rebound() -> None:
+    """A method and a function the edit adds are defined; multi-line strings keep their text."""
+    edited = MODULE_SOURCE.replace(
+        '    async def co(self):\n        return "co"\n',
+        '    async def co(self):\n        return "co"\n\n    def helper(self):\n'
+        '        """Added:\n  a line at column 2."""\n        return self.double(21)\n',
+    ) + "\n\ndef extra():\n    return 'extra'\n"
+    changes = symbol_changes(MODULE_SOURCE, edited, "demo")
+    assert [(c.symbol, c.added) for c in changes] == [("extra", True), ("Child.helper", True)]
+    namespace = run_block(MODULE_SOURCE, render_block("demo-fix", "demo", "v", changes))
+    assert namespace["Child"]().helper() == 42 and namespace["extra"]() == "extra"
+    assert namespace["Child"].helper.__doc__ == "Added:\n  a line at column 2."
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (("REGISTRY = {}", "REGISTRY = {'x': 1}"), "module level: statement at line 5 changed"),
+    (("import functools\n", "import functools\nimport os\n"), "statement at line 4 added"),
+    (('    kind = "child"', '    kind = "other"'), "class Child: statement at line 39 changed"),
+    (("def handler(x):", "def handle(x):"), "handler was removed or renamed"),
+    (("    def secret(self):\n        return self.__secret\n\n", ""),
+     "Child.secret was removed or renamed"),
+    (("class Child(Base):", "class Child(Base, object):"), "class Child: its bases"),
+    (("class Base:", "class Bass:"), "class Base was removed or renamed"),
+])
+def test_changes_a_rebinding_cannot_carry_are_refused(edit: tuple[str, str],
+                                                      problem: str) -> None:
+    """Module-level statements, class attributes, removed or renamed symbols, class headers:
+    refused, each named, alongside any expressible change."""
+    edited = edited_source("compute").replace(*edit)
+    with pytest.raises(InexpressibleEdit) as info:
+        symbol_changes(MODULE_SOURCE, edited, "demo")
+    assert any(problem in p for p in info.value.problems), info.value.problems
+    assert "nothing was written" in str(info.value)
+
+
+def test_captured_references_are_warned_with_their_line() -> None:
+    """A dispatch table and a registering decorator captured what the block rebinds."""
+    edited = edited_source("compute").replace("    return x\n", "    return -x\n", 1)
+    warnings = captured_references(MODULE_SOURCE, symbol_changes(MODULE_SOURCE, edited, "demo"))
+    assert [w.split(" (")[0] for w in warnings] == ["line 25 captures compute at import time"]
+    assert all("keeps the original" in w for w in warnings)
+
+
+def test_capture_by_a_module_level_name() -> None:
+    """A module-level table that holds a changed function is named with its line (the
+    function's own decorators need no warning: the block applies them again)."""
+    source = MODULE_SOURCE.replace("DISPATCH = {\"compute\": compute}\n",
+                                   "DISPATCH = {\"h\": handler}\n")
+    edited = source.replace("def handler(x):\n    return x\n", "def handler(x):\n    return -x\n")
+    warnings = captured_references(source, symbol_changes(source, edited, "demo"))
+    assert [w.split(" (")[0] for w in warnings] == ["line 25 captures handler at import time"]
+
+
+# --- the commands on a real wheel in a real venv -------------------------------------------------
+
+def record_digest(sp: Path, rel: str) -> str:
+    record = next(sp.glob("demo_pkg-*.dist-info")) / "RECORD"
+    for line in record.read_text().splitlines():
+        path, digest, _ = line.rsplit(",", 2)
+        if path == rel:
+            raw = digest.split("=", 1)[1]
+            return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).hex()
+    raise AssertionError(rel)
+
+
+@pytest.fixture(scope="module")
+def demo_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    project = tmp_path_factory.mktemp("demo-src")
+    (project / "demo_pkg").mkdir()
+    (project / "demo_pkg" / "__init__.py").write_text("")
+    (project / "demo_pkg" / "core.py").write_text(MODULE_SOURCE)
+    (project / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["hatchling"]\nbuild-backend = "hatchling.build"\n'
+        '[project]\nname = "demo-pkg"\nversion = "1.0.0"\n')
+    out = tmp_path_factory.mktemp("demo-wheel")
+    run([UV, "build", "--wheel", "--quiet", "--out-dir", str(out), str(project)])
+    return next(out.glob("*.whl"))
+
+
+def vp(*args: str, cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "HATCH_VLLM_PATCH_CATALOG"}
+    return subprocess.run([sys.executable, "-m", "hatch_vllm_patch", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600, check=False,
+                          input=stdin)
+
+
+@pytest.fixture
+def session(tmp_path: Path, demo_wheel: Path) -> tuple[Path, Path, Path]:
+    """(python, project, installed module file): a venv with the demo wheel (hardlinked from
+    uv's cache) and a project with an empty [tool.vllm-patch]."""
+    python = create_venv(tmp_path / "venv", str(demo_wheel))
+    project = tmp_path / "serve"
+    project.mkdir()
+    (project / "pyproject.toml").write_text('[project]\nname = "serve"\nversion = "0"\n\n'
+                                            "[tool.vllm-patch]\n")
+    return python, project, site_packages(tmp_path / "venv") / "demo_pkg" / "core.py"
+
+
+def test_edit_create_cycle(session: tuple[Path, Path, Path]) -> None:
+    """edit prints the file (now its own inode), create writes the folder, restores the
+    pristine bytes and applies; verify passes; revert gives RECORD's bytes back."""
+    python, project, target = session
+    sp = target.parent.parent
+    assert target.stat().st_nlink >= 2, "not hardlinked from uv's cache: the test proves nothing"
+    cached_inode = target.stat().st_ino
+    opened = vp("edit", "demo_pkg.core", "--python", str(python), cwd=project)
+    assert opened.returncode == 0, opened.stderr
+    assert Path(opened.stdout.strip()) == target
+    assert target.stat().st_ino != cached_inode and target.stat().st_nlink == 1
+    target.write_text(edited_source("compute", "Child.greet"))  # in place, like an editor
+
+    made = vp("create", "demo-fix", "--python", str(python), "--summary", "Zero for nothing",
+              cwd=project, stdin="")
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert "created" in made.stdout and "redefines compute, Child.greet" in made.stdout
+    assert "warning: demo_pkg.core: line 25 captures compute" in made.stdout
+    folder = project / "vllm-patches" / "demo-fix"
+    assert sorted(p.name for p in folder.iterdir()) == ["block.py", "patch.toml"]
+    content = target.read_bytes()
+    assert content.startswith(MODULE_SOURCE.encode())
+    assert hashlib.sha256(MODULE_SOURCE.encode()).hexdigest() == record_digest(
+        sp, "demo_pkg/core.py")
+    assert b"# >>> hatch-vllm-patch: demo-fix sha256=" in content
+
+    (project / "pyproject.toml").write_text(
+        '[project]\nname = "serve"\nversion = "0"\n\n[tool.vllm-patch]\npatches = ["demo-fix"]\n')
+    verified = vp("verify", "--python", str(python), cwd=project)
+    assert verified.returncode == 0, verified.stdout
+    assert "[tool.vllm-patch] patches (for every model served)" in verified.stdout
+    behaviour = run([str(python), "-c", "import demo_pkg.core as m; "
+                     "print(m.compute([]), m.Child().greet())"])
+    assert behaviour.stdout.split() == ["0", "patched", "child", "of", "base"]
+    status = vp("status", "--python", str(python), cwd=project)
+    assert "summary: Zero for nothing" in status.stdout
+
+    reverted = vp("revert", "--python", str(python), cwd=project)
+    assert reverted.returncode == 0, reverted.stdout
+    assert target.read_text() == MODULE_SOURCE
+    record = json.loads((sp / ".hatch-vllm-patch.json").read_text())
+    assert record["edits"] == {} and not list((sp / ".hatch-vllm-patch-edits").glob("*.py"))
+
+
+def test_create_refuses_a_module_level_edit_and_writes_nothing(
+        session: tuple[Path, Path, Path]) -> None:
+    """An edit of a module-level statement is refused, naming it; no folder, the edit stays."""
+    python, project, target = session
+    vp("edit", "demo_pkg.core", "--python", str(python), cwd=project)
+    edited = edited_source("compute").replace("REGISTRY = {}", "REGISTRY = {'a': 1}")
+    target.write_text(edited)
+    made = vp("create", "demo-fix", "--python", str(python), cwd=project, stdin="")
+    assert made.returncode == 2 and "Traceback" not in made.stderr
+    assert "module level: statement at line 5 changed (REGISTRY = {'a': 1})" in made.stderr
+    assert not (project / "vllm-patches" / "demo-fix").exists()
+    assert target.read_text() == edited
+    discarded = vp("edit", "demo_pkg.core", "--discard", "--python", str(python), cwd=project)
+    assert discarded.returncode == 0 and target.read_text() == MODULE_SOURCE
+
+
+def test_edit_takes_our_blocks_out_and_create_puts_them_back(
+        session: tuple[Path, Path, Path], tmp_path: Path) -> None:
+    """A file already patched: edit removes our block first; create re-applies it beside the new
+    patch; a file that differs from RECORD cannot be opened for editing."""
+    python, project, target = session
+    vp("edit", "demo_pkg.core", "--python", str(python), cwd=project)
+    target.write_text(edited_source("compute"))
+    assert vp("create", "fix-one", "--python", str(python), cwd=project,
+              stdin="").returncode == 0
+    opened = vp("edit", "demo_pkg.core", "--python", str(python), cwd=project)
+    assert "took out fix-one" in opened.stderr
+    assert target.read_text() == MODULE_SOURCE
+    target.write_text(edited_source("Child.double"))
+    made = vp("create", "fix-two", "--python", str(python), cwd=project, stdin="")
+    assert made.returncode == 0, made.stdout + made.stderr
+    blocks = [line.split()[3] for line in target.read_text().splitlines()
+              if line.startswith("# >>> hatch-vllm-patch:")]
+    assert blocks == ["fix-one", "fix-two"]
+    os.unlink(target)
+    target.write_text(MODULE_SOURCE + "# a hand edit\n")
+    refused = vp("edit", "demo_pkg.core", "--python", str(python), cwd=project)
+    assert refused.returncode == 2 and "must start from the pristine file" in refused.stderr
+
+
+def test_create_usage_errors(session: tuple[Path, Path, Path]) -> None:
+    """No edit open, a built-in id, a bad id: one clear line each, exit 2, nothing written."""
+    python, project, _ = session
+    for args, message in ((["create", "demo-fix"], "no module is open for editing"),
+                          (["create", "kv-cache-page-unification"], "is already a patch"),
+                          (["create", "Demo_Fix"], "a patch id is kebab-case")):
+        proc = vp(*args, "--python", str(python), cwd=project, stdin="")
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not (project / "vllm-patches").exists()
+
+
+def test_project_patch_with_a_built_in_id_is_a_configuration_error(tmp_path: Path) -> None:
+    """A project folder vllm-patches/<built-in id>: exit 2, naming both folders."""
+    project = tmp_path / "serve"
+    clash = project / "vllm-patches" / "kv-cache-page-unification"
+    clash.mkdir(parents=True)
+    for name in ("patch.toml", "block.py"):
+        (clash / name).write_text((REPO / "patches" / "kv-cache-page-unification" / name)
+                                  .read_text())
+    (project / "pyproject.toml").write_text("[tool.vllm-patch]\n")
+    proc = vp("verify", "--python", sys.executable, cwd=project)
+    assert proc.returncode == 2
+    assert str(clash) in proc.stderr and str(REPO / "patches" / "kv-cache-page-unification") \
+        in proc.stderr and "tool.vllm-patch.patch-dir" in proc.stderr
+
+
+@pytest.mark.parametrize("target, check_code", [
+    ("demo_pkg.core:compute", "m.compute([3, 1])"),
+    ("demo_pkg.core:Child.greet", "m.Child().greet()"),
+    ("demo_pkg.core:Child.double", "m.Child.double(4)"),
+    ("demo_pkg.core:Child.make", "type(m.Child.make()).__name__"),
+    ("demo_pkg.core:Child.co", "__import__('asyncio').run(m.Child().co())"),
+])
+def test_new_scaffolds_a_wrapper_that_calls_the_original(
+        session: tuple[Path, Path, Path], target: str, check_code: str) -> None:
+    """new writes a wrapper (function, method, staticmethod, classmethod, async) whose block
+    calls the original, kept as __wrapped__; applied, the behaviour is the original's."""
+    python, project, _ = session
+    proc = vp("new", "my-wrap", "--target", target, "--python", str(python), cwd=project)
+    assert proc.returncode == 0, proc.stderr
+    folder = Path(proc.stdout.strip())
+    assert (folder / "block.py").is_file()
+    check = vp("check", "--python", str(python), cwd=project)
+    assert check.returncode == 0, check.stdout
+    assert "known" in check.stdout
+    before = run([str(python), "-c", f"import demo_pkg.core as m; print({check_code})"]).stdout
+    applied = vp("apply", "--patch", "my-wrap", "--python", str(python), cwd=project)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    symbol = target.split(":")[1].split(".")[-1]
+    owner = "m.Child" if "." in target.split(":")[1] else "m"
+    after = run([str(python), "-c", f"import demo_pkg.core as m; print({check_code}); "
+                 f"f = vars({owner}).get('{symbol}') if '{owner}' != 'm' else m.{symbol}; "
+                 "f = getattr(f, '__func__', f); print(f._hvp_patch_id, hasattr(f, "
+                 "'__wrapped__'))"]).stdout.splitlines()
+    assert after == [before.strip(), "my-wrap True"]
+
+
+def test_check_reports_errors_with_their_paths(tmp_path: Path) -> None:
+    """check: a broken manifest, a block that does not compile or binds a foreign name."""
+    folder = tmp_path / "patches"
+    bad = folder / "bad-one"
+    bad.mkdir(parents=True)
+    (bad / "patch.toml").write_text('id = "bad-one"\nsummary = "x"\n[target]\n'
+                                    'distribution = "demo-pkg"\nmodule = "demo_pkg.core"\n'
+                                    'symbol = "compute"\n[applies]\nshapes = ["nope"]\n')
+    (bad / "block.py").write_text("def compute(:\n")
+    binds = folder / "binds-name"
+    binds.mkdir()
+    (binds / "patch.toml").write_text(
+        'id = "binds-name"\nsummary = "x"\n[target]\ndistribution = "demo-pkg"\n'
+        'module = "demo_pkg.core"\nsymbol = "compute"\n[applies]\nshapes = ["' + "0" * 64
+        + '"]\n')
+    (binds / "block.py").write_text("import os\nMAX = 3\ndef compute(v):\n    return 0\n")
+    proc = vp("check", str(folder), "--python", sys.executable, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout
+    out = proc.stdout
+    assert f"{bad / 'patch.toml'}: applies.shapes[0]: 'nope' is not a sha256 hex digest" in out
+    assert f"{bad / 'block.py'}: not valid Python" in out
+    assert f"{binds / 'block.py'}:1: binds 'os' at module level" in out
+    assert f"{binds / 'block.py'}:2: binds 'MAX' at module level" in out
+    assert "vllm-patch check: 0 ok, 2 failed" in out
+
+
+def test_catalog_folders_pass_check() -> None:
+    """The built-in catalog passes the same check users run on their folders."""
+    proc = vp("check", str(REPO / "patches"), "--python", sys.executable, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout
+    assert "vllm-patch check: 3 ok, 0 failed" in proc.stdout
+
+
+# --- real vLLM ----------------------------------------------------------------------------------
+
+KV_INTERFACE = "vllm.v1.kv_cache_interface"
+REAL_EDITS = [
+    # a module-level function
+    ("    if kv_cache_dtype == \"nvfp4\":\n        return KVQuantMode.NVFP4\n",
+     "    if kv_cache_dtype == \"nvfp4\":\n        return KVQuantMode.NVFP4\n"
+     "    if kv_cache_dtype == \"fp8-edited\":\n        return KVQuantMode.FP8_PER_TENSOR\n"),
+    # a property of a subclass that calls super()
+    ("            return self.block_size * self.num_kv_heads * self.tq_slot_size\n"
+     "        return super().real_page_size_bytes\n",
+     "            return self.block_size * self.num_kv_heads * self.tq_slot_size\n"
+     "        return 2 * super().real_page_size_bytes\n"),
+    # a dataclass's __post_init__ with zero-argument super()
+    ("    def __post_init__(self):\n        super().__post_init__()\n"
+     "        _apply_alignment_padding(self)\n",
+     "    def __post_init__(self):\n        super().__post_init__()\n"
+     "        _apply_alignment_padding(self)\n"
+     "        object.__setattr__(self, \"model_version\", self.model_version or \"edited\")\n"),
+]
+
+CHILD = textwrap.dedent("""\
+    import multiprocessing, sys
+
+    def child():
+        import torch
+        import vllm.v1.kv_cache_interface as k
+        common = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+        print("RESULT", k.is_quantized_kv_cache("fp8-edited"),
+              k.TQFullAttentionSpec(**common).real_page_size_bytes
+              // k.FullAttentionSpec(**common).real_page_size_bytes,
+              k.MLAAttentionSpec(**common).model_version, flush=True)
+
+    if __name__ == "__main__":
+        process = multiprocessing.get_context("spawn").Process(target=child)
+        process.start()
+        process.join()
+        sys.exit(process.exitcode)
+    """)
+
+
+@pytest.mark.slow
+def test_real_vllm_edit_create_verify_spawn_revert(vllm_with_tool: Path, tmp_path: Path) -> None:
+    """On vLLM 0.20.2: edit a function, a property using super() and a dataclass
+    __post_init__ using super() in place; create; the file is RECORD's original plus our block,
+    verify exits 0, a spawn child runs the edited code, revert restores RECORD's bytes; on
+    vLLM 0.16.0 the same patch is unknown-shape and writes nothing; a module-level edit is
+    refused."""
+    python = vllm_with_tool
+    project = tmp_path / "serve"
+    project.mkdir()
+    (project / "pyproject.toml").write_text('[tool.vllm-patch]\npatches = []\n')
+
+    def tool(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(python), "-m", "hatch_vllm_patch", *args], cwd=project,
+                              capture_output=True, text=True, timeout=600, check=False,
+                              input="", env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+    opened = tool("edit", KV_INTERFACE)
+    assert opened.returncode == 0, opened.stderr
+    target = Path(opened.stdout.strip())
+    pristine = target.read_bytes()
+    record_hash = hashlib.sha256(pristine).hexdigest()
+    text = pristine.decode()
+    for old, new in REAL_EDITS:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    target.write_text(text)
+
+    made = tool("create", "clearer-kv", "--summary", "Test of create on real vLLM")
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert ("redefines get_kv_quant_mode, TQFullAttentionSpec.real_page_size_bytes, "
+            "MLAAttentionSpec.__post_init__") in made.stdout
+    content = target.read_bytes()
+    assert content.startswith(pristine) and content != pristine
+    (project / "pyproject.toml").write_text('[tool.vllm-patch]\npatches = ["clearer-kv"]\n')
+    verified = tool("verify")
+    assert verified.returncode == 0, verified.stdout
+
+    program = tmp_path / "child.py"
+    program.write_text(CHILD)
+    child = run([str(python), str(program)], env={"HF_HUB_OFFLINE": "1"}, timeout=900)
+    assert "RESULT True 2 edited" in child.stdout, child.stdout + child.stderr
+
+    reverted = tool("revert")
+    assert reverted.returncode == 0, reverted.stdout
+    assert hashlib.sha256(target.read_bytes()).hexdigest() == record_hash
+
+    other = release_venv(tmp_path / "old", "vllm", "0.16.0")
+    old_file = site_packages(tmp_path / "old") / "vllm" / "v1" / "kv_cache_interface.py"
+    before = old_file.read_bytes()
+    elsewhere = tool("apply", "--python", str(other))
+    assert elsewhere.returncode == 1 and "unknown-shape  clearer-kv" in elsewhere.stdout
+    assert old_file.read_bytes() == before
+
+    tool("edit", KV_INTERFACE)
+    target.write_text(pristine.decode().replace("class KVQuantMode(IntEnum):",
+                                                "class KVQuantMode(IntEnum):  # edited", 1)
+                      .replace("\n\ndef is_quantized_kv_cache", "\n\nLIMIT = 3\n\n\n"
+                               "def is_quantized_kv_cache", 1))
+    refused = tool("create", "module-level")
+    assert refused.returncode == 2 and "module level: statement at line" in refused.stderr
+    assert "(LIMIT = 3)" in refused.stderr
+    assert not (project / "vllm-patches" / "module-level").exists()
+    assert tool("edit", KV_INTERFACE, "--discard").returncode == 0
+    assert target.read_bytes() == pristine
+    assert cached_wheel("vllm", "0.16.0").is_file()
