@@ -51,6 +51,7 @@ class Target:
     symbols: tuple[str, ...]
     optional: bool = False
     version: str | None = None  # the version the patch was made on (informational)
+    install_from: str | None = None  # where the real distribution comes from (a hint)
 
     @property
     def symbol(self) -> str:
@@ -242,7 +243,7 @@ def _load_patch(folder: Path) -> Patch:
         errors.append(f"{where}: [applies] must be a table")
         applies = {}
     for key in sorted(set(target_table) - {"distribution", "module", "symbol", "symbols",
-                                           "optional", "version"}):
+                                           "optional", "version", "install-from"}):
         errors.append(f"{where}: unknown key target.{key}")
     for key in sorted(set(applies) - {"fixed-in", "fixed-shapes", "shapes", "classifier"}):
         errors.append(f"{where}: unknown key applies.{key}")
@@ -259,6 +260,7 @@ def _load_patch(folder: Path) -> Patch:
     if version is not None and not isinstance(version, str):
         errors.append(f"{where}: target.version must be a string")
         version = None
+    install_from = text(target_table, "install-from", "target.install-from", required=False)
 
     fixed_in: Version | None = None
     if "fixed-in" in applies:
@@ -312,7 +314,7 @@ def _load_patch(folder: Path) -> Patch:
         removal=removal,
         architectures=architectures,
         target=Target(distribution=distribution, module=module, symbols=symbols,
-                      optional=optional, version=version),
+                      optional=optional, version=version, install_from=install_from or None),
         fixed_in=fixed_in,
         symbol_shapes=symbol_shapes,
         fixed_shapes=frozenset(fixed_shapes),

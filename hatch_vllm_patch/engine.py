@@ -93,6 +93,7 @@ class FileFacts:
     ledger_original_sha256: str | None = None  # what we recorded as original when we patched it
     known_ids: frozenset[str] | None = None  # the catalog's ids; None: do not check other blocks
     read_error: str | None = None
+    package_missing: bool = False  # the distribution is installed but provides no such package
     # Other modules of the distribution where a fixed release keeps the symbol (fixed-shapes).
     elsewhere: Mapping[str, bytes | None] = field(default_factory=dict)
 
@@ -270,6 +271,13 @@ def inspect(patch: Patch, facts: FileFacts) -> Inspection:
     dist = patch.target.distribution
     if facts.installed_version is None:
         return Inspection(Verdict.NOT_INSTALLED, f"{dist} is not installed in this environment")
+    if facts.package_missing:
+        top = patch.target.module.split(".")[0]
+        where = (f"; the real {dist} comes from {patch.target.install_from}"
+                 if patch.target.install_from else "")
+        return Inspection(Verdict.NOT_INSTALLED, (
+            f"{dist} {facts.installed_version} is installed, but it provides no importable "
+            f"{top} package: not the real distribution (a placeholder?){where}"))
     if facts.read_error is not None:
         return Inspection(Verdict.ERROR, f"cannot read {facts.path}: {facts.read_error}")
     if facts.content is None:

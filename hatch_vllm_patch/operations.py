@@ -241,6 +241,8 @@ class _Session:
             known_ids=frozenset(self.catalog),
             read_error=error,
             elsewhere=elsewhere,
+            package_missing=(self.env.version_of(patch.target.distribution) is not None
+                             and location.package_dir is None),
         )
 
     def read(self, path: Path) -> tuple[bytes | None, str | None]:

@@ -31,7 +31,7 @@ class _Builder:
         self.why: dict[str, list[str]] = {}
         self.architectures: list[str] = []
         self.notes: list[str] = []
-        self.entries_used: set[str] = set()  # architecture tables already reached via a model
+        self.entries_used: set[str] = set()  # architectures already selected for (via a model)
 
     def add(self, patch_id: str, reason: str) -> None:
         self.why.setdefault(patch_id, [])
@@ -55,6 +55,7 @@ class _Builder:
         for name in names:
             defaults = self.catalog.for_architecture(name)
             if defaults:
+                self.entries_used.add(name)
                 for patch in defaults:
                     self.add(patch.id, f"{name} (catalog default{origin})")
                 return

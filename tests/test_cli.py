@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import stat
 import sys
 import tempfile
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli, write_demo_catalog, write_demo_project
+from conftest import DEMO_BLOCK, cli, write_demo_catalog, write_demo_project
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from venvs import UV, create_venv, run, site_packages
@@ -337,3 +338,49 @@ def test_project_option_from_another_directory(tmp_path: Path, demo_wheels: dict
     assert "the project's .venv" in proc.stdout
     target = site_packages(project / ".venv") / "demo_pkg" / "core.py"
     assert "hatch-vllm-patch: demo-fix" in target.read_text()
+
+
+def test_stale_block_through_the_cli(tmp_path: Path, demo_venv: Path) -> None:
+    """A block written by another version of the patch: verify says stale (exit 1), apply
+    replaces it (exit 0), verify passes."""
+    old = write_demo_catalog(tmp_path / "old", block=DEMO_BLOCK.replace("return 0", "return 00"))
+    new = write_demo_catalog(tmp_path / "new")
+    assert cli("apply", "--python", str(demo_venv), "--patch", "demo-fix",
+               catalog=old).returncode == 0
+    stale = cli("verify", "--python", str(demo_venv), "--patch", "demo-fix", catalog=new)
+    assert stale.returncode == 1 and "stale" in stale.stdout and "another version" in stale.stdout
+    assert "next: run: python -m hatch_vllm_patch apply" in stale.stdout
+    updated = cli("apply", "--python", str(demo_venv), "--patch", "demo-fix", catalog=new)
+    assert updated.returncode == 0 and "updated a stale block" in updated.stdout
+    assert cli("verify", "--python", str(demo_venv), "--patch", "demo-fix",
+               catalog=new).returncode == 0
+
+
+def test_selection_is_the_union_with_one_reason_line_per_patch(tmp_path: Path,
+                                                               demo_venv: Path) -> None:
+    """Two patches, selected through a model, an architecture table and the top-level list:
+    both are selected (the union), each with its own reasons, none repeated."""
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    second = catalog / "demo-two"
+    shutil.copytree(catalog / "demo-fix", second)
+    toml = second / "patch.toml"
+    toml.write_text(toml.read_text().replace('id = "demo-fix"', 'id = "demo-two"')
+                    .replace('["DemoForCausalLM"]', '["OtherForCausalLM"]'))
+    project = tmp_path / "serve"
+    (project / "model").mkdir(parents=True)
+    (project / "model" / "config.json").write_text(
+        json.dumps({"architectures": ["DemoForCausalLM"]}))
+    (project / "pyproject.toml").write_text(textwrap.dedent("""\
+        [tool.vllm-patch]
+        models = ["./model"]
+        patches = ["demo-two"]
+        [tool.vllm-patch.architectures.DemoForCausalLM]
+        [tool.vllm-patch.architectures.OtherForCausalLM]
+        """))
+    proc = cli("status", "--python", str(demo_venv), "--json", cwd=project, catalog=catalog)
+    why = {p["id"]: p["selected_because"] for p in json.loads(proc.stdout)["patches"]}
+    assert set(why) == {"demo-fix", "demo-two"}
+    assert why["demo-fix"] == [f"DemoForCausalLM (catalog default, via DemoForCausalLM in "
+                               f"{project / 'model'}/config.json)"]
+    assert why["demo-two"] == ["[tool.vllm-patch] patches (for every model served)",
+                               "OtherForCausalLM (catalog default)"]

@@ -616,3 +616,27 @@ def test_aggregated_runner_is_not_applicable(vllm_python: Path, tmp_path: Path) 
     assert b"# >>> hatch-vllm-patch: " + PLATFORM_ID.encode() in (installed / PLATFORM_FILE
                                                                   ).read_bytes()
     assert verdicts(patch_cli(vllm_python, catalog, "revert"))[PLATFORM_ID] == "reverted"
+
+
+@pytest.mark.slow
+def test_pypi_placeholder_is_named_as_such(tmp_path: Path) -> None:
+    """PyPI's vllm-neuron 0.1.0 (AWS's "WRONG PACKAGE" placeholder, no vllm_neuron package):
+    the Neuron patches say so and where the real plugin comes from; optional, so exit 0."""
+    from venvs import cached_wheel
+
+    python = create_venv(tmp_path / "venv")
+    run([UV, "pip", "install", "--quiet", "--no-deps", "--python", str(python),
+         str(cached_wheel("vllm-neuron", "0.1.0"))])
+    before = sorted(p.name for p in site_packages(tmp_path / "venv").iterdir())
+    for op in ("verify", "apply"):
+        proc = cli(op, "--python", str(python), "--patch", RUNNER_ID, "--patch", PLATFORM_ID,
+                   "--json")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        for outcome in json.loads(proc.stdout)["patches"]:
+            assert outcome["verdict"] == "not-installed", outcome
+            assert "vllm-neuron 0.1.0 is installed, but it provides no importable vllm_neuron" \
+                in outcome["reason"]
+            assert "WRONG PACKAGE" in outcome["reason"]
+            assert "pip.repos.neuron.amazonaws.com" in outcome["reason"]
+    after = sorted(p.name for p in site_packages(tmp_path / "venv").iterdir())
+    assert [n for n in after if n != ".hatch-vllm-patch.json"] == before  # only the record
