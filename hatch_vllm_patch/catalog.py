@@ -13,7 +13,7 @@ import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import cache, cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,15 @@ class Patch:
     # Digests of the target symbol in releases known to carry the upstream fix; an entry
     # "module:digest" names the module the symbol moved to.
     fixed_shapes: frozenset[str] = frozenset()
+
+    @cached_property
+    def shape_fingerprint(self) -> str:
+        """A digest of everything that decides the shape verdict (the known digests, or the
+        classifier's code): equal fingerprints on equal code give equal verdicts."""
+        parts = [f"{s}={','.join(sorted(d))}" for s, d in sorted(self.symbol_shapes.items())]
+        if self.classifier_path is not None:
+            parts.append(hashlib.sha256(self.classifier_path.read_bytes()).hexdigest())
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
     @property
     def shapes(self) -> frozenset[str]:

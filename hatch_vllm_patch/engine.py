@@ -56,6 +56,7 @@ __all__ = [
     "plan_verify",
     "render_block",
     "sha256_hex",
+    "shape_key",
     "symbol_digest",
 ]
 
@@ -94,6 +95,8 @@ class FileFacts:
     known_ids: frozenset[str] | None = None  # the catalog's ids; None: do not check other blocks
     read_error: str | None = None
     package_missing: bool = False  # the distribution is installed but provides no such package
+    # "<patch id>:<original sha256>:<shape fingerprint>" of shape checks known to say "known"
+    known_shapes: frozenset[str] = frozenset()
     # Other modules of the distribution where a fixed release keeps the symbol (fixed-shapes).
     elsewhere: Mapping[str, bytes | None] = field(default_factory=dict)
 
@@ -201,6 +204,11 @@ def classify_shape(patch: Patch, original: bytes) -> tuple[str, str]:
     if len(patch.symbol_shapes) == 1:
         return "known", f"{patch.target.symbol} has a known shape ({seen[0]})"
     return "known", f"every target symbol has a known shape ({', '.join(seen)})"
+
+
+def shape_key(patch: Patch, original: bytes) -> str:
+    """What a shape verdict depends on: the patch's shapes and the original bytes."""
+    return f"{patch.id}:{sha256_hex(original)}:{patch.shape_fingerprint}"
 
 
 def fixed_shape_note(patch: Patch, original: bytes | None,
@@ -311,8 +319,12 @@ def inspect(patch: Patch, facts: FileFacts) -> Inspection:
                 parsed,
             )
         # The block is current; does it still belong to the code under it? (The catalog may
-        # have dropped a shape, or the file may be a copy from another build.)
-        status, reason = classify_shape(patch, parsed.original)
+        # have dropped a shape, or the file may be a copy from another build.) The record
+        # remembers a check that said "known" for the same code and the same shapes.
+        if shape_key(patch, parsed.original) in facts.known_shapes:
+            status, reason = "known", ""
+        else:
+            status, reason = classify_shape(patch, parsed.original)
         if status != "known":
             return Inspection(
                 Verdict.UNKNOWN_SHAPE,

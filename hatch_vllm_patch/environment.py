@@ -9,18 +9,18 @@ guard in a vLLM process) it runs in this process; otherwise in one subprocess of
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import InterpreterNotFoundError, TargetEnvironmentError, UsageError
+
+if TYPE_CHECKING:
+    import subprocess
 
 PROBE_TIMEOUT = 120.0
 
@@ -116,7 +116,7 @@ def choose_interpreter(
     if project_dir is not None and (project_dir / ".venv").is_dir():
         reason = "the project's .venv"
         return InterpreterChoice(_interpreter_in(project_dir / ".venv"), reason)
-    return InterpreterChoice(Path(sys.executable), "the running interpreter")
+    return InterpreterChoice(Path(os.path.abspath(sys.executable)), "the running interpreter")
 
 
 def is_running_interpreter(python: Path) -> bool:
@@ -146,6 +146,10 @@ def run_bounded(cmd: list[str], *, timeout: float, env: Mapping[str, str] | None
                 ) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` in its own process group; on a timeout (or Ctrl-C) kill the whole group, so
     no grandchild is left running. Raises ``subprocess.TimeoutExpired`` / ``OSError``."""
+    import contextlib
+    import signal
+    import subprocess
+
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(env) if env is not None else None, start_new_session=True,
                             errors="replace")
@@ -186,6 +190,8 @@ def inspect_environment(
             f"the target interpreter {python} ({choice.reason}) does not exist; "
             "run `uv sync` first, or pass --python PATH"
         )
+    import subprocess
+
     env = {k: v for k, v in os.environ.items() if k not in {"PYTHONHOME"}}
     try:
         proc = run_bounded([str(python), "-c", _probe_source(), json.dumps(payload)],

@@ -18,7 +18,6 @@ import contextlib
 import errno
 import os
 import stat
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -42,6 +41,8 @@ class LockError(TargetEnvironmentError):
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` through a new inode, keeping the file's permission bits."""
+    import tempfile
+
     try:
         mode = stat.S_IMODE(path.stat().st_mode)
     except FileNotFoundError:

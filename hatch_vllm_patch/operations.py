@@ -12,10 +12,8 @@ Order of work, for every operation:
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
-import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,6 +28,7 @@ from .engine import (
     plan_remove_blocks,
     plan_revert,
     plan_verify,
+    shape_key,
 )
 from .environment import (
     InterpreterChoice,
@@ -168,6 +167,7 @@ class _Session:
         self.notes: list[str] = []
         self.record = self.initial = EnvironmentRecord()
         self.contents: dict[str, bytes | None] = {}  # path -> bytes as last read or written
+        self.known: dict[tuple[str, str], str] = {}  # (path, patch id) -> a "known" shape key
         self.wrote_targets = False
 
     # --- where ------------------------------------------------------------------------------
@@ -243,6 +243,8 @@ class _Session:
             elsewhere=elsewhere,
             package_missing=(self.env.version_of(patch.target.distribution) is not None
                              and location.package_dir is None),
+            known_shapes=frozenset(f"{pid}:{key}" for pid, key in
+                                   (entry.known_shapes.items() if entry else ())),
         )
 
     def read(self, path: Path) -> tuple[bytes | None, str | None]:
@@ -273,6 +275,10 @@ class _Session:
             plan = replace(plan, reason=f"would apply: {plan.reason}")
         elif op in _WRITES and plan.new_content is not None:
             plan = self.write(plan, path, patch.target.distribution, facts)
+        if op == "apply" and plan.verdict in {Verdict.APPLIED, Verdict.ALREADY_APPLIED}:
+            content = self.contents.get(str(path))
+            if content is not None:  # remember the "known" for verify
+                self.known[(str(path), patch.id)] = shape_key(patch, parse_file(content).original)
         if op in _WRITES and plan.verdict not in {Verdict.MODIFIED, Verdict.ERROR}:
             self.reconcile(path, patch.target.distribution)
         if plan.verdict is Verdict.MODIFIED and str(path) in self.record.edits:
@@ -293,8 +299,13 @@ class _Session:
             return
         entry = self.record.files.get(str(path))
         ids = {b.patch_id: b.declared_sha256 for b in parsed.blocks}
+        original = sha256_hex(parsed.original)  # checked against RECORD or ledger
+        known = {pid: key for pid, key in (entry.known_shapes.items() if entry else ())
+                 if pid in ids and key.startswith(f"{original}:")}
+        known.update({pid: key.split(":", 1)[1] for (p, pid), key in self.known.items()
+                      if p == str(path) and pid in ids})
         if entry is not None and entry.patched_sha256 == sha256_hex(content) \
-                and dict(entry.patches) == ids:
+                and dict(entry.patches) == ids and dict(entry.known_shapes) == known:
             return
         if not ids:
             self.record = self.record.with_file(str(path), None)
@@ -302,9 +313,10 @@ class _Session:
         self.record = self.record.with_file(str(path), FileEntry(
             distribution=distribution,
             distribution_version=self.env.version_of(distribution) or "unknown",
-            original_sha256=sha256_hex(parsed.original),  # checked against RECORD or ledger
+            original_sha256=original,
             patched_sha256=sha256_hex(content),
             patches=ids,
+            known_shapes=known,
         ))
 
     def write(self, plan: Plan, path: Path, distribution: str, facts: FileFacts) -> Plan:
@@ -525,6 +537,8 @@ PROBE_TIMEOUT = 900.0
 def run_probe(patch: Patch, env: TargetEnvironment) -> tuple[bool | None, str]:
     """Run the patch's deep probe in the target interpreter: (passed, detail); passed is None
     when the probe says it cannot run on this machine (``{"skipped": reason}``)."""
+    import subprocess
+
     assert patch.probe_path is not None
     try:
         proc = run_bounded([str(env.python), str(patch.probe_path)], timeout=PROBE_TIMEOUT,
@@ -546,6 +560,8 @@ def run_probe(patch: Patch, env: TargetEnvironment) -> tuple[bool | None, str]:
 
 def _unified_diff(path: Path, env: TargetEnvironment, old: bytes, new: bytes) -> str:
     """A ``diff -u`` of one file, named relative to site-packages where it lies there."""
+    import difflib
+
     try:
         label = path.relative_to(env.purelib).as_posix()
         names = (f"a/{label}", f"b/{label}")

@@ -50,6 +50,9 @@ class FileEntry:
     original_sha256: str
     patched_sha256: str
     patches: Mapping[str, str]  # patch id -> block sha256
+    # patch id -> "<original sha256>:<shape fingerprint>" of a shape check that said "known":
+    # verify need not parse the module again while neither changed.
+    known_shapes: Mapping[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -58,6 +61,7 @@ class FileEntry:
             "original_sha256": self.original_sha256,
             "patched_sha256": self.patched_sha256,
             "patches": dict(sorted(self.patches.items())),
+            "known_shapes": dict(sorted(self.known_shapes.items())),
         }
 
 
@@ -252,6 +256,9 @@ def _file_entry(path: str, raw: object) -> FileEntry:
     patches = raw.get("patches", {})
     if not isinstance(patches, dict) or not all(isinstance(v, str) for v in patches.values()):
         raise RecordDamaged(f"{where}.patches is not an object of digests")
+    known = raw.get("known_shapes", {})
+    if not isinstance(known, dict) or not all(isinstance(v, str) for v in known.values()):
+        raise RecordDamaged(f"{where}.known_shapes is not an object of strings")
     return FileEntry(
         distribution=_text(raw.get("distribution"), f"{where}.distribution"),
         distribution_version=_text(raw.get("distribution_version"),
@@ -259,6 +266,7 @@ def _file_entry(path: str, raw: object) -> FileEntry:
         original_sha256=_text(raw.get("original_sha256"), f"{where}.original_sha256"),
         patched_sha256=_text(raw.get("patched_sha256"), f"{where}.patched_sha256"),
         patches={str(k): v for k, v in patches.items()},
+        known_shapes={str(k): v for k, v in known.items()},
     )
 
 

@@ -6,10 +6,13 @@ real subprocess) in a second; the tests against vLLM itself live in their own mo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -126,6 +129,23 @@ def vllm_with_tool(tmp_path_factory: pytest.TempPathFactory, project_wheel: Path
     wheel, as a downstream project has it; tests that change it leave it as they found it."""
     return create_venv(tmp_path_factory.mktemp("vllm-tool") / "venv", "vllm==0.20.2",
                        str(project_wheel))
+
+
+@contextlib.contextmanager
+def pristine_environment(python: Path) -> Iterator[None]:
+    """Leave a shared environment as it was installed, also when the test fails half-way:
+    edits discarded, every block of ours reverted, the record gone."""
+    try:
+        yield
+    finally:
+        sp = next((python.parent.parent / "lib").glob("python3*/site-packages"))
+        record = sp / ".hatch-vllm-patch.json"
+        if record.exists():
+            for session in json.loads(record.read_text()).get("edits", {}).values():
+                run([str(python), "-m", "hatch_vllm_patch", "edit", session["module"],
+                     "--discard"], check=False)
+        run([str(python), "-m", "hatch_vllm_patch", "revert"], check=False)
+        record.unlink(missing_ok=True)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO
+from conftest import REPO, pristine_environment
 from venvs import UV, cached_wheel, create_venv, release_venv, run, site_packages
 
 from hatch_vllm_patch.authoring import (
@@ -483,6 +483,11 @@ def test_real_vllm_edit_create_verify_spawn_revert(vllm_with_tool: Path, tmp_pat
     project = tmp_path / "serve"
     project.mkdir()
     (project / "pyproject.toml").write_text('[tool.vllm-patch]\npatches = []\n')
+    with pristine_environment(python):
+        _real_vllm_cycle(python, project, tmp_path)
+
+
+def _real_vllm_cycle(python: Path, project: Path, tmp_path: Path) -> None:
 
     def tool(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(python), "-m", "hatch_vllm_patch", *args], cwd=project,
@@ -502,8 +507,8 @@ def test_real_vllm_edit_create_verify_spawn_revert(vllm_with_tool: Path, tmp_pat
 
     made = tool("create", "clearer-kv", "--summary", "Test of create on real vLLM")
     assert made.returncode == 0, made.stdout + made.stderr
-    assert ("redefines get_kv_quant_mode, TQFullAttentionSpec.real_page_size_bytes, "
-            "MLAAttentionSpec.__post_init__") in made.stdout
+    assert ("redefines get_kv_quant_mode, MLAAttentionSpec.__post_init__, "
+            "TQFullAttentionSpec.real_page_size_bytes") in made.stdout, made.stdout
     content = target.read_bytes()
     assert content.startswith(pristine) and content != pristine
     (project / "pyproject.toml").write_text('[tool.vllm-patch]\npatches = ["clearer-kv"]\n')

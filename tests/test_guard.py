@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_BLOCK, write_demo_catalog
+from conftest import DEMO_BLOCK, pristine_environment, write_demo_catalog
 from venvs import UV, create_venv, run, site_packages
 
 RECORD = ".hatch-vllm-patch.json"
@@ -273,6 +273,11 @@ def test_vllm_spawn_children_are_guarded(vllm_with_tool: Path, tmp_path: Path) -
     reinstall error stops, warn goes on unpatched, apply heals the already imported module and
     the next child gets the patched file; silence without a record or a project."""
     python = vllm_with_tool
+    with pristine_environment(python):
+        _spawn_scenarios(python, tmp_path)
+
+
+def _spawn_scenarios(python: Path, tmp_path: Path) -> None:
     program = tmp_path / "spawn.py"
     program.write_text(SPAWN)
     work = tmp_path / "work"
