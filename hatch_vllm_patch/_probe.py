@@ -81,18 +81,20 @@ def _distribution(name: str) -> tuple[str | None, dict[str, Any] | None]:
 
 
 def _record_sha256(folder: str, record: str, relative_path: str, real: str) -> str | None:
-    """The sha256 RECORD gives for the file whose real path is ``real`` (hex)."""
-    for line in record.splitlines():
-        path, _, rest = line.partition(",")
-        if not path.endswith(relative_path):
-            continue
-        digest = rest.partition(",")[0]
-        if not digest.startswith("sha256="):
-            continue
-        located = os.path.join(os.path.dirname(folder), path)  # RECORD paths are relative to
-        if os.path.realpath(located) == real:  # the folder holding the .dist-info
-            value = digest[len("sha256="):]
+    """The sha256 RECORD gives for the file whose real path is ``real`` (hex). RECORD paths are
+    relative to the folder holding the .dist-info. Found by searching the text for the path's
+    end (C speed: vLLM's RECORD has thousands of lines)."""
+    needle = relative_path + ",sha256="
+    start = record.find(needle)
+    while start >= 0:
+        line_start = record.rfind("\n", 0, start) + 1
+        digest_start = start + len(needle)
+        digest_end = record.find(",", digest_start)
+        path = record[line_start:start + len(relative_path)]
+        if os.path.realpath(os.path.join(os.path.dirname(folder), path)) == real:
+            value = record[digest_start:digest_end if digest_end >= 0 else None].strip()
             return base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)).hex()
+        start = record.find(needle, start + 1)
     return None
 
 

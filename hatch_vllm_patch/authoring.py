@@ -713,7 +713,14 @@ def check(request: Request, folders: list[Path]) -> list[FolderCheck]:
         try:
             loaded.append((folder, _load_patch(folder), ""))
         except CatalogError as exc:
-            loaded.append((folder, None, str(exc)))
+            problems = [str(exc)]
+            block = folder / "block.py"
+            if block.is_file():  # what the loader does not look at: does the block compile?
+                try:
+                    compile(block.read_text(encoding="utf-8"), str(block), "exec")
+                except (SyntaxError, UnicodeDecodeError) as error:
+                    problems.append(f"{block}: not valid Python: {error}")
+            loaded.append((folder, None, "\n".join(problems)))
     env: TargetEnvironment | None = None
     try:  # the target is optional for check: the folders are checked regardless
         _, _, _, choice = resolve(request)
@@ -738,6 +745,11 @@ def _check_one(patch: Patch, env: TargetEnvironment | None) -> FolderCheck:
                        ("removal", patch.removal)):
         if value.startswith(PLACEHOLDER):
             warnings.append(f"{manifest}: {key} is still a placeholder")
+    try:
+        compile(patch.block, str(folder / "block.py"), "exec")
+    except SyntaxError as exc:
+        return FolderCheck(folder, (f"{folder / 'block.py'}: not valid Python: {exc}",),
+                           tuple(warnings), ())
     errors += _block_bindings(patch.block, folder / "block.py", patch.target.symbols)
     for name in ("probe.py", "classify.py"):
         script = folder / name

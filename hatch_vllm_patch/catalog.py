@@ -300,11 +300,9 @@ def _load_patch(folder: Path) -> Patch:
         errors.append(f"{where}: block.py is missing")
     if block and not block.endswith("\n"):
         errors.append(f"{block_path}: must end with a newline")
-    if block:
-        try:
-            compile(block, str(block_path), "exec")
-        except SyntaxError as exc:
-            errors.append(f"{block_path}: not valid Python: {exc}")
+    # Whether the block compiles is checked where it matters, and only there: before it is
+    # written (plan_apply) and by `vllm-patch check` (compiling it on every load would cost
+    # every verify and every vLLM process's guard a few milliseconds for nothing).
     probe = folder / "probe.py"
     summary = text(data, "summary", "summary")
     description = text(data, "description", "description", required=False)

@@ -369,6 +369,11 @@ def plan_apply(patch: Patch, facts: FileFacts) -> Plan:
             status, reason = classify_shape(patch, state.parsed.original)
             if status != "known":
                 return Plan(Verdict.UNKNOWN_SHAPE, f"{reason}; refusing to update the patch")
+        try:
+            compile(patch.block, str(patch.folder / "block.py"), "exec")
+        except SyntaxError as exc:
+            return Plan(Verdict.ERROR, f"{patch.folder / 'block.py'} is not valid Python "
+                                       f"(line {exc.lineno}: {exc.msg}); nothing was written")
         body = patch.block.encode("utf-8")
         others = state.parsed.without(patch.id).blocks
         new = ParsedFile(state.parsed.original, (*others, AppliedBlock(patch.id, "", body)))
