@@ -269,9 +269,11 @@ def _author(args: argparse.Namespace, request: Request) -> int:
                 print(f"note: {note}", file=out)
             if made.report is not None:
                 _print_report(made.report, out)
-            print(f"next: fill in the TODOs of {made.folder / 'patch.toml'}, select it in "
-                  f"[tool.vllm-patch] patches = [\"{made.folder.name}\"], commit the folder",
-                  file=out)
+            manifest = made.folder / "patch.toml"
+            todo = f"fill in the TODOs of {manifest}, " if "TODO" in manifest.read_text(
+                encoding="utf-8") else ""
+            print(f"next: {todo}select it in [tool.vllm-patch] patches = "
+                  f"[\"{made.folder.name}\"] (unless it is), commit the folder", file=out)
 
         _write(show)
         return EXIT_OK if made.report is None or made.report.ok else EXIT_FAILED

@@ -305,18 +305,27 @@ def _toml_string(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _toml_text(value: str) -> str:
+    """A prose value: wrapped over lines of at most 96 characters when it is long."""
+    if len(value) <= 80 or "\n" in value:
+        return _toml_string(value)
+    return _toml_string(textwrap.fill(value, 96))
+
+
 def render_manifest(patch_id: str, *, distribution: str, module: str, version: str,
                     shapes: dict[str, str], summary: str, why: str, removal: str,
                     fixed_in: str | None, made_by: str) -> str:
     symbols = list(shapes)
-    lines = [
-        f"# Made by `vllm-patch {made_by}` on {distribution} {version}. Fill in the TODOs: they",
-        "# are what `vllm-patch status` shows to whoever meets this patch next.",
+    lines = [f"# Made by `vllm-patch {made_by}` on {distribution} {version}."]
+    if any(text.startswith(PLACEHOLDER) for text in (summary, why, removal)):
+        lines.append("# Fill in the TODOs: they are what `vllm-patch status` shows to whoever "
+                     "meets this patch next.")
+    lines += [
         f"id = {_toml_string(patch_id)}",
         f"summary = {_toml_string(summary)}",
-        f"description = {_toml_string(why)}",
+        f"description = {_toml_text(why)}",
         "links = []",
-        f"removal = {_toml_string(removal)}",
+        f"removal = {_toml_text(removal)}",
         "# Select it in [tool.vllm-patch] patches = [...] (every model), or list the",
         "# architectures it is for here.",
         "architectures = []",

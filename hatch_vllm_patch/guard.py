@@ -116,18 +116,20 @@ def _changed_since_apply(state: RecordRead, editing: set[str]) -> str | None:
     user is trying a fix with the server) are not checked."""
     selection = state.record.selection
     assert selection is not None
+    present: dict[str, bool] = {}  # top-level package -> importable now
     for entry in selection.patches:
         if entry.file in editing:
             continue
         if entry.file is None:
-            import importlib.util
-
             top = entry.module.split(".")[0]
-            try:
-                found = importlib.util.find_spec(top) is not None
-            except (ImportError, ValueError):
-                found = False
-            if found:
+            if top not in present:
+                import importlib.util
+
+                try:
+                    present[top] = importlib.util.find_spec(top) is not None
+                except (ImportError, ValueError):
+                    present[top] = False
+            if present[top]:
                 return f"{entry.distribution} is installed now ({entry.id})"
             if not entry.ok:
                 return f"{entry.id} was {entry.verdict} at the last apply"

@@ -449,12 +449,12 @@ class _Session:
         ids = {p.id for p in self.patches}
         kept = tuple(p for p in previous.patches if p.id not in ids) if previous and partial else ()
         if self.operation == "revert":
-            return replace(previous, patches=kept) if previous and partial else None
+            return previous._replace(patches=kept) if previous and partial else None
         by_id = {o.patch_id: o for o in outcomes}
         entries = [self.selected(patch, by_id[patch.id]) for patch in self.patches]
         config = self.config
         if config is None and previous is not None:
-            return replace(previous, patches=(*kept, *entries))
+            return previous._replace(patches=(*kept, *entries))
         return SelectionRecord(
             patches=(*kept, *entries),
             guard=config.guard if config and config.guard else DEFAULT_GUARD,

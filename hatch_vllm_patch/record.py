@@ -18,7 +18,9 @@ The files are the truth; the record is history that makes checks cheap and hand 
 A damaged record is never silently rewritten by a read-only command, and a record written by a
 newer release (a higher ``format``) is never overwritten.
 
-Import-light on purpose (``json`` and ``dataclasses``): the guard reads it in every vLLM process.
+Import-light on purpose: the guard reads it in every vLLM process, within a budget of a few
+milliseconds. Its types are ``NamedTuple``s, not dataclasses: creating this module's six
+dataclasses took 6 ms at import (measured in a vLLM 0.20.2 process), six NamedTuples 1 ms.
 """
 
 from __future__ import annotations
@@ -26,23 +28,23 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 RECORD_NAME = ".hatch-vllm-patch.json"
 EDITS_DIR = ".hatch-vllm-patch-edits"  # pristine copies of files under edit, by sha256
 FORMAT = 2
 GUARD_MODES = ("error", "warn", "apply", "off")
 DEFAULT_GUARD = "error"
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
 class RecordDamaged(ValueError):
     """The record cannot be used; the message says why."""
 
 
-@dataclass(frozen=True)
-class FileEntry:
+class FileEntry(NamedTuple):
     """What we know about one file we patched."""
 
     distribution: str
@@ -52,7 +54,7 @@ class FileEntry:
     patches: Mapping[str, str]  # patch id -> block sha256
     # patch id -> "<original sha256>:<shape fingerprint>" of a shape check that said "known":
     # verify need not parse the module again while neither changed.
-    known_shapes: Mapping[str, str] = field(default_factory=dict)
+    known_shapes: Mapping[str, str] = _EMPTY
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -65,8 +67,7 @@ class FileEntry:
         }
 
 
-@dataclass(frozen=True)
-class SelectedPatch:
+class SelectedPatch(NamedTuple):
     """One patch of the last ``apply``'s selection, as that apply left it."""
 
     id: str
@@ -86,8 +87,7 @@ class SelectedPatch:
                 "folder": self.folder}
 
 
-@dataclass(frozen=True)
-class Selection:
+class Selection(NamedTuple):
     """What the last ``apply`` selected for this environment, and the guard mode it asked for."""
 
     patches: tuple[SelectedPatch, ...]
@@ -100,8 +100,7 @@ class Selection:
                 "patches": [p.to_json() for p in self.patches]}
 
 
-@dataclass(frozen=True)
-class EditSession:
+class EditSession(NamedTuple):
     """A file opened with ``vllm-patch edit``: where its pristine bytes are, and what was taken
     out of it (our blocks, re-applied after ``create``)."""
 
@@ -122,13 +121,12 @@ def pristine_copy(directory: Path, digest: str) -> Path:
     return directory / EDITS_DIR / f"{digest}.py"
 
 
-@dataclass(frozen=True)
-class EnvironmentRecord:
+class EnvironmentRecord(NamedTuple):
     """The parsed record; empty when there is none."""
 
-    files: Mapping[str, FileEntry] = field(default_factory=dict)
+    files: Mapping[str, FileEntry] = _EMPTY
     selection: Selection | None = None
-    edits: Mapping[str, EditSession] = field(default_factory=dict)
+    edits: Mapping[str, EditSession] = _EMPTY
 
     @property
     def empty(self) -> bool:
@@ -138,17 +136,17 @@ class EnvironmentRecord:
         edits = {p: e for p, e in self.edits.items() if p != path}
         if session is not None:
             edits[path] = session
-        return replace(self, edits=edits)
+        return self._replace(edits=edits)
 
     def with_file(self, path: str, entry: FileEntry | None) -> EnvironmentRecord:
         """This record with ``path``'s entry replaced (None or no patches: forgotten)."""
         files = {p: e for p, e in self.files.items() if p != path}
         if entry is not None and entry.patches:
             files[path] = entry
-        return replace(self, files=files)
+        return self._replace(files=files)
 
     def with_selection(self, selection: Selection | None) -> EnvironmentRecord:
-        return replace(self, selection=selection)
+        return self._replace(selection=selection)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -168,8 +166,7 @@ class EnvironmentRecord:
         return self.to_json() == other.to_json()
 
 
-@dataclass(frozen=True)
-class RecordRead:
+class RecordRead(NamedTuple):
     """The outcome of reading the record: the record, or why it could not be used."""
 
     path: Path
