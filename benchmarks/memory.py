@@ -468,7 +468,9 @@ def run_probe(python: Path, script: str, job: dict[str, Any], workdir: Path) -> 
     job_file.write_text(json.dumps(job, indent=1), encoding="utf-8")
     out_file.unlink(missing_ok=True)
     env = {**_uv_env(), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_LOGGING_LEVEL": "WARNING"}
+           "VLLM_LOGGING_LEVEL": "WARNING",
+           # trust_remote_code copies the configuration modules here, not into ~/.cache
+           "HF_MODULES_CACHE": str(workdir / "hf-modules")}
     start = time.perf_counter()
     _run([str(python), str(BENCHMARKS / script), str(job_file), str(out_file)],
          what=f"{script} in {python}", env=env)
