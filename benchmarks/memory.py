@@ -1,0 +1,859 @@
+"""What the fixes cost and win, in bytes, computed by vLLM's own code.
+
+Two tables, both from real vLLM wheels on this machine's CPU:
+
+1. KV pages of hybrid models on vLLM 0.20.2 (patch kv-cache-page-unification). For each model,
+   tensor-parallel size (1, 2, 4, 8), KV-cache dtype (bf16, fp8) and draft (none, the model's
+   MTP layer, an EAGLE-3 head with a bf16 KV cache) one row: the largest recurrent-state page,
+   the attention pages, the page our patched ``get_kv_cache_groups`` gives, the minimum
+   possible page, the page of the seed's LCM approach (a baseline, re-implemented here from its
+   description), and what unpatched vLLM does. Attention layers use vLLM's default block size of
+   16 tokens with no platform alignment, as on the CPU platform of vLLM 0.18-0.20.2; GPU
+   platforms first raise the attention block size until its page covers the state, and then only
+   a draft with other bytes per token reaches page unification.
+2. The Neuron KV budget on vLLM 0.16.0 (patch neuron-runner-kv-spec) for the Gated DeltaNet
+   models: bytes vLLM budgets per token and the resulting maximum concurrency for a fixed KV
+   memory budget, with the runner's spec unpatched and patched, through vLLM's real
+   ``get_kv_cache_configs`` with the hybrid KV-cache manager off, as on Neuron. The runner is
+   the stand-in plugin of the tests (tests/fixtures/neuron/per_layer: one FullAttentionSpec per
+   decoder layer, the runner shape of the vllm-neuron forks), installed into the environment.
+
+    uv run python benchmarks/memory.py [--json FILE] [--workdir DIR] [--keep] [--only kv|neuron]
+
+It creates (or, with --workdir, reuses) one uv environment per vLLM version, patches it with
+this checkout's CLI (``python -m hatch_vllm_patch apply --python ENV --patch ID``), writes each
+model's config.json, and runs ``memory_probe_kv.py`` / ``memory_probe_neuron.py`` with the
+environment's interpreter; this script only judges and formats. The environments are full vLLM
+installs (about 8 GB each, hardlinked from uv's cache); the run takes a few minutes on 2 cores.
+Exit status 1 when any row could not be computed or our page differs from the minimum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+BENCHMARKS = REPO / "benchmarks"
+NEURON_STANDIN = REPO / "tests" / "fixtures" / "neuron" / "per_layer"
+UV = shutil.which("uv") or "uv"
+GIB = 1 << 30
+
+KV_VLLM = "0.20.2"
+NEURON_VLLM = "0.16.0"
+TP_SIZES = (1, 2, 4, 8)
+KV_DTYPES = ("bf16", "fp8")
+NUM_SPECULATIVE_TOKENS = 2
+ATTENTION_BLOCK = 16  # vLLM's default --block-size
+NEURON_TP_SIZES = (1, 8)
+NEURON_MAX_MODEL_LEN = 32768
+NEURON_KV_MEMORY_PER_RANK = 16 * GIB
+
+
+def _qwen_layer_types(layers: int, interval: int = 4) -> list[str]:
+    return ["full_attention" if i % interval == interval - 1 else "linear_attention"
+            for i in range(layers)]
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model's published dimensions, as the config.json vLLM reads."""
+
+    name: str
+    source: str  # where the values come from
+    kv_fields: tuple[str, ...]  # the fields that decide its KV pages
+    config: dict[str, Any]
+    gated_deltanet: bool  # a Gated DeltaNet model (the Neuron table covers these)
+    mamba_type: str  # MambaSpec.mamba_type of its state layers in vLLM 0.20.2
+    layer_prefix: str
+    state_layer: str
+    attention_layer: str
+    drafts: tuple[str, ...] = ("eagle3",)
+    # A config class whose defaults are this model: the probe reads them and this script
+    # reports whether they equal the values written here.
+    defaults_of: str | None = None
+    # Written next to config.json and loaded with trust_remote_code, as the model's own
+    # configuration module is (auto_map in its config.json).
+    remote_code: dict[str, str] = field(default_factory=dict)
+    # vLLM 0.16.0 predates the qwen3_5 configs: its Neuron row uses this config instead.
+    neuron_config: dict[str, Any] | None = None
+    neuron_note: str = ""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+_QWEN3_5_TEXT_FIELDS = (
+    "text_config.num_hidden_layers", "text_config.layer_types",
+    "text_config.num_key_value_heads", "text_config.head_dim",
+    "text_config.linear_num_key_heads", "text_config.linear_num_value_heads",
+    "text_config.linear_key_head_dim", "text_config.linear_value_head_dim",
+    "text_config.linear_conv_kernel_dim", "text_config.mamba_ssm_dtype", "text_config.dtype",
+)
+
+
+def _qwen3_5_config(architecture: str, model_type: str, text: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "tie_word_embeddings": False,
+        "image_token_id": 248056,
+        "video_token_id": 248057,
+        "vision_start_token_id": 248053,
+        "vision_end_token_id": 248054,
+        "text_config": {
+            "model_type": f"{model_type}_text",
+            "dtype": "bfloat16",
+            "vocab_size": 248320,
+            "max_position_embeddings": 262144,
+            "full_attention_interval": 4,
+            "layer_types": _qwen_layer_types(text["num_hidden_layers"]),
+            "head_dim": 256,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_num_key_heads": 16,
+            "linear_conv_kernel_dim": 4,
+            "mamba_ssm_dtype": "float32",
+            "mtp_num_hidden_layers": 1,
+            "attn_output_gate": True,
+            "partial_rotary_factor": 0.25,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                                "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+                                "mrope_section": [11, 11, 10]},
+            **text,
+        },
+        "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
+                          "num_heads": 16, "patch_size": 16, "spatial_merge_size": 2,
+                          "temporal_patch_size": 2, "out_hidden_size": text["hidden_size"]},
+    }
+
+
+def _neuron_qwen3_5(text: dict[str, Any]) -> dict[str, Any]:
+    """The same text dimensions in the nested layout of a Qwen3-VL config (vLLM 0.16.0 and its
+    transformers 4.57 know qwen3_vl but not qwen3_5): the runner reads layers, KV heads, head
+    size and dtype from ``hf_text_config``, the patch reads its ``layer_types``."""
+    return {
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "model_type": "qwen3_vl",
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+        "image_token_id": 248056,
+        "video_token_id": 248057,
+        "vision_start_token_id": 248053,
+        "vision_end_token_id": 248054,
+        "text_config": {
+            "model_type": "qwen3_vl_text",
+            "torch_dtype": "bfloat16",
+            "vocab_size": 248320,
+            "max_position_embeddings": 262144,
+            "num_hidden_layers": text["num_hidden_layers"],
+            "hidden_size": text["hidden_size"],
+            "intermediate_size": text.get("intermediate_size", 4 * text["hidden_size"]),
+            "num_attention_heads": text["num_attention_heads"],
+            "num_key_value_heads": text["num_key_value_heads"],
+            "head_dim": 256,
+            "layer_types": _qwen_layer_types(text["num_hidden_layers"]),
+            "rope_theta": 10000000.0,
+            "rope_scaling": {"rope_type": "default", "mrope_section": [11, 11, 10],
+                             "mrope_interleaved": True},
+        },
+        "vision_config": {"model_type": "qwen3_vl", "depth": 2, "hidden_size": 64,
+                          "intermediate_size": 128, "num_heads": 4,
+                          "out_hidden_size": text["hidden_size"], "patch_size": 16,
+                          "spatial_merge_size": 2, "temporal_patch_size": 2,
+                          "num_position_embeddings": 256, "deepstack_visual_indexes": [1]},
+    }
+
+
+_QWEN3_5_27B_TEXT = {"hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64,
+                     "num_attention_heads": 24, "num_key_value_heads": 4,
+                     "linear_num_value_heads": 48}
+_QWEN3_6_35B_TEXT = {"hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
+                     "num_key_value_heads": 2, "linear_num_value_heads": 32,
+                     "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+                     "shared_expert_intermediate_size": 512}
+_QWEN3_NEXT = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "torch_dtype": "bfloat16",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 5120,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "full_attention_interval": 4,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": True,
+    "mlp_only_layers": [],
+    "max_position_embeddings": 262144,
+    "partial_rotary_factor": 0.25,
+    "rope_theta": 10000000,
+    "tie_word_embeddings": False,
+}
+_NEMOTRON_H_COMMON = {
+    "architectures": ["NemotronHForCausalLM"],
+    "model_type": "nemotron_h",
+    "torch_dtype": "bfloat16",
+    "vocab_size": 131072,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "mamba_num_heads": 128,
+    "n_groups": 8,
+    "ssm_state_size": 128,
+    "conv_kernel": 4,
+    "expand": 2,
+    "tie_word_embeddings": False,
+    "auto_map": {"AutoConfig": "configuration_nemotron_h.NemotronHConfig"},
+}
+# transformers 4.57 has no nemotron_h and vLLM 0.20.2 does not register one: the checkpoints
+# bring their configuration_nemotron_h.py (trust_remote_code); vLLM vendors that class.
+_NEMOTRON_H_REMOTE_CODE = {
+    "configuration_nemotron_h.py":
+        "from vllm.transformers_utils.configs.nemotron_h import NemotronHConfig\n\n"
+        "__all__ = [\"NemotronHConfig\"]\n",
+}
+_NEMOTRON_FIELDS = ("num_hidden_layers", "hybrid_override_pattern", "num_key_value_heads",
+                    "head_dim", "mamba_num_heads", "mamba_head_dim", "n_groups",
+                    "ssm_state_size", "conv_kernel", "torch_dtype")
+
+MODELS: tuple[Model, ...] = (
+    Model(
+        name="Qwen3.5-27B",
+        source="Qwen/Qwen3.5-27B config.json (text_config), values written here",
+        kv_fields=_QWEN3_5_TEXT_FIELDS,
+        config=_qwen3_5_config("Qwen3_5ForConditionalGeneration", "qwen3_5", _QWEN3_5_27B_TEXT),
+        gated_deltanet=True, mamba_type="gdn_attention",
+        layer_prefix="language_model.model.layers", state_layer="linear_attn",
+        attention_layer="self_attn.attn", drafts=("mtp", "eagle3"),
+        neuron_config=_neuron_qwen3_5(_QWEN3_5_27B_TEXT),
+        neuron_note="vLLM 0.16.0 predates qwen3_5: same text dimensions in a Qwen3-VL config",
+    ),
+    Model(
+        name="Qwen3.6-35B-A3B",
+        source="Qwen/Qwen3.6-35B-A3B config.json (text_config), values written here",
+        kv_fields=_QWEN3_5_TEXT_FIELDS,
+        config=_qwen3_5_config("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe",
+                               _QWEN3_6_35B_TEXT),
+        gated_deltanet=True, mamba_type="gdn_attention",
+        layer_prefix="language_model.model.layers", state_layer="linear_attn",
+        attention_layer="self_attn.attn", drafts=("mtp", "eagle3"),
+        neuron_config=_neuron_qwen3_5(_QWEN3_6_35B_TEXT),
+        neuron_note="vLLM 0.16.0 predates qwen3_5: same text dimensions in a Qwen3-VL config",
+    ),
+    Model(
+        name="Qwen3-Next-80B-A3B",
+        source="Qwen/Qwen3-Next-80B-A3B-Instruct config.json, values written here; also the "
+               "defaults of transformers' Qwen3NextConfig (checked below)",
+        kv_fields=("num_hidden_layers", "full_attention_interval", "num_key_value_heads",
+                   "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                   "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+                   "torch_dtype"),
+        config=_QWEN3_NEXT,
+        gated_deltanet=True, mamba_type="gdn_attention",
+        layer_prefix="model.layers", state_layer="linear_attn",
+        attention_layer="self_attn.attn", drafts=("mtp", "eagle3"),
+        defaults_of="transformers.Qwen3NextConfig",
+        notes=("its config.json has no mamba_ssm_dtype: vLLM keeps the SSM state in bf16",),
+    ),
+    Model(
+        name="Nemotron-H-8B",
+        source="nvidia/Nemotron-H-8B-Base-8K config.json, values written here; also the "
+               "defaults of vLLM's NemotronHConfig ('NemotronH-v0.1', checked below)",
+        kv_fields=_NEMOTRON_FIELDS,
+        config={**_NEMOTRON_H_COMMON, "hidden_size": 4096, "intermediate_size": 21504,
+                "num_hidden_layers": 52, "num_attention_heads": 32, "mamba_head_dim": 64,
+                "hybrid_override_pattern":
+                    "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+                "max_position_embeddings": 8192},
+        gated_deltanet=False, mamba_type="mamba2",
+        layer_prefix="model.layers", state_layer="mixer", attention_layer="mixer.attn",
+        remote_code=_NEMOTRON_H_REMOTE_CODE,
+        defaults_of="vllm.transformers_utils.configs.nemotron_h.NemotronHConfig",
+        notes=("no MTP layer: draft 'eagle3' only",),
+    ),
+    Model(
+        name="Nemotron-Nano-9B-v2",
+        source="nvidia/NVIDIA-Nemotron-Nano-9B-v2 config.json, values written here",
+        kv_fields=_NEMOTRON_FIELDS,
+        config={**_NEMOTRON_H_COMMON, "hidden_size": 4480, "intermediate_size": 15680,
+                "num_hidden_layers": 56, "num_attention_heads": 40, "mamba_head_dim": 80,
+                "hybrid_override_pattern":
+                    "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-",
+                "max_position_embeddings": 131072},
+        gated_deltanet=False, mamba_type="mamba2",
+        layer_prefix="model.layers", state_layer="mixer", attention_layer="mixer.attn",
+        remote_code=_NEMOTRON_H_REMOTE_CODE,
+        notes=("no MTP layer: draft 'eagle3' only",),
+    ),
+)
+
+# The EAGLE-3 head: one Llama decoder layer with the attention shape of
+# yuhuili/EAGLE3-LLaMA3.1-Instruct-8B (32 query heads, 8 KV heads of 128). Its KV cache is kept
+# in bf16 on every row, so on fp8 rows it is also "a bf16 draft next to an fp8 target".
+EAGLE3_HEAD = {
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "model_type": "llama",
+    "torch_dtype": "bfloat16",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "draft_vocab_size": 32000,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+}
+DRAFTS = {
+    "mtp": {
+        "method": "mtp",
+        "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+        "layer_name": "mtp.layers.0.self_attn.attn",
+        "describe": f"the model's MTP layer (vLLM method 'mtp', {NUM_SPECULATIVE_TOKENS} "
+                    "speculative tokens): one attention layer of the model's own shape and KV "
+                    "dtype",
+    },
+    "eagle3": {
+        "method": "eagle3",
+        "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+        "kv_cache_dtype": "auto",  # bf16: the model dtype
+        "layer_name": "drafter.model.layers.0.self_attn.attn",
+        "describe": f"an EAGLE-3 head (vLLM method 'eagle3', {NUM_SPECULATIVE_TOKENS} speculative "
+                    "tokens): one attention layer of 8 KV heads x 128 like "
+                    "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, KV cache bf16 on every row",
+    },
+}
+
+
+# --- the judge: independent of vLLM and of the patch's code -------------------------------------
+
+
+def minimum_page(state_pages: Sequence[int], attention_pages: Sequence[int]) -> int:
+    """The smallest page every layer can be given when only state pages may be padded and
+    attention pages may only be multiplied by an integer (block_size x k).
+
+    Brute force: a valid page is at least every page (padding only grows a state page, k >= 1)
+    and a multiple of every attention page; every such page is a multiple of the largest
+    attention page, so walking those multiples upward from the largest page finds the first,
+    i.e. the smallest, valid one.
+    """
+    lower = max([*state_pages, *attention_pages])
+    if not attention_pages:
+        return lower
+    step = max(attention_pages)
+    page = -(-lower // step) * step
+    while any(page % a for a in attention_pages):
+        page += step
+    return page
+
+
+def seed_lcm_baseline(layers: Sequence[tuple[str, int]]) -> int | str:
+    """BASELINE, not the seed's code: the xinference PR's LCM approach, re-implemented from its
+    description (KNOWLEDGE.md §1 "What is wrong with the seed's own patch").
+
+    ``layers`` are (kind, page) in the spec dict's order. Like vLLM's original, it keeps the
+    layers at the largest page and scales the block size of layers whose page divides it (a
+    state layer there is vLLM's bare AssertionError: its page does not grow with block_size).
+    Where vLLM raises NotImplementedError for a page that does not divide the largest, the seed
+    instead computes an lcm-based target (the smallest multiple of the lcm of every page other
+    than the largest that is >= the largest), gives that layer the target page (block size
+    scaled when the target is a multiple of its page, padded otherwise) and rebuilds the result
+    dict inside the loop, padding every layer already in it whose page differs from the target,
+    attention layers included. Layers that come after the last such rebuild keep their pages.
+    Returns the unified page, or what happens instead.
+    """
+    pages = [page for _, page in layers]
+    if len(set(pages)) <= 1:
+        return pages[0]
+    largest = max(pages)
+    unit = math.lcm(*{page for page in pages if page != largest})
+    target = -(-largest // unit) * unit
+    result: list[list[Any]] = []  # [kind, page, padded_attention]
+    for kind, page in layers:
+        if page == largest:
+            result.append([kind, page, False])
+        elif largest % page == 0:
+            if kind == "state":
+                return "AssertionError (state page sent to block scaling)"
+            result.append([kind, largest, False])
+        else:
+            scaled = kind == "attention" and target % page == 0
+            result.append([kind, target, kind == "attention" and not scaled])
+            for entry in result:  # the dict rebuilt inside the loop
+                if entry[1] != target:
+                    entry[2] = entry[2] or entry[0] == "attention"
+                    entry[1] = target
+    final = sorted({entry[1] for entry in result})
+    if len(final) > 1:
+        return "non-uniform: " + ", ".join(str(p) for p in final)
+    if any(entry[2] for entry in result):
+        return f"pads attention ({final[0]})"
+    return final[0]
+
+
+def overhead(page: int | str | None, state: int) -> tuple[float | None, int | None]:
+    """(% over the state page, padding bytes per GiB of KV-cache memory holding state pages)."""
+    if not isinstance(page, int):
+        return None, None
+    return 100.0 * (page - state) / state, round(GIB * (page - state) / page)
+
+
+# --- environments -------------------------------------------------------------------------------
+
+
+def _run(command: Sequence[str], *, what: str, env: dict[str, str] | None = None,
+         cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(list(command), capture_output=True, text=True, check=False, env=env,
+                          cwd=cwd)
+    if proc.returncode != 0:
+        sys.exit(f"{what} failed (exit {proc.returncode}): {' '.join(command)}\n"
+                 f"{proc.stdout[-4000:]}{proc.stderr[-4000:]}")
+    return proc
+
+
+def _uv_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+def ensure_env(path: Path, requirements: Sequence[str], patches: Sequence[str]) -> Path:
+    """A uv venv at ``path`` with ``requirements`` installed and our ``patches`` applied."""
+    python = path / "bin" / "python"
+    start = time.perf_counter()
+    if not python.exists():
+        _run([UV, "venv", "--quiet", "--python", f"{sys.version_info[0]}.{sys.version_info[1]}",
+              str(path)], what="uv venv", env=_uv_env())
+    _run([UV, "pip", "install", "--quiet", "--python", str(python), *requirements],
+         what="uv pip install", env=_uv_env())
+    apply = [sys.executable, "-m", "hatch_vllm_patch", "apply", "--python", str(python)]
+    for patch in patches:
+        apply += ["--patch", patch]
+    result = _run(apply, what="vllm-patch apply", cwd=REPO)
+    print(f"environment {path} ready in {time.perf_counter() - start:.0f} s: "
+          f"{result.stdout.strip().splitlines()[-1]}", flush=True)
+    return python
+
+
+def run_probe(python: Path, script: str, job: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    name = Path(script).stem
+    job_file = workdir / f"{name}.job.json"
+    out_file = workdir / f"{name}.out.json"
+    job_file.write_text(json.dumps(job, indent=1), encoding="utf-8")
+    out_file.unlink(missing_ok=True)
+    env = {**_uv_env(), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_LOGGING_LEVEL": "WARNING",
+           # trust_remote_code copies the configuration modules here, not into ~/.cache
+           "HF_MODULES_CACHE": str(workdir / "hf-modules")}
+    start = time.perf_counter()
+    _run([str(python), str(BENCHMARKS / script), str(job_file), str(out_file)],
+         what=f"{script} in {python}", env=env)
+    print(f"{script}: {time.perf_counter() - start:.0f} s", flush=True)
+    result: dict[str, Any] = json.loads(out_file.read_text(encoding="utf-8"))
+    return result
+
+
+def write_model(directory: Path, config: dict[str, Any],
+                files: dict[str, str] | None = None) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    for name, text in (files or {}).items():
+        (directory / name).write_text(text, encoding="utf-8")
+    return str(directory)
+
+
+# --- the two parts ------------------------------------------------------------------------------
+
+
+def _get(config: dict[str, Any], dotted: str) -> Any:
+    value: Any = config
+    for part in dotted.split("."):
+        value = value[part]
+    return value
+
+
+def kv_part(workdir: Path, python: Path) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
+    models_dir = workdir / "models"
+    eagle_dir = write_model(models_dir / "eagle3-head", EAGLE3_HEAD)
+    drafts = {name: {k: v for k, v in d.items() if k != "describe"} for name, d in DRAFTS.items()}
+    drafts["eagle3"]["model"] = eagle_dir
+    job = {
+        "block_size": ATTENTION_BLOCK,
+        "tp_sizes": list(TP_SIZES),
+        "kv_dtypes": list(KV_DTYPES),
+        "drafts": drafts,
+        "models": [
+            {
+                "name": m.name,
+                "dir": write_model(models_dir / m.name, m.config, m.remote_code),
+                "trust_remote_code": bool(m.remote_code),
+                "drafts": list(m.drafts),
+                "mamba_type": m.mamba_type,
+                "layer_prefix": m.layer_prefix,
+                "state_layer": m.state_layer,
+                "attention_layer": m.attention_layer,
+                "defaults_of": m.defaults_of,
+                # dtype fields are not class defaults (a config class has no weights)
+                "fields": [f for f in m.kv_fields if "." not in f and "dtype" not in f],
+            }
+            for m in MODELS
+        ],
+    }
+    report = run_probe(python, "memory_probe_kv.py", job, workdir)
+    problems: list[str] = []
+    rows: list[dict[str, Any]] = []
+    for raw in report["rows"]:
+        label = f"{raw['model']} TP{raw['tp']} {raw['kv_dtype']} draft={raw['draft']}"
+        if "error" in raw:
+            problems.append(f"{label}: could not build the specs: {raw['error']}")
+            continue
+        layers = [(kind, page) for kind, page in raw["layers"]]
+        state_pages = sorted({page for kind, page in layers if kind == "state"})
+        attention_pages = sorted({page for kind, page in layers if kind == "attention"})
+        patched, unpatched = raw["patched"], raw["unpatched"]
+        ours: int | str
+        if patched["raised"]:
+            ours = patched["raised"]
+        elif len(patched["pages"]) != 1:
+            ours = "non-uniform: " + ", ".join(map(str, patched["pages"]))
+        else:
+            ours = patched["pages"][0]
+        if unpatched["raised"]:
+            vllm_result: int | str = unpatched["raised"]
+        elif len(unpatched["pages"]) != 1:
+            vllm_result = "non-uniform: " + ", ".join(map(str, unpatched["pages"]))
+        else:
+            vllm_result = unpatched["pages"][0]
+        if isinstance(ours, int) and any(
+            g["type"] != "MambaSpec" and g["padded"] is not None for g in patched["groups"]
+        ):
+            problems.append(f"{label}: our page pads an attention layer")
+        minimum = minimum_page(state_pages, attention_pages)
+        state = max(state_pages)
+        pct, per_gib = overhead(ours, state)
+        seed = seed_lcm_baseline(layers)
+        seed_pct, seed_per_gib = overhead(seed, state)
+        row = {
+            "model": raw["model"],
+            "tp": raw["tp"],
+            "kv_dtype": raw["kv_dtype"],
+            "draft": raw["draft"],
+            "state_page": state,
+            "attention_pages": attention_pages,
+            "ours": ours,
+            "minimum": minimum,
+            "ours_is_minimum": ours == minimum,
+            "seed": seed,
+            "unpatched": vllm_result,
+            "overhead_pct": pct,
+            "overhead_bytes_per_gib": per_gib,
+            "seed_overhead_pct": seed_pct,
+            "seed_overhead_bytes_per_gib": seed_per_gib,
+            "draft_page": raw["facts"]["draft_page"],
+            "num_speculative_tokens": raw["facts"]["num_speculative_tokens"],
+            "state_shapes": raw["facts"]["state_shapes"],
+            "state_dtypes": raw["facts"]["state_dtypes"],
+            "kv_heads_per_rank": raw["facts"]["num_kv_heads_per_rank"],
+            "head_size": raw["facts"]["head_size"],
+            "groups": patched.get("groups"),
+        }
+        if ours != minimum:
+            problems.append(f"{label}: ours {ours} != minimum {minimum}")
+        rows.append(row)
+    return rows, report, problems
+
+
+def neuron_part(workdir: Path, python: Path) -> tuple[list[dict[str, Any]], dict[str, Any],
+                                                       list[str]]:
+    models_dir = workdir / "models-neuron"
+    job = {
+        "tp_sizes": list(NEURON_TP_SIZES),
+        "max_model_len": NEURON_MAX_MODEL_LEN,
+        "kv_memory_per_rank": NEURON_KV_MEMORY_PER_RANK,
+        "models": [
+            {"name": m.name,
+             "dir": write_model(models_dir / m.name, m.neuron_config or m.config)}
+            for m in MODELS if m.gated_deltanet
+        ],
+    }
+    report = run_probe(python, "memory_probe_neuron.py", job, workdir)
+    problems: list[str] = []
+    rows: list[dict[str, Any]] = []
+    for case in report["cases"]:
+        label = f"Neuron {case['model']} TP{case['tp']}"
+        errors = [case.get("error"), *(case.get(part, {}).get("error")
+                                        for part in ("unpatched", "patched"))]
+        if any(errors):
+            problems.append(f"{label}: " + "; ".join(e for e in errors if e))
+            continue
+        before, after = case["unpatched"], case["patched"]
+        rows.append({
+            "model": case["model"],
+            "tp": case["tp"],
+            "bytes_per_token_unpatched": before["bytes_per_token"],
+            "bytes_per_token_patched": after["bytes_per_token"],
+            "ratio": before["bytes_per_token"] / after["bytes_per_token"],
+            "max_concurrency_unpatched": before["max_concurrency"],
+            "max_concurrency_patched": after["max_concurrency"],
+            "layers_unpatched": before["layers"],
+            "layers_patched": after["layers"],
+            "kv_heads_per_rank": case["num_kv_heads_per_rank"],
+            "head_size": case["head_size"],
+            "hybrid_kv_cache_manager_disabled": case["hybrid_kv_cache_manager_disabled"],
+        })
+    return rows, report, problems
+
+
+# --- output -------------------------------------------------------------------------------------
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() else f"{value:.2f}"
+    if isinstance(value, list):
+        return ", ".join(map(str, value))
+    return str(value)
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    cells = [list(headers), *[[_cell(v) for v in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+             for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _short(result: int | str, same_as: int) -> str:
+    if isinstance(result, int):
+        return "same page" if result == same_as else str(result)
+    return result.split(":")[0] if len(result) > 40 else result
+
+
+def print_kv(rows: list[dict[str, Any]], report: dict[str, Any]) -> None:
+    print(f"\n== KV pages of hybrid models, vLLM {report['vllm']} (torch {report['torch']}), "
+          f"bytes per layer page, attention block {ATTENTION_BLOCK} tokens ==")
+    print("ours: our patched get_kv_cache_groups; +% and B/GiB: its padding over the state page "
+          "and per GiB of KV cache holding state pages; minimum: brute force (only state pages "
+          "padded, attention pages x integer); seed (baseline): the xinference PR's LCM approach "
+          "re-implemented from its description; unpatched: vLLM's own get_kv_cache_groups.")
+    print(table(
+        ["model", "TP", "KV", "draft", "state", "attention", "ours", "+%", "B/GiB", "minimum",
+         "seed (baseline)", "unpatched vLLM"],
+        [[r["model"], r["tp"], r["kv_dtype"], r["draft"], r["state_page"], r["attention_pages"],
+          r["ours"], _pct(r["overhead_pct"]), r["overhead_bytes_per_gib"], r["minimum"],
+          _short(r["seed"], r["ours"]) if isinstance(r["ours"], int) else r["seed"],
+          _short(r["unpatched"], r["ours"]) if isinstance(r["ours"], int) else r["unpatched"]]
+         for r in rows],
+    ))
+
+
+def _count(outcomes: Iterable[str]) -> str:
+    counts: dict[str, int] = {}
+    for outcome in outcomes:
+        counts[outcome] = counts.get(outcome, 0) + 1
+    return ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def _outcome(result: int | str, ours: int | str) -> str:
+    if isinstance(result, int):
+        return "same page" if result == ours else f"other page {result}"
+    return result.split(":")[0].split(" (")[0]
+
+
+def kv_summary(rows: list[dict[str, Any]]) -> list[list[Any]]:
+    """One line per model over all its rows: the short version of the KV table."""
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        pcts = [r["overhead_pct"] for r in mine if r["overhead_pct"] is not None]
+        per_gib = [r["overhead_bytes_per_gib"] for r in mine
+                   if r["overhead_bytes_per_gib"] is not None]
+        lines.append([
+            model,
+            len(mine),
+            sum(r["ours_is_minimum"] for r in mine),
+            f"{min(pcts):.2f}-{max(pcts):.2f}" if pcts else "-",
+            f"{max(per_gib) / (1 << 20):.1f} MiB" if per_gib else "-",
+            _count(_outcome(r["unpatched"], r["ours"]) for r in mine),
+            _count(_outcome(r["seed"], r["ours"]) for r in mine),
+        ])
+    return lines
+
+
+def print_kv_summary(rows: list[dict[str, Any]]) -> None:
+    print(f"\n== KV pages, per model over TP {'/'.join(map(str, TP_SIZES))}, "
+          f"{'/'.join(KV_DTYPES)} KV and its drafts ==")
+    print(table(["model", "rows", "ours = minimum", "ours: +% over state", "max padding per GiB",
+                 "unpatched vLLM", "seed LCM (baseline)"], kv_summary(rows)))
+
+
+def print_neuron(rows: list[dict[str, Any]], report: dict[str, Any]) -> None:
+    print(f"\n== Neuron KV budget, vLLM {report['vllm']}, stand-in per-layer runner, hybrid "
+          f"KV-cache manager off; max_model_len {NEURON_MAX_MODEL_LEN}, "
+          f"{NEURON_KV_MEMORY_PER_RANK // GIB} GiB of KV cache per rank ==")
+    print(table(
+        ["model", "TP", "B/token unpatched", "B/token patched", "ratio",
+         "max concurrency unpatched", "patched"],
+        [[r["model"], r["tp"], int(r["bytes_per_token_unpatched"]),
+          int(r["bytes_per_token_patched"]), f"{r['ratio']:.2f}x",
+          r["max_concurrency_unpatched"],
+          r["max_concurrency_patched"]] for r in rows],
+    ))
+
+
+def print_models(report: dict[str, Any] | None) -> list[str]:
+    problems: list[str] = []
+    print("\n== Models: where their dimensions come from ==")
+    for m in MODELS:
+        fields = ", ".join(f"{f.split('.')[-1]}={_describe(_get(m.config, f))}"
+                           for f in m.kv_fields)
+        print(f"- {m.name}: {m.source}\n    fields used: {fields}")
+        for note in m.notes:
+            print(f"    note: {note}")
+        if m.neuron_config is not None:
+            print(f"    Neuron table: {m.neuron_note}")
+        facts = next((r["facts"] for r in (report or {}).get("rows", [])
+                      if r["model"] == m.name and "facts" in r), None)
+        if facts:
+            print(f"    vLLM read: {facts['architecture']} ({facts['hf_text_config']}), "
+                  f"{facts['num_layers']} layers: {facts['state_layers']} state, "
+                  f"{facts['attention_layers']} attention; state dtypes "
+                  f"{'/'.join(facts['state_dtypes'])}")
+        check = (report or {}).get("config_defaults", {}).get(m.name)
+        if check is None:
+            continue
+        if "error" in check:
+            problems.append(f"{m.name}: {check['class']} could not be read: {check['error']}")
+            continue
+        values = check["values"]
+        absent = sorted(k for k, v in values.items() if v == "<absent>")
+        differ = {k: (v, m.config[k]) for k, v in values.items()
+                  if v != "<absent>" and v != m.config[k]}
+        equal = sorted(k for k in values if k not in differ and k not in absent)
+        print(f"    {check['class']} defaults: equal for {', '.join(equal)}"
+              + (f"; not stored by the class: {', '.join(absent)}" if absent else ""))
+        if differ:
+            problems.append(f"{m.name}: {check['class']} defaults differ (class, ours): {differ}")
+    return problems
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, list) and len(value) > 8:
+        full = sum(1 for v in value if v == "full_attention")
+        return f"[{len(value)} entries, {full} full_attention]"
+    return str(value)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, help="also write the tables as JSON to FILE")
+    parser.add_argument("--workdir", type=Path,
+                        help="where the environments live (reused when present; kept)")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary work directory")
+    parser.add_argument("--only", choices=("kv", "neuron"), help="compute one table only")
+    args = parser.parse_args(argv)
+
+    workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="hvp-memory-"))).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    output: dict[str, Any] = {
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
+        "command": "uv run python benchmarks/memory.py" + (" --json FILE" if args.json else ""),
+        "seed_note": "seed: baseline re-implemented from the xinference PR's description, "
+                     "not its code",
+        "drafts": {name: d["describe"] for name, d in DRAFTS.items()},
+        "models": {m.name: {"source": m.source, "fields": {f: _get(m.config, f)
+                                                           for f in m.kv_fields}}
+                   for m in MODELS},
+    }
+    problems: list[str] = []
+    kv_report: dict[str, Any] | None = None
+    try:
+        steps: list[tuple[str, Callable[[], None]]] = []
+
+        def kv() -> None:
+            nonlocal kv_report
+            python = ensure_env(workdir / f"vllm-{KV_VLLM}", [f"vllm=={KV_VLLM}"],
+                                ["kv-cache-page-unification"])
+            rows, kv_report, found = kv_part(workdir, python)
+            problems.extend(found)
+            output["kv_vllm"] = kv_report["vllm"]
+            output["kv"] = rows
+            print_kv(rows, kv_report)
+            print_kv_summary(rows)
+
+        def neuron() -> None:
+            python = ensure_env(workdir / f"vllm-{NEURON_VLLM}",
+                                [f"vllm=={NEURON_VLLM}", str(NEURON_STANDIN)],
+                                ["neuron-runner-kv-spec"])
+            rows, report, found = neuron_part(workdir, python)
+            problems.extend(found)
+            output["neuron_vllm"] = report["vllm"]
+            output["neuron_budget"] = {"max_model_len": NEURON_MAX_MODEL_LEN,
+                                       "kv_memory_per_rank": NEURON_KV_MEMORY_PER_RANK,
+                                       "runner": report["runner_file"]}
+            output["neuron"] = rows
+            print_neuron(rows, report)
+
+        if args.only != "neuron":
+            steps.append(("kv", kv))
+        if args.only != "kv":
+            steps.append(("neuron", neuron))
+        for _, step in steps:
+            step()
+        problems.extend(print_models(kv_report))
+    finally:
+        if args.workdir or args.keep:
+            print(f"\nwork directory kept: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    output["problems"] = problems
+    output["seconds"] = round(time.perf_counter() - started)
+    if args.json:
+        args.json.write_text(json.dumps(output, indent=1) + "\n", encoding="utf-8")
+        print(f"JSON written to {args.json}")
+    if problems:
+        print("\nPROBLEMS:\n" + "\n".join(f"- {p}" for p in problems))
+        return 1
+    kv_rows = output.get("kv", [])
+    if kv_rows:
+        print(f"\nours = minimum on all {len(kv_rows)} KV rows")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
