@@ -6,6 +6,7 @@ real subprocess) in a second; the tests against vLLM itself live in their own mo
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import hashlib
 import json
@@ -100,6 +101,23 @@ def write_demo_project(root: Path, version: str = "1.0.0", source: str = DEMO_SO
         version = "{version}"
         """))
     return root
+
+
+def registry_by_ast(source: str) -> list[str]:
+    """The architectures of a vLLM model registry, read with ast (the slow, exact way)."""
+    names: list[str] = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign):
+            targets, value = [node.target], node.value
+        else:
+            continue
+        if any(isinstance(t, ast.Name) and t.id.endswith("_MODELS")
+               and "PREVIOUSLY" not in t.id for t in targets) and isinstance(value, ast.Dict):
+            names += [k.value for k in value.keys
+                      if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+    return names
 
 
 @pytest.fixture(scope="session")

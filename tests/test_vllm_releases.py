@@ -14,11 +14,12 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import cli
+from conftest import cli, registry_by_ast
 from venvs import release_venv, site_packages
 
 from hatch_vllm_patch.catalog import load_catalog
 from hatch_vllm_patch.engine import symbol_digest
+from hatch_vllm_patch.selection import registered_architectures
 
 PATCH = "kv-cache-page-unification"
 MODULE = "vllm/v1/core/kv_cache_utils.py"
@@ -71,6 +72,8 @@ def test_buggy_release_is_patched_verified_and_reverted(release: tuple[Path, Pat
     assert hashlib.sha256(original).hexdigest() == record_sha256(sp, MODULE)
     assert symbol_digest(original.decode(), "unify_kv_cache_spec_page_size") in \
         load_catalog()[PATCH].shapes
+    registry = sp / "vllm" / "model_executor" / "models" / "registry.py"
+    assert registered_architectures(registry) == registry_by_ast(registry.read_text())
     twin = tmp_path / "twin.py"
     os.link(target, twin)  # another link to the installed inode, as uv's cache holds one
 

@@ -1,0 +1,97 @@
+"""The environment probe: the running interpreter in process, another one in a subprocess whose
+whole process group goes on a timeout, and the registry read by lines."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, registry_by_ast
+from venvs import create_venv, site_packages
+
+from hatch_vllm_patch import environment
+from hatch_vllm_patch.environment import (
+    InterpreterChoice,
+    ModuleQuery,
+    inspect_environment,
+    is_running_interpreter,
+)
+from hatch_vllm_patch.errors import TargetEnvironmentError
+from hatch_vllm_patch.selection import registered_architectures
+
+
+def test_probe_timeout_kills_the_whole_process_group(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interpreter that never answers (and started a child of its own) is given up after the
+    timeout, with its children: no grandchild is left running."""
+    pidfile = tmp_path / "grandchild.pid"
+    script = tmp_path / "python"
+    script.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {pidfile}\nwait\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr(environment, "PROBE_TIMEOUT", 1.0)
+    with pytest.raises(TargetEnvironmentError, match="did not answer within 1 s"):
+        inspect_environment(InterpreterChoice(script, "given with --python"), [],
+                            in_process=False)
+    grandchild = int(pidfile.read_text())
+    for _ in range(50):
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(grandchild, 9)
+    raise AssertionError("the probe's grandchild outlived the timeout")
+
+
+def test_in_process_and_subprocess_answers_agree(tmp_path: Path,
+                                                 demo_wheels: dict[str, Path]) -> None:
+    """The probe run in this process and in a subprocess of the same interpreter give the same
+    answer (versions, files, RECORD hashes)."""
+    python = create_venv(tmp_path / "venv", str(demo_wheels["1.0.0"]))
+    queries = [ModuleQuery("demo-pkg", "demo_pkg.core", "core.py"),
+               ModuleQuery("absent-dist", "absent_pkg.mod", "mod.py")]
+    choice = InterpreterChoice(python, "given with --python")
+    outside = inspect_environment(choice, queries, in_process=False)
+    inside_code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]);"
+        "from hatch_vllm_patch.environment import InterpreterChoice, ModuleQuery, "
+        "inspect_environment;"
+        "env = inspect_environment(InterpreterChoice(__import__('pathlib').Path(sys.executable),"
+        " 'x'), [ModuleQuery('demo-pkg', 'demo_pkg.core', 'core.py'),"
+        " ModuleQuery('absent-dist', 'absent_pkg.mod', 'mod.py')]);"
+        "print(json.dumps([env.to_json(), {k: [str(v.file), v.record_sha256] for k, v in "
+        "env.modules.items()}]))"
+    )
+    import json
+    import subprocess
+
+    proc = subprocess.run([str(python), "-c", inside_code, str(REPO)], capture_output=True,
+                          text=True, check=True)
+    inside_env, inside_modules = json.loads(proc.stdout)
+    assert is_running_interpreter(Path(sys.executable))
+    assert inside_env["versions"] == outside.to_json()["versions"] == {
+        "demo-pkg": "1.0.0", "absent-dist": None}
+    assert inside_modules == {k: [str(v.file), v.record_sha256]
+                              for k, v in outside.modules.items()}
+    assert outside.modules["demo_pkg.core"].file == \
+        site_packages(tmp_path / "venv") / "demo_pkg" / "core.py"
+    assert outside.modules["demo_pkg.core"].record_sha256 is not None
+
+
+def test_registry_line_scan_matches_ast_on_this_shape(tmp_path: Path) -> None:
+    """The line scan of the registry gives exactly the keys ast gives (the release matrix checks
+    every vLLM release the same way)."""
+    registry = tmp_path / "registry.py"
+    registry.write_text(
+        '_TEXT_GENERATION_MODELS = {\n    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),\n'
+        '    # a comment\n    "Qwen3NextForCausalLM": (\n        "qwen3_next",\n'
+        '        "Qwen3NextForCausalLM",\n    ),\n}\n'
+        '_PREVIOUSLY_SUPPORTED_MODELS = {\n    "Old": "0.1",\n}\n'
+        '_MULTIMODAL_MODELS: dict[str, tuple[str, str]] = {\n'
+        '    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5", "X"),\n}\n')
+    assert registered_architectures(registry) == registry_by_ast(registry.read_text()) == [
+        "LlamaForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration"]
