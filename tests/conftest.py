@@ -186,3 +186,60 @@ def cli(*args: str, cwd: Path | None = None, catalog: Path | None = None,
         extra["HATCH_VLLM_PATCH_CATALOG"] = str(catalog)
     return run([sys.executable, "-m", "hatch_vllm_patch", *args], cwd=cwd, env=extra,
                check=check)
+
+
+# --- room for the slow tests --------------------------------------------------------------------
+
+# What the slow tests put in the caches when none is warm, measured on a fresh machine of this
+# kind (README, "Tests"): uv's cache (full vLLM environments with their CUDA torch builds) and
+# the wheel cache of vLLM releases; plus room for the environments made without the cache.
+COLD_UV_CACHE = 36 * 10**9
+COLD_WHEEL_CACHE = 9 * 10**9
+WORKING_ROOM = 6 * 10**9
+
+
+def _size(folder: Path) -> int:
+    """Bytes under ``folder`` (``du``: seconds for tens of GB, run only for slow tests)."""
+    if not folder.is_dir():
+        return 0
+    proc = subprocess.run(["du", "-sb", str(folder)], capture_output=True, text=True,
+                          check=False)
+    try:
+        return int(proc.stdout.split()[0])
+    except (IndexError, ValueError):
+        return 0
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k have deselected what will not run
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Before a slow test installs anything: is there room for what it will download?"""
+    if not any(item.get_closest_marker("slow") for item in items):
+        return
+    import os
+    import shutil
+
+    from venvs import WHEEL_CACHE
+
+    uv_cache = Path(run([UV, "cache", "dir"]).stdout.strip())
+    needs: dict[int, tuple[int, list[str]]] = {}
+    for folder, cold, extra in ((uv_cache, COLD_UV_CACHE, WORKING_ROOM),
+                                (WHEEL_CACHE, COLD_WHEEL_CACHE, 0)):
+        device = os.stat(_existing(folder)).st_dev
+        missing = max(cold - _size(folder), 0) + extra
+        total, where = needs.get(device, (0, []))
+        needs[device] = (total + missing, [*where, str(folder)])
+    for need, where in needs.values():
+        free = shutil.disk_usage(_existing(Path(where[0]))).free
+        if free < need:
+            pytest.exit(
+                f"the slow tests need about {need / 1e9:.0f} GB free for {' and '.join(where)} "
+                f"(the downloads they cache, and the environments they build); only "
+                f"{free / 1e9:.0f} GB are free there. Free some room (or point UV_CACHE_DIR and "
+                "HATCH_VLLM_PATCH_WHEEL_CACHE elsewhere), or run the fast part: "
+                'uv run pytest -m "not slow"', returncode=1)
