@@ -259,6 +259,21 @@ def _expected_original(facts: FileFacts, parsed: ParsedFile) -> tuple[str | None
     return None, ""
 
 
+def _parse_original(facts: FileFacts, content: bytes) -> tuple[ParsedFile | None, str | None]:
+    """The file split into the original and our blocks, or why it counts as modified: damaged
+    markers, or original bytes that are not those of RECORD (or of the ledger)."""
+    try:
+        parsed = parse_file(content)
+    except MarkerError as exc:
+        return None, f"patch markers were edited by hand ({exc})"
+    expected, source_name = _expected_original(facts, parsed)
+    actual = sha256_hex(parsed.original)
+    if expected is not None and actual != expected:
+        return parsed, (f"the file differs from {source_name} (sha256 {actual[:12]}, expected "
+                        f"{expected[:12]}): modified by someone else")
+    return parsed, None
+
+
 @dataclass(frozen=True)
 class Inspection:
     """Everything the three operations need to know about one patch on one file."""
@@ -295,18 +310,10 @@ def inspect(patch: Patch, facts: FileFacts) -> Inspection:
                 f"fixed upstream{fixed_shape_note(patch, None, facts.elsewhere)}",
             )
         return Inspection(Verdict.UNKNOWN_SHAPE, f"{facts.path} does not exist")
-    try:
-        parsed = parse_file(facts.content)
-    except MarkerError as exc:
-        return Inspection(Verdict.MODIFIED, f"patch markers were edited by hand ({exc})")
-    expected, source_name = _expected_original(facts, parsed)
-    if expected is not None and sha256_hex(parsed.original) != expected:
-        return Inspection(
-            Verdict.MODIFIED,
-            f"the file differs from {source_name} (sha256 {sha256_hex(parsed.original)[:12]}, "
-            f"expected {expected[:12]}): modified by someone else",
-            parsed,
-        )
+    parsed, problem = _parse_original(facts, facts.content)
+    if problem is not None:
+        return Inspection(Verdict.MODIFIED, problem, parsed)
+    assert parsed is not None
     block = parsed.block(patch.id)
     if block is not None:
         if not block.intact:
@@ -389,15 +396,11 @@ def plan_remove_blocks(patch_ids: tuple[str, ...], facts: FileFacts) -> Plan:
         return Plan(Verdict.ERROR, f"cannot read {facts.path}: {facts.read_error}")
     if facts.content is None:
         return Plan(Verdict.NOT_APPLIED, "nothing to revert: the file does not exist")
-    try:
-        parsed = parse_file(facts.content)
-    except MarkerError as exc:
-        return Plan(Verdict.MODIFIED, f"patch markers were edited by hand ({exc})")
+    parsed, problem = _parse_original(facts, facts.content)
+    if problem is not None:
+        return Plan(Verdict.MODIFIED, problem)
+    assert parsed is not None
     expected, source_name = _expected_original(facts, parsed)
-    if expected is not None and sha256_hex(parsed.original) != expected:
-        return Plan(Verdict.MODIFIED, (
-            f"the file differs from {source_name} (sha256 {sha256_hex(parsed.original)[:12]}, "
-            f"expected {expected[:12]}): modified by someone else"))
     present = [b for b in parsed.blocks if b.patch_id in patch_ids]
     if not present:
         return Plan(Verdict.NOT_APPLIED, "nothing to revert: the block is not in the file")

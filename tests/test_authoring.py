@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from conftest import REPO, pristine_environment
-from venvs import UV, cached_wheel, create_venv, release_venv, run, site_packages
+from venvs import UV, create_venv, release_venv, run, site_packages
 
 from hatch_vllm_patch.authoring import (
     InexpressibleEdit,
@@ -433,36 +433,94 @@ def test_catalog_folders_pass_check() -> None:
 
 # --- real vLLM ----------------------------------------------------------------------------------
 
-KV_INTERFACE = "vllm.v1.kv_cache_interface"
-REAL_EDITS = [
-    # a module-level function
-    ("    if kv_cache_dtype == \"nvfp4\":\n        return KVQuantMode.NVFP4\n",
-     "    if kv_cache_dtype == \"nvfp4\":\n        return KVQuantMode.NVFP4\n"
-     "    if kv_cache_dtype == \"fp8-edited\":\n        return KVQuantMode.FP8_PER_TENSOR\n"),
-    # a property of a subclass that calls super()
-    ("            return self.block_size * self.num_kv_heads * self.tq_slot_size\n"
-     "        return super().real_page_size_bytes\n",
-     "            return self.block_size * self.num_kv_heads * self.tq_slot_size\n"
-     "        return 2 * super().real_page_size_bytes\n"),
-    # a dataclass's __post_init__ with zero-argument super()
-    ("    def __post_init__(self):\n        super().__post_init__()\n"
-     "        _apply_alignment_padding(self)\n",
-     "    def __post_init__(self):\n        super().__post_init__()\n"
-     "        _apply_alignment_padding(self)\n"
-     "        object.__setattr__(self, \"model_version\", self.model_version or \"edited\")\n"),
+# Real vLLM 0.20.2 code, one edit per case the rebinding must get right: (patch id, module,
+# [(old, new)], what `create` must report as redefined).
+REAL_PATCHES = [
+    ("kv-interface-edit", "vllm.v1.kv_cache_interface", [
+        # a module-level function
+        ("    if kv_cache_dtype == \"nvfp4\":\n        return KVQuantMode.NVFP4\n",
+         "    if kv_cache_dtype == \"nvfp4\":\n        return KVQuantMode.NVFP4\n"
+         "    if kv_cache_dtype == \"fp8-edited\":\n        return KVQuantMode.FP8_PER_TENSOR\n"),
+        # a property of a subclass that calls super()
+        ("            return self.block_size * self.num_kv_heads * self.tq_slot_size\n"
+         "        return super().real_page_size_bytes\n",
+         "            return self.block_size * self.num_kv_heads * self.tq_slot_size\n"
+         "        return 2 * super().real_page_size_bytes\n"),
+        # a classmethod that calls super()
+        ("        return replace(merged, tq_slot_size=specs[0].tq_slot_size)\n",
+         "        return replace(merged, tq_slot_size=specs[0].tq_slot_size + 1)\n"),
+        # a dataclass's __post_init__ with zero-argument super()
+        ("    def __post_init__(self):\n        super().__post_init__()\n"
+         "        _apply_alignment_padding(self)\n",
+         "    def __post_init__(self):\n        super().__post_init__()\n"
+         "        _apply_alignment_padding(self)\n"
+         "        object.__setattr__(self, \"model_version\", self.model_version or \"edited\")\n"),
+    ], "get_kv_quant_mode, MLAAttentionSpec.__post_init__, "
+       "TQFullAttentionSpec.real_page_size_bytes, TQFullAttentionSpec.merge"),
+    ("import-utils-edit", "vllm.utils.import_utils", [
+        # private names (self.__name is self._PlaceholderModule__name) and super() in __init__
+        ("        # Apply name mangling to avoid conflicting with module attributes\n"
+         "        self.__name = name\n",
+         "        # Apply name mangling to avoid conflicting with module attributes\n"
+         "        self.__name = name\n        self.__hint = f\"pip install {name}\"\n"),
+        ("        name = self.__name\n\n        try:\n            importlib.import_module(name)\n"
+         "        except ImportError as exc:\n",
+         "        name = self.__name\n\n        try:\n            importlib.import_module(name)\n"
+         "        except ImportError as exc:\n"
+         "            if name.startswith(\"hvp_\"):\n"
+         "                raise ImportError(f\"{name} is missing: {self.__hint}\") from exc\n"),
+        # a functools.cache function
+        ("    return importlib.util.find_spec(module_name) is not None\n",
+         "    if module_name == \"hvp_always\":\n        return True\n"
+         "    return importlib.util.find_spec(module_name) is not None\n"),
+    ], "_has_module, PlaceholderModule.__init__, PlaceholderModule.__getattr__"),
+    ("async-utils-edit", "vllm.utils.async_utils", [
+        # a module-level async def
+        ("    async for item in iterator:\n        items.append(item)\n",
+         "    async for item in iterator:\n        items.append((\"edited\", item))\n"),
+    ], "collect_from_async_generator"),
+    ("request-edit", "vllm.v1.request", [
+        # a staticmethod of an enum
+        ("        return status > RequestStatus.PREEMPTED\n",
+         "        return status > RequestStatus.PREEMPTED or status == RequestStatus.WAITING\n"),
+    ], "RequestStatus.is_finished"),
+    ("chat-template-edit", "vllm.transformers_utils.chat_templates.registry", [
+        # a function that a module-level dict captured at import time
+        ("    return CHAT_TEMPLATES_DIR / \"template_basic.jinja\"\n\n\n"
+         "def _get_minicpmv_chat_template_fallback",
+         "    return CHAT_TEMPLATES_DIR / \"template_edited.jinja\"\n\n\n"
+         "def _get_minicpmv_chat_template_fallback"),
+    ], "_get_qwen_chat_template_fallback"),
 ]
 
 CHILD = textwrap.dedent("""\
-    import multiprocessing, sys
+    import asyncio, multiprocessing, sys
 
     def child():
         import torch
         import vllm.v1.kv_cache_interface as k
+        import vllm.utils.import_utils as iu
+        import vllm.utils.async_utils as au
+        import vllm.v1.request as rq
+        import vllm.transformers_utils.chat_templates.registry as ct
         common = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-        print("RESULT", k.is_quantized_kv_cache("fp8-edited"),
+        try:
+            iu.PlaceholderModule("hvp_missing").anything
+        except ImportError as exc:
+            placeholder = str(exc)
+        async def numbers():
+            yield 1
+        print("KV", k.is_quantized_kv_cache("fp8-edited"),
               k.TQFullAttentionSpec(**common).real_page_size_bytes
               // k.FullAttentionSpec(**common).real_page_size_bytes,
-              k.MLAAttentionSpec(**common).model_version, flush=True)
+              k.TQFullAttentionSpec.merge([k.TQFullAttentionSpec(**common, tq_slot_size=4)])
+              .tq_slot_size, k.MLAAttentionSpec(**common).model_version, flush=True)
+        print("IMPORT", placeholder, "|", iu._has_module("hvp_always"),
+              hasattr(iu._has_module, "cache_info"), flush=True)
+        print("ASYNC", asyncio.run(au.collect_from_async_generator(numbers())), flush=True)
+        print("STATIC", rq.RequestStatus.is_finished(rq.RequestStatus.WAITING), flush=True)
+        print("CAPTURED", ct._get_qwen_chat_template_fallback("x").name,
+              ct._MODEL_TYPE_TO_CHAT_TEMPLATE_FALLBACK["qwen"]("x").name, flush=True)
 
     if __name__ == "__main__":
         process = multiprocessing.get_context("spawn").Process(target=child)
@@ -474,11 +532,13 @@ CHILD = textwrap.dedent("""\
 
 @pytest.mark.slow
 def test_real_vllm_edit_create_verify_spawn_revert(vllm_with_tool: Path, tmp_path: Path) -> None:
-    """On vLLM 0.20.2: edit a function, a property using super() and a dataclass
-    __post_init__ using super() in place; create; the file is RECORD's original plus our block,
-    verify exits 0, a spawn child runs the edited code, revert restores RECORD's bytes; on
-    vLLM 0.16.0 the same patch is unknown-shape and writes nothing; a module-level edit is
-    refused."""
+    """On vLLM 0.20.2, edits in place of real functions and methods — super() in a method, a
+    property, a classmethod and a dataclass __post_init__; private names; functools.cache;
+    async def; a staticmethod; a function a dict captured — each made a patch by create: the
+    file is RECORD's original plus our block, verify exits 0, a spawn child runs the edited
+    code (the captured copy keeps the original, as create warned), revert restores RECORD's
+    bytes; on vLLM 0.16.0 a patch whose code differs is unknown-shape and writes nothing; a
+    module-level edit is refused."""
     python = vllm_with_tool
     project = tmp_path / "serve"
     project.mkdir()
@@ -494,45 +554,55 @@ def _real_vllm_cycle(python: Path, project: Path, tmp_path: Path) -> None:
                               capture_output=True, text=True, timeout=600, check=False,
                               input="", env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
-    opened = tool("edit", KV_INTERFACE)
-    assert opened.returncode == 0, opened.stderr
-    target = Path(opened.stdout.strip())
-    pristine = target.read_bytes()
-    record_hash = hashlib.sha256(pristine).hexdigest()
-    text = pristine.decode()
-    for old, new in REAL_EDITS:
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
-    target.write_text(text)
-
-    made = tool("create", "clearer-kv", "--summary", "Test of create on real vLLM")
-    assert made.returncode == 0, made.stdout + made.stderr
-    assert ("redefines get_kv_quant_mode, MLAAttentionSpec.__post_init__, "
-            "TQFullAttentionSpec.real_page_size_bytes") in made.stdout, made.stdout
-    content = target.read_bytes()
-    assert content.startswith(pristine) and content != pristine
-    (project / "pyproject.toml").write_text('[tool.vllm-patch]\npatches = ["clearer-kv"]\n')
+    pristine: dict[str, tuple[Path, bytes]] = {}
+    for patch_id, module, edits, redefined in REAL_PATCHES:
+        opened = tool("edit", module)
+        assert opened.returncode == 0, opened.stderr
+        target = Path(opened.stdout.strip())
+        original = target.read_bytes()
+        pristine[patch_id] = (target, original)
+        text = original.decode()
+        for old, new in edits:
+            assert text.count(old) == 1, (module, old)
+            text = text.replace(old, new)
+        target.write_text(text)
+        made = tool("create", patch_id, "--summary", f"create on real vLLM: {module}")
+        assert made.returncode == 0, made.stdout + made.stderr
+        assert f"redefines {redefined}\n" in made.stdout, made.stdout
+        content = target.read_bytes()
+        assert content.startswith(original) and content != original
+    made_output = made.stdout  # the last one: the captured function
+    assert "captures _get_qwen_chat_template_fallback at import time" in made_output
+    ids = ", ".join(f'"{p[0]}"' for p in REAL_PATCHES)
+    (project / "pyproject.toml").write_text(f"[tool.vllm-patch]\npatches = [{ids}]\n")
     verified = tool("verify")
     assert verified.returncode == 0, verified.stdout
 
     program = tmp_path / "child.py"
     program.write_text(CHILD)
-    child = run([str(python), str(program)], env={"HF_HUB_OFFLINE": "1"}, timeout=900)
-    assert "RESULT True 2 edited" in child.stdout, child.stdout + child.stderr
+    child = run([str(python), str(program)], env={"HF_HUB_OFFLINE": "1"}, timeout=900).stdout
+    assert "KV True 2 5 edited" in child, child
+    assert "IMPORT hvp_missing is missing: pip install hvp_missing | True True" in child, child
+    assert "ASYNC [('edited', 1)]" in child, child
+    assert "STATIC True" in child, child
+    assert "CAPTURED template_edited.jinja template_basic.jinja" in child, child
 
     reverted = tool("revert")
     assert reverted.returncode == 0, reverted.stdout
-    assert hashlib.sha256(target.read_bytes()).hexdigest() == record_hash
+    for target, original in pristine.values():
+        assert target.read_bytes() == original
 
     other = release_venv(tmp_path / "old", "vllm", "0.16.0")
     old_file = site_packages(tmp_path / "old") / "vllm" / "v1" / "kv_cache_interface.py"
     before = old_file.read_bytes()
-    elsewhere = tool("apply", "--python", str(other))
-    assert elsewhere.returncode == 1 and "unknown-shape  clearer-kv" in elsewhere.stdout
+    elsewhere = tool("apply", "--python", str(other), "--patch", "kv-interface-edit")
+    assert elsewhere.returncode == 1, elsewhere.stdout
+    assert "unknown-shape  kv-interface-edit" in elsewhere.stdout
     assert old_file.read_bytes() == before
 
-    tool("edit", KV_INTERFACE)
-    target.write_text(pristine.decode().replace("class KVQuantMode(IntEnum):",
+    target, original = pristine["kv-interface-edit"]
+    tool("edit", "vllm.v1.kv_cache_interface")
+    target.write_text(original.decode().replace("class KVQuantMode(IntEnum):",
                                                 "class KVQuantMode(IntEnum):  # edited", 1)
                       .replace("\n\ndef is_quantized_kv_cache", "\n\nLIMIT = 3\n\n\n"
                                "def is_quantized_kv_cache", 1))
@@ -540,6 +610,5 @@ def _real_vllm_cycle(python: Path, project: Path, tmp_path: Path) -> None:
     assert refused.returncode == 2 and "module level: statement at line" in refused.stderr
     assert "(LIMIT = 3)" in refused.stderr
     assert not (project / "vllm-patches" / "module-level").exists()
-    assert tool("edit", KV_INTERFACE, "--discard").returncode == 0
-    assert target.read_bytes() == pristine
-    assert cached_wheel("vllm", "0.16.0").is_file()
+    assert tool("edit", "vllm.v1.kv_cache_interface", "--discard").returncode == 0
+    assert target.read_bytes() == original
