@@ -128,10 +128,6 @@ class EnvironmentRecord(NamedTuple):
     selection: Selection | None = None
     edits: Mapping[str, EditSession] = _EMPTY
 
-    @property
-    def empty(self) -> bool:
-        return not self.files and self.selection is None and not self.edits
-
     def with_edit(self, path: str, session: EditSession | None) -> EnvironmentRecord:
         edits = {p: e for p, e in self.edits.items() if p != path}
         if session is not None:
