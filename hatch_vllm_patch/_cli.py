@@ -217,7 +217,12 @@ def _main(argv: Sequence[str] | None) -> int:
     )
     try:
         if args.operation in _AUTHORING:
-            return _author(args, request)
+            try:
+                return _author(args, request)
+            except OSError as exc:  # a file or folder the user cannot use, a full disk
+                where = f" {exc.filename}" if exc.filename else ""
+                raise TargetEnvironmentError(
+                    f"{args.operation} failed on{where}: {exc.strerror or exc}") from None
         report = run(args.operation, request)
     except ConfigurationError as exc:
         _write(partial(_error, args, str(exc), exc.errors))

@@ -425,6 +425,7 @@ def edit(request: Request, module: str, *, discard: bool = False) -> EditResult:
     env = _inspect(request, module)
     path, distribution, version = _module_of(env, module)
     location = env.modules[module]
+    _writable(env.purelib, path.parent)
     with locked([env.purelib, path.parent], exclusive=True, on_wait=request.on_wait):
         state = read_record(env.purelib)
         if not state.usable:
@@ -472,6 +473,16 @@ def edit(request: Request, module: str, *, discard: bool = False) -> EditResult:
             module, distribution, version, digest, removed))
         _save(env, record)
     return EditResult(path, module, version, removed, notes=tuple(notes))
+
+
+def _writable(*folders: Path) -> None:
+    """Refuse before the first write, not half-way: an edit session is a module and the record
+    written together."""
+    for folder in folders:
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise TargetEnvironmentError(f"{folder} is not writable by this user: run as the "
+                                         "environment's owner, or edit in an environment you "
+                                         "own")
 
 
 def _write_module(path: Path, data: bytes, env: TargetEnvironment) -> None:
@@ -537,6 +548,7 @@ def create(request: Request, patch_id: str, *, module: str | None = None,
                          "module, each with its own id")
     [(name, session)] = sessions.items()
     path = Path(name)
+    _writable(env.purelib, path.parent)
     pristine = _pristine(env, path, session)
     edited = path.read_bytes()
     if b"# >>> hatch-vllm-patch: " in edited:
