@@ -10,10 +10,11 @@ import hashlib
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from venvs import UV, create_venv, run
+from venvs import SCRUBBED_ENV, UV, create_venv, run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -97,6 +98,16 @@ def write_demo_project(root: Path, version: str = "1.0.0", source: str = DEMO_SO
         version = "{version}"
         """))
     return root
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _scrubbed_environment() -> Iterator[None]:
+    """No test, fixture or subprocess sees the caller's UV_PROJECT_ENVIRONMENT, VIRTUAL_ENV,
+    HATCH_VLLM_PATCH_CATALOG, ... (venvs.SCRUBBED_ENV); a test that needs one sets it."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in SCRUBBED_ENV:
+            patch.delenv(name, raising=False)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -15,11 +15,28 @@ from pathlib import Path
 
 UV = shutil.which("uv") or "uv"
 
+# Variables of the caller's shell that would silently change what a test checks: which
+# environment the tool or uv targets (UV_PROJECT_ENVIRONMENT, VIRTUAL_ENV, CONDA_PREFIX), which
+# catalog the tool reads (HATCH_VLLM_PATCH_CATALOG, which the README tells patch authors to
+# set), how uv links installed files, and whether hatchling runs build hooks. A test that needs
+# one passes it explicitly.
+SCRUBBED_ENV = (
+    "UV_PROJECT_ENVIRONMENT", "VIRTUAL_ENV", "CONDA_PREFIX", "HATCH_VLLM_PATCH_CATALOG",
+    "UV_LINK_MODE", "HATCH_BUILD_HOOK_ENABLE_VLLM-PATCH", "HATCH_BUILD_HOOKS_ENABLE",
+    "HATCH_BUILD_NO_HOOKS", "HATCH_BUILD_HOOKS_ONLY",
+)
+
+
+def scrubbed_environ() -> dict[str, str]:
+    """``os.environ`` without the variables of :data:`SCRUBBED_ENV`."""
+    return {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}
+
 
 def run(cmd: list[str], *, cwd: Path | None = None, env: dict[str, str] | None = None,
         check: bool = True, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
-    """Run ``cmd``, capturing text output; on failure raise with both streams shown."""
-    full_env = {**os.environ, **(env or {})}
+    """Run ``cmd`` in a scrubbed environment plus ``env``, capturing text output; on failure
+    raise with both streams shown."""
+    full_env = {**scrubbed_environ(), **(env or {})}
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:
