@@ -58,14 +58,21 @@ def site_packages(venv: Path) -> Path:
 
 
 def create_venv(path: Path, *requirements: str, no_deps: bool = False,
-                python: str | None = None) -> Path:
-    """Create a venv at ``path`` with uv and install ``requirements`` into it; return its python."""
+                python: str | None = None, link_mode: str | None = None,
+                options: tuple[str, ...] = ()) -> Path:
+    """Create a venv at ``path`` with uv and install ``requirements`` into it; return its python.
+
+    ``link_mode`` is uv's ``--link-mode`` (default: uv's own, clone or hardlink);
+    ``options`` are more ``uv pip install`` options.
+    """
     version = python or f"{sys.version_info[0]}.{sys.version_info[1]}"
     run([UV, "venv", "--quiet", "--python", version, str(path)])
     if requirements:
-        cmd = [UV, "pip", "install", "--quiet", "--python", str(venv_python(path))]
+        cmd = [UV, "pip", "install", "--quiet", "--python", str(venv_python(path)), *options]
         if no_deps:
             cmd.append("--no-deps")
+        if link_mode:
+            cmd += ["--link-mode", link_mode]
         run([*cmd, *requirements])
     return venv_python(path)
 
