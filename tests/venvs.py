@@ -77,6 +77,45 @@ def create_venv(path: Path, *requirements: str, no_deps: bool = False,
     return venv_python(path)
 
 
+# A CPU build of torch on local disk (pip's find-links on the project's machines) replaces the
+# several-GB CUDA build from PyPI where a vLLM release pins that torch version.
+LOCAL_WHEELS = Path(os.environ.get("HATCH_VLLM_PATCH_LOCAL_WHEELS") or "/opt/wheels")
+# Built against PyPI's CUDA torch: next to a CPU build they fail to load ("operator
+# torchvision::nms does not exist"), and nothing on vLLM's KV-cache path imports them.
+CUDA_TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+# Prebuilt CUDA kernels only (data files; 1.9 GB for vLLM 0.25.1's), never loaded on a CPU.
+CUDA_KERNEL_DATA = ("flashinfer-cubin",)
+
+
+def local_cpu_torch(version: str) -> Path | None:
+    """The CPU wheel of torch ``version`` for this Python in :data:`LOCAL_WHEELS`, if any."""
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    found = sorted(LOCAL_WHEELS.glob(f"torch-{version}+cpu-{tag}-{tag}-*.whl"))
+    return found[0] if found else None
+
+
+def vllm_venv(path: Path, version: str, *extra: str, torch: str | None = None) -> Path:
+    """A venv with ``vllm==version``, its dependencies and ``extra``, hardlinked from uv's
+    cache, without :data:`CUDA_KERNEL_DATA`.
+
+    ``torch`` is the torch version the release pins: when :func:`local_cpu_torch` finds a
+    CPU build of it, that build is installed instead of PyPI's CUDA one, without
+    :data:`CUDA_TORCH_COMPANIONS`; elsewhere PyPI's torch is installed as the release asks.
+    """
+    excluded = list(CUDA_KERNEL_DATA)
+    options: tuple[str, ...] = ()
+    wheel = local_cpu_torch(torch) if torch else None
+    if wheel is not None:
+        overrides = path.parent / f"{path.name}-overrides.txt"
+        overrides.write_text(f"torch @ {wheel.resolve().as_uri()}\n")
+        options = ("--overrides", str(overrides))
+        excluded += CUDA_TORCH_COMPANIONS
+    excludes = path.parent / f"{path.name}-excludes.txt"
+    excludes.write_text("".join(f"{name}\n" for name in excluded))
+    options += ("--excludes", str(excludes))
+    return create_venv(path, f"vllm=={version}", *extra, link_mode="hardlink", options=options)
+
+
 # Wheels of vLLM releases whose files the tests only read and patch. Keeping the .whl files (not
 # uv's unpacked copies, ~1.1 GB each) holds 26 releases in ~10 GB between runs.
 WHEEL_CACHE = Path(os.environ.get("HATCH_VLLM_PATCH_WHEEL_CACHE")
