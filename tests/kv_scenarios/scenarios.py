@@ -3,13 +3,14 @@
 Run with the interpreter of a venv holding vLLM: ``python scenarios.py OUT.json``. Writes one
 JSON object to OUT.json (vLLM logs to stdout, so stdout is not used for data) and asserts
 nothing itself: the pytest module judges the facts, so this script also works under
-``python -O``, and on any vLLM release the tests choose.
+``python -O``, and on each release the tests use (0.20.2, 0.25.1, 0.28.0 patched; 0.29.0 not).
 
 The spec sets are KNOWLEDGE §1's S0-S5 for Qwen3.6-35B-A3B at TP=2 built with vLLM's own
 MambaStateShapeCalculator / MambaStateDtypeCalculator (Gated DeltaNet state: conv (3, 4096)
 bf16 + ssm (16, 128, 128) fp32 = 1073152 B; attention: 1 KV head of 256 per rank), plus
-non-hybrid sets, plus the sets only some releases can express (S1 with attention marked
-``indexes_kv_by_block_stride``, 0.24-0.28). Each set goes through vLLM's original function and
+non-hybrid sets (one for the full-allocation fallback of 0.27+: MLA next to a sliding-window
+drafter), plus S1 with attention marked ``indexes_kv_by_block_stride`` where the release has
+that flag (0.24-0.28). Each set goes through vLLM's original function and
 the real ``get_kv_cache_groups`` / ``get_kv_cache_config_from_groups``; when the module carries
 the kv-cache-page-unification block (the wrapper's ``__wrapped__`` is the original) also
 through the patched one. An unpatched module (a fixed release) reports the original alone.
