@@ -55,11 +55,20 @@ def _uv(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def copy_example(dest: Path, *, plain: bool) -> Path:
-    """Copy the example project; point its plugin source at this checkout; maybe drop our bits."""
-    shutil.copytree(EXAMPLE, dest, ignore=shutil.ignore_patterns(".venv", "uv.lock", "dist"))
+    """Copy the example project and its lock; point its plugin source at this checkout (the
+    relative path from the copy, in pyproject.toml and uv.lock alike, so that the committed lock
+    stays current); maybe drop our bits (none of them is in the lock)."""
+    shutil.copytree(EXAMPLE, dest, ignore=shutil.ignore_patterns(".venv", "dist"))
+    checkout = Path(os.path.relpath(REPO, dest)).as_posix()
+    lock = dest / "uv.lock"
+    text, n = re.subn(r'editable = "\.\./?"', f'editable = "{checkout}"',
+                      lock.read_text(encoding="utf-8"))
+    if n != 2:
+        sys.exit(f"benchmark out of date: uv.lock names hatch-vllm-patch's source {n} times")
+    lock.write_text(text, encoding="utf-8")
     pyproject = dest / "pyproject.toml"
     text = pyproject.read_text(encoding="utf-8")
-    text = text.replace('path = ".."', f'path = "{REPO.as_posix()}"')
+    text = text.replace('path = ".."', f'path = "{checkout}"')
     if plain:
         for pattern in _OURS:
             text, n = pattern.subn("", text)
@@ -89,7 +98,7 @@ def main() -> int:
         plain = copy_example(workdir / "plain", plain=True)
         for project in (patched, plain):
             start = time.perf_counter()
-            _uv(["sync", "--quiet"], project)
+            _uv(["sync", "--quiet", "--locked"], project)  # the committed lock, not a new one
             print(f"uv sync {project.name}: {time.perf_counter() - start:.1f} s")
         verify = _uv(["run", "vllm-patch", "verify"], patched)
         print(verify.stdout.strip().splitlines()[-1])

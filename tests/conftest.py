@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from venvs import UV, create_venv, run
+from venvs import SCRUBBED_ENV, UV, create_venv, run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -118,6 +118,16 @@ def registry_by_ast(source: str) -> list[str]:
             names += [k.value for k in value.keys
                       if isinstance(k, ast.Constant) and isinstance(k.value, str)]
     return names
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _scrubbed_environment() -> Iterator[None]:
+    """No test, fixture or subprocess sees the caller's UV_PROJECT_ENVIRONMENT, VIRTUAL_ENV,
+    HATCH_VLLM_PATCH_CATALOG, ... (venvs.SCRUBBED_ENV); a test that needs one sets it."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in SCRUBBED_ENV:
+            patch.delenv(name, raising=False)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,10 @@
 """The hatchling build hook: real hatchling builds of a small project, against real vLLM files.
 
 Each build runs hatchling's PEP 517 functions in a subprocess, as a frontend does, with the
-plugin found through its ``hatch`` entry point. The project's ``.venv`` holds the real files of
-vLLM 0.20.2 (``--no-deps``: enough to locate, classify and patch them, nothing imports vLLM).
+plugin found through its ``hatch`` entry point. In the slow tests the project's ``.venv`` holds
+the real files of vLLM 0.20.2 (``--no-deps``: enough to locate, classify and patch them, nothing
+imports vLLM; a 400 MB wheel on the first run). The fast ones use the small demo wheel and a
+one-patch catalog (``$HATCH_VLLM_PATCH_CATALOG``), or no vLLM at all.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import write_demo_catalog
 from venvs import UV, create_venv, run, site_packages
 
 import hatch_vllm_patch
@@ -92,6 +95,48 @@ def project_with_vllm(project: Path) -> Path:
     return project
 
 
+DEMO_SELECTION = """\
+[tool.vllm-patch.architectures.DemoForCausalLM]
+patches = ["demo-fix"]
+"""
+
+
+@pytest.fixture
+def demo_project(tmp_path: Path, demo_wheels: dict[str, Path]) -> tuple[Path, dict[str, str]]:
+    """A project selecting demo-fix, its .venv holding the demo wheel; the catalog variable."""
+    project = make_project(tmp_path / "demo", vllm_patch=DEMO_SELECTION)
+    create_venv(project / ".venv", str(demo_wheels["1.0.0"]))
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    return project, {"HATCH_VLLM_PATCH_CATALOG": str(catalog)}
+
+
+def test_editable_build_patches_with_the_projects_catalog(
+        demo_project: tuple[Path, dict[str, str]]) -> None:
+    """An editable build applies the selected patch of the catalog to the project's .venv."""
+    project, env = demo_project
+    module = site_packages(project / ".venv") / "demo_pkg" / "core.py"
+    code, output = hatchling_build(project, "editable", env=env)
+    assert code == 0, output
+    assert "demo-fix applied" in output
+    assert "# >>> hatch-vllm-patch: demo-fix sha256=" in module.read_text()
+    code, output = hatchling_build(project, "editable", env=env)
+    assert code == 0 and "demo-fix already-applied" in output, output
+
+
+@pytest.mark.parametrize("kind", ["sdist", "wheel"])
+def test_distribution_builds_patch_nothing(demo_project: tuple[Path, dict[str, str]],
+                                           kind: str) -> None:
+    """An sdist or a standard wheel leaves the project's .venv alone though a patch applies."""
+    project, env = demo_project
+    module = site_packages(project / ".venv") / "demo_pkg" / "core.py"
+    before = digest(module)
+    code, output = hatchling_build(project, kind, env=env)
+    assert code == 0, output
+    (line,) = hook_lines(output)
+    assert "no environment is patched" in line
+    assert digest(module) == before
+
+
 def test_entry_point_registers_the_hook() -> None:
     """The `hatch` entry point `vllm-patch` registers a build hook class named `vllm-patch`."""
     from hatchling.builders.hooks.plugin.interface import BuildHookInterface
@@ -103,6 +148,7 @@ def test_entry_point_registers_the_hook() -> None:
     assert issubclass(hook_class, BuildHookInterface)
 
 
+@pytest.mark.slow
 def test_editable_build_patches_the_project_environment(project_with_vllm: Path) -> None:
     """An editable build patches the project's .venv and says so in one line per outcome."""
     code, output = hatchling_build(project_with_vllm, "editable")
@@ -114,6 +160,7 @@ def test_editable_build_patches_the_project_environment(project_with_vllm: Path)
     assert report.ok, report
 
 
+@pytest.mark.slow
 def test_editable_build_inside_the_target_environment(project_with_vllm: Path) -> None:
     """Built by the target environment itself (uv's two-phase install), it patches, no caveat."""
     venv = project_with_vllm / ".venv"
@@ -146,6 +193,7 @@ def test_editable_build_without_any_environment_succeeds(tmp_path: Path) -> None
     assert "env-not-yet" in line and "nothing is patched" in line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sdist", "wheel"])
 def test_distribution_builds_touch_no_environment(project_with_vllm: Path, kind: str) -> None:
     """An sdist or a standard wheel leaves every environment alone, even one with vLLM."""
@@ -200,6 +248,7 @@ def _edit_target_function(venv: Path) -> None:
     os.replace(tmp, target)
 
 
+@pytest.mark.slow
 def test_refused_patch_warns_and_fails_only_when_strict(project_with_vllm: Path) -> None:
     """A refused patch is a warning that keeps the build; with strict = true it fails it."""
     venv = project_with_vllm / ".venv"
@@ -219,6 +268,7 @@ def test_refused_patch_warns_and_fails_only_when_strict(project_with_vllm: Path)
     assert digest(target_file(venv)) == before
 
 
+@pytest.mark.slow
 def test_hook_disabled_by_default_runs_when_enabled_by_hatchling_variables(tmp_path: Path) -> None:
     """`enable-by-default = false` skips the hook unless hatchling's enabling variable is set."""
     project = make_project(tmp_path / "demo", hook="enable-by-default = false\n")
@@ -236,6 +286,7 @@ def test_hook_disabled_by_default_runs_when_enabled_by_hatchling_variables(tmp_p
     assert f"{PATCH} applied" in output
 
 
+@pytest.mark.slow
 def test_uv_build_touches_no_environment(project_with_vllm: Path) -> None:
     """`uv build` (sdist, then a wheel from it) succeeds and leaves the project's .venv alone."""
     target = target_file(project_with_vllm / ".venv")
@@ -248,6 +299,7 @@ def test_uv_build_touches_no_environment(project_with_vllm: Path) -> None:
     assert len(list(dist.glob("demo-0.1.0*.whl"))) == len(list(dist.glob("demo-0.1.0.tar.gz"))) == 1
 
 
+@pytest.mark.slow
 def test_pip_editable_install_patches_the_environment_pip_installs_into(tmp_path: Path) -> None:
     """`pip install -e` builds inside the target interpreter (isolated by PYTHONPATH): patched."""
     wheels = tmp_path / "wheels"

@@ -184,3 +184,21 @@ def test_malformed_catalog_is_reported(tmp_path: Path) -> None:
                      "target.module 'a b' is not a dotted module path", "block.py is missing",
                      "needs `shapes`"):
         assert expected in text
+
+
+def test_table_reached_through_a_model_is_one_reason(tmp_path: Path, catalog: Catalog) -> None:
+    """A model whose family has its own table (the example project's setup) gives one reason
+    per patch, naming the table and the model; the architecture is listed once."""
+    model(tmp_path / "proj" / "ft", architectures=["MyChat"], model_type="qwen3_5_moe")
+    config = load_project_config(project(tmp_path, """
+        [tool.vllm-patch]
+        models = ["ft"]
+        [tool.vllm-patch.architectures.Qwen3_5MoeForConditionalGeneration]
+        patches = ["demo-fix"]
+        """), catalog)
+    chosen = select(catalog, config)
+    assert [p.id for p in chosen.patches] == ["demo-fix"]
+    [reason] = chosen.why["demo-fix"]
+    assert reason.startswith("Qwen3_5MoeForConditionalGeneration ([tool.vllm-patch.architectures."
+                             "Qwen3_5MoeForConditionalGeneration], via MyChat in "), reason
+    assert chosen.architectures.count("Qwen3_5MoeForConditionalGeneration") == 1

@@ -1,12 +1,15 @@
 """The example project, for real: uv and pip installing vllm==0.20.2 (CUDA torch, on a CPU machine).
 
-Each test copies ``example_project`` to a temporary directory and points its ``hatch-vllm-patch``
-source at this checkout. Environments come from uv's cache (hardlinks): a full sync takes ~30 s.
+Each test copies ``example_project`` with its committed ``uv.lock`` to a temporary directory and
+points its ``hatch-vllm-patch`` source at this checkout. uv runs with ``UV_LOCKED=1`` (except
+where a test changes a dependency), so it installs the locked versions and fails instead of
+resolving afresh. Environments come from uv's cache (hardlinks): a full sync takes ~30 s.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -24,12 +27,21 @@ pytestmark = pytest.mark.slow
 
 
 def copy_example(dest: Path, *, two_phase: bool = True) -> Path:
-    """A copy of the example project that uses this checkout's hatch-vllm-patch."""
-    shutil.copytree(EXAMPLE, dest, ignore=shutil.ignore_patterns(".venv", "uv.lock", "dist"))
+    """A copy of the example project and its lock that uses this checkout's hatch-vllm-patch.
+
+    The source path ".." becomes the relative path from the copy to this checkout in
+    pyproject.toml and uv.lock alike: the committed lock stays current for the copy.
+    """
+    shutil.copytree(EXAMPLE, dest, ignore=shutil.ignore_patterns(".venv", "dist"))
+    checkout = Path(os.path.relpath(REPO, dest)).as_posix()
+    lock = dest / "uv.lock"
+    text, n = re.subn(r'editable = "\.\./?"', f'editable = "{checkout}"', lock.read_text())
+    assert n == 2, "uv.lock no longer names hatch-vllm-patch's source as '..'"
+    lock.write_text(text)
     pyproject = dest / "pyproject.toml"
     text = pyproject.read_text()
     assert 'path = ".."' in text
-    text = text.replace('path = ".."', f'path = "{REPO.as_posix()}"')
+    text = text.replace('path = ".."', f'path = "{checkout}"')
     if not two_phase:
         text, n = re.subn(r"^no-build-isolation-package = .*\n", "", text, flags=re.M)
         assert n == 1
@@ -39,10 +51,11 @@ def copy_example(dest: Path, *, two_phase: bool = True) -> Path:
     return dest
 
 
-def uv(project: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    # VIRTUAL_ENV names the project's own .venv: an outer one (pytest's) would make uv warn.
-    return run([UV, *args], cwd=project, env={"VIRTUAL_ENV": str(project / ".venv")},
-               check=check)
+def uv(project: Path, *args: str, check: bool = True,
+       locked: bool = True) -> subprocess.CompletedProcess[str]:
+    # VIRTUAL_ENV names the project's own .venv: an outer one would make uv warn.
+    env = {"VIRTUAL_ENV": str(project / ".venv"), **({"UV_LOCKED": "1"} if locked else {})}
+    return run([UV, *args], cwd=project, env=env, check=check)
 
 
 def verify(project: Path, *args: str, sync: bool = True) -> subprocess.CompletedProcess[str]:
@@ -55,20 +68,38 @@ def target_digest(project: Path) -> str:
     return hashlib.sha256((site_packages(project / ".venv") / TARGET).read_bytes()).hexdigest()
 
 
+def rebuilt(proc: subprocess.CompletedProcess[str]) -> bool:
+    """Did this `uv -v` command build the project (and so run the build hook)?"""
+    output = proc.stdout + proc.stderr
+    return "Built qwen36-service" in output or "vllm-patch:" in output
+
+
 def test_two_phase_uv_keeps_vllm_patched_through_every_change(tmp_path: Path) -> None:
-    """Fresh sync, reinstalls and a version change all end with vLLM patched before a run."""
+    """Fresh sync, reinstalls and a version change all end with vLLM patched before a run; a
+    no-change `uv run` rebuilds nothing."""
     project = copy_example(tmp_path / "example")
 
     # The README's quick start: from a fresh clone, one command syncs, patches and proves it.
     quick = run([UV, "run", "--directory", str(project), "vllm-patch", "verify", "--deep"],
-                cwd=tmp_path, env={"VIRTUAL_ENV": str(project / ".venv")}, check=False)
+                cwd=tmp_path, env={"VIRTUAL_ENV": str(project / ".venv"), "UV_LOCKED": "1"},
+                check=False)
     assert quick.returncode == 0, quick.stdout + quick.stderr
     assert "deep probe passed" in quick.stdout
 
+    # Nothing changed: uv finds the project fresh, builds nothing, the hook writes nothing.
+    target = site_packages(project / ".venv") / TARGET
+    ledger = site_packages(project / ".venv") / ".hatch-vllm-patch.json"
+    before = (target.stat().st_ino, ledger.stat().st_mtime_ns)
+    again = uv(project, "run", "-v", "python", "-c", "pass")
+    assert not rebuilt(again), again.stderr[-3000:]
+    assert "Requirement already installed: qwen36-service" in again.stderr
+    assert (target.stat().st_ino, ledger.stat().st_mtime_ns) == before
+
     uv(project, "sync", "--reinstall-package", "vllm")
     assert verify(project, sync=False).returncode == 1  # the reinstall restored the original...
-    result = verify(project)  # ...and the next `uv run` rebuilt the project, which patched it
-    assert result.returncode == 0, result.stdout
+    result = uv(project, "run", "-v", "vllm-patch", "verify", check=False)
+    assert rebuilt(result), result.stderr[-3000:]  # ...the next `uv run` rebuilt the project,
+    assert result.returncode == 0, result.stdout  # whose hook patched it before verify ran
 
     uv(project, "pip", "install", "--reinstall", "--no-deps", "vllm==0.20.2")
     assert verify(project, sync=False).returncode == 1
@@ -85,7 +116,7 @@ def test_two_phase_uv_keeps_vllm_patched_through_every_change(tmp_path: Path) ->
 
     pyproject = project / "pyproject.toml"
     pyproject.write_text(pyproject.read_text().replace("vllm==0.20.2", "vllm==0.22.1"))
-    uv(project, "sync")
+    uv(project, "sync", locked=False)  # resolves vLLM 0.22.1 into the lock
     result = verify(project, sync=False)  # patched within the same sync that upgraded vLLM
     assert result.returncode == 0, result.stdout
     assert "vllm 0.22.1" in result.stdout

@@ -84,14 +84,18 @@ def test_ledger_records_original_and_patched_hashes(demo_venv: Path, demo_catalo
     assert json.loads(ledger_path.read_text())["files"] == {}
 
 
-def test_uv_cache_is_not_modified_through_a_hardlink(demo_venv: Path, demo_catalog: Path) -> None:
+def test_uv_cache_is_not_modified_through_a_hardlink(tmp_path: Path, demo_wheels: dict[str, Path],
+                                                      demo_catalog: Path) -> None:
     """The installed file is a hardlink into uv's cache; apply and revert never write through it."""
+    demo_venv = create_venv(tmp_path / "venv", str(demo_wheels["1.0.0"]), link_mode="hardlink")
     target = core_file(demo_venv)
     info = target.stat()
     assert info.st_nlink >= 2, "uv did not hardlink the file; the test would prove nothing"
-    cache_dir = Path(run([UV, "cache", "dir"]).stdout.strip())
-    twins = [p for p in cache_dir.rglob("core.py")
-             if p.stat().st_ino == info.st_ino and p.stat().st_dev == info.st_dev]
+    # uv unpacks wheels into <cache>/archive-v0/<id>/ (other uv processes may be adding and
+    # removing temporary entries meanwhile: look only where the wheel's files are)
+    archives = Path(run([UV, "cache", "dir"]).stdout.strip()) / "archive-v0"
+    twins = [p for p in archives.glob("*/demo_pkg/core.py")
+             if os.path.samestat(p.stat(), info)]
     assert twins, "no cache file shares the installed file's inode"
     original = twins[0].read_bytes()
 

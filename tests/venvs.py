@@ -15,11 +15,28 @@ from pathlib import Path
 
 UV = shutil.which("uv") or "uv"
 
+# Variables of the caller's shell that would silently change what a test checks: which
+# environment the tool or uv targets (UV_PROJECT_ENVIRONMENT, VIRTUAL_ENV, CONDA_PREFIX), which
+# catalog the tool reads (HATCH_VLLM_PATCH_CATALOG, which the README tells patch authors to
+# set), how uv links installed files, and whether hatchling runs build hooks. A test that needs
+# one passes it explicitly.
+SCRUBBED_ENV = (
+    "UV_PROJECT_ENVIRONMENT", "VIRTUAL_ENV", "CONDA_PREFIX", "HATCH_VLLM_PATCH_CATALOG",
+    "UV_LINK_MODE", "HATCH_BUILD_HOOK_ENABLE_VLLM-PATCH", "HATCH_BUILD_HOOKS_ENABLE",
+    "HATCH_BUILD_NO_HOOKS", "HATCH_BUILD_HOOKS_ONLY",
+)
+
+
+def scrubbed_environ() -> dict[str, str]:
+    """``os.environ`` without the variables of :data:`SCRUBBED_ENV`."""
+    return {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}
+
 
 def run(cmd: list[str], *, cwd: Path | None = None, env: dict[str, str] | None = None,
         check: bool = True, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
-    """Run ``cmd``, capturing text output; on failure raise with both streams shown."""
-    full_env = {**os.environ, **(env or {})}
+    """Run ``cmd`` in a scrubbed environment plus ``env``, capturing text output; on failure
+    raise with both streams shown."""
+    full_env = {**scrubbed_environ(), **(env or {})}
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:
@@ -41,16 +58,62 @@ def site_packages(venv: Path) -> Path:
 
 
 def create_venv(path: Path, *requirements: str, no_deps: bool = False,
-                python: str | None = None) -> Path:
-    """Create a venv at ``path`` with uv and install ``requirements`` into it; return its python."""
+                python: str | None = None, link_mode: str | None = None,
+                options: tuple[str, ...] = ()) -> Path:
+    """Create a venv at ``path`` with uv and install ``requirements`` into it; return its python.
+
+    ``link_mode`` is uv's ``--link-mode`` (default: uv's own, clone or hardlink);
+    ``options`` are more ``uv pip install`` options.
+    """
     version = python or f"{sys.version_info[0]}.{sys.version_info[1]}"
     run([UV, "venv", "--quiet", "--python", version, str(path)])
     if requirements:
-        cmd = [UV, "pip", "install", "--quiet", "--python", str(venv_python(path))]
+        cmd = [UV, "pip", "install", "--quiet", "--python", str(venv_python(path)), *options]
         if no_deps:
             cmd.append("--no-deps")
+        if link_mode:
+            cmd += ["--link-mode", link_mode]
         run([*cmd, *requirements])
     return venv_python(path)
+
+
+# A CPU build of torch on local disk (pip's find-links on the project's machines) replaces the
+# several-GB CUDA build from PyPI where a vLLM release pins that torch version.
+LOCAL_WHEELS = Path(os.environ.get("HATCH_VLLM_PATCH_LOCAL_WHEELS") or "/opt/wheels")
+# Built against PyPI's CUDA torch: next to a CPU build they fail to load ("operator
+# torchvision::nms does not exist"), and nothing on vLLM's KV-cache path imports them.
+CUDA_TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+# Prebuilt CUDA kernels only (data files; 1.9 GB for vLLM 0.25.1's), never loaded on a CPU.
+CUDA_KERNEL_DATA = ("flashinfer-cubin",)
+
+
+def local_cpu_torch(version: str) -> Path | None:
+    """The CPU wheel of torch ``version`` for this Python in :data:`LOCAL_WHEELS`, if any."""
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    found = sorted(LOCAL_WHEELS.glob(f"torch-{version}+cpu-{tag}-{tag}-*.whl"))
+    return found[0] if found else None
+
+
+def vllm_venv(path: Path, version: str, *extra: str, torch: str | None = None) -> Path:
+    """A venv with ``vllm==version``, its dependencies and ``extra``, hardlinked from uv's
+    cache, without :data:`CUDA_KERNEL_DATA`.
+
+    ``torch`` is the torch version the release pins: when :func:`local_cpu_torch` finds a
+    CPU build of it, that build is installed instead of PyPI's CUDA one, without
+    :data:`CUDA_TORCH_COMPANIONS`; elsewhere PyPI's torch is installed as the release asks.
+    """
+    excluded = list(CUDA_KERNEL_DATA)
+    options: tuple[str, ...] = ()
+    wheel = local_cpu_torch(torch) if torch else None
+    if wheel is not None:
+        overrides = path.parent / f"{path.name}-overrides.txt"
+        overrides.write_text(f"torch @ {wheel.resolve().as_uri()}\n")
+        options = ("--overrides", str(overrides))
+        excluded += CUDA_TORCH_COMPANIONS
+    excludes = path.parent / f"{path.name}-excludes.txt"
+    excludes.write_text("".join(f"{name}\n" for name in excluded))
+    options += ("--excludes", str(excludes))
+    return create_venv(path, f"vllm=={version}", *extra, link_mode="hardlink", options=options)
 
 
 # Wheels of vLLM releases whose files the tests only read and patch. Keeping the .whl files (not

@@ -1,28 +1,37 @@
 """Property test of the patched ``unify_kv_cache_spec_page_size`` on a real vLLM, run in its venv.
 
-``python properties.py OUT.json [MAX_EXAMPLES]`` with the interpreter of a venv holding vLLM
-(kv_cache_utils.py carrying the kv-cache-page-unification block) and hypothesis. Hypothesis
+``python properties.py OUT.json [MAX_EXAMPLES] [PROFILE]`` with the interpreter of a venv holding
+vLLM (kv_cache_utils.py carrying the kv-cache-page-unification block) and hypothesis. Hypothesis
 draws spec sets of real FullAttentionSpec / SlidingWindowSpec / MambaSpec objects (random
-shapes, dtypes, block sizes, paddings, repeated kinds, any order) and checks each against vLLM's
-original function (the wrapper's ``__wrapped__``):
+shapes, dtypes, block sizes, paddings, strided attention where the release knows the flag,
+repeated kinds, any order) and checks each against vLLM's original function (the wrapper's
+``__wrapped__``):
 
 - for a set without a MambaSpec (not a hybrid model) it gives vLLM's own error or result;
 - where the original returns one page size, the patched result equals it (same key order, equal
   specs, the same objects wherever the original kept them, and the input dict itself when the
   pages were already uniform), and nothing is logged;
 - otherwise (a hybrid set vLLM gives up on) the patched result keeps the input's key order and
-  has one page size, the smallest multiple of lcm(every non-Mamba page) that is >= every page;
-  only MambaSpec specs changed their page_size_padded; every other spec only changed its
-  block_size, to an integer multiple; one log line; or, only when some non-Mamba page does not
-  scale with block_size, it raises NotImplementedError naming a layer;
+  has one page size P, judged without the patch's formula: P >= every input page; only
+  MambaSpec specs changed their page_size_padded; every other spec only changed its block_size,
+  to an integer multiple; and no smaller page (brute force over the multiples of the largest
+  non-Mamba page down to the largest input page) could have been reached that way. It must
+  also equal the formula of KNOWLEDGE §1 (the smallest multiple of lcm(every non-Mamba page)
+  that is >= every page), which catches drift between block.py and this file; one log line.
+  It refuses (NotImplementedError naming a layer) only when some non-Mamba page does not
+  scale with block_size;
 - it never changes its input, and never raises AssertionError for a hybrid set.
 
-Checks raise AssertionError explicitly (no ``assert``), so the script also runs under -O.
-Exit status 0 when every example passes; OUT.json counts the examples by outcome.
+Every outcome path has an explicit ``@example``, so each is taken whatever hypothesis draws.
+PROFILE ``ci`` (the default) derandomizes hypothesis, so a failure reproduces with the same
+command; ``explore`` draws fresh examples each run. Checks raise AssertionError explicitly (no
+``assert``), so the script also runs under -O. Exit status 0 when every example passes;
+OUT.json counts the examples by outcome and how many were brute-forced for minimality.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -34,7 +43,7 @@ from typing import Any
 
 import torch
 import vllm.v1.core.kv_cache_utils as kcu
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -50,6 +59,16 @@ BLOCK_SIZES = st.one_of(st.sampled_from([1, 2, 16, 32, 64, 528, 1056, 2096]),
                         st.integers(1, 4096))
 OUTCOMES: Counter[str] = Counter()
 EXAMPLES = int(sys.argv[2]) if __name__ == "__main__" and len(sys.argv) > 2 else 400
+PROFILE = sys.argv[3] if __name__ == "__main__" and len(sys.argv) > 3 else "ci"
+# Candidate pages tried below the patch's page when checking that it is the smallest possible.
+BRUTE_FORCE_LIMIT = 200_000
+# 0.24-0.28: attention specs of backends that read pages through a strided view may be padded
+STRIDED_FLAG = "indexes_kv_by_block_stride" in {f.name for f in
+                                                dataclasses.fields(FullAttentionSpec)}
+_COMMON = {"deadline": None, "database": None, "print_blob": True,
+           "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
+settings.register_profile("ci", max_examples=EXAMPLES, derandomize=True, **_COMMON)
+settings.register_profile("explore", max_examples=EXAMPLES, derandomize=False, **_COMMON)
 
 Specs = dict[str, KVCacheSpec]
 
@@ -88,6 +107,8 @@ def attention_specs(draw: st.DrawFn) -> KVCacheSpec:
                                  head_size_v=draw(st.sampled_from([None, None, 64, 128])))
     else:
         spec = SlidingWindowSpec(**common, sliding_window=draw(st.integers(1, 8192)))
+    if STRIDED_FLAG and draw(st.booleans()):
+        spec = replace(spec, indexes_kv_by_block_stride=True)
     if draw(st.integers(0, 5)) == 0:  # already padded: its page no longer scales with block_size
         spec = replace(spec, page_size_padded=spec.page_size_bytes + draw(st.integers(0, 4096)))
     return spec
@@ -154,8 +175,82 @@ def scales_to(spec: KVCacheSpec, target: int) -> bool:
         return False
 
 
-@settings(max_examples=EXAMPLES, deadline=None, database=None, print_blob=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+def scales_linearly(spec: KVCacheSpec) -> bool:
+    """Does this spec's page double when its block size doubles?"""
+    try:
+        return replace(spec, block_size=2 * spec.block_size).page_size_bytes \
+            == 2 * spec.page_size_bytes
+    except AssertionError:
+        return False
+
+
+def smaller_reachable_page(specs: Specs, page: int) -> tuple[int | None, bool]:
+    """A page below ``page`` that every layer could have reached, padding only Mamba pages and
+    multiplying only other block sizes, by brute force; and whether the search was complete."""
+    others = [s for s in specs.values() if not isinstance(s, MambaSpec)]
+    floor = max(pages_of(specs))
+    if not others:
+        return (floor if floor < page else None), True
+    # any reachable page is a multiple of every non-Mamba page, so of the largest one
+    step = max(s.page_size_bytes for s in others)
+    candidate = (page - 1) // step * step
+    tried = 0
+    while candidate >= floor and tried < BRUTE_FORCE_LIMIT:
+        if all(scales_to(s, candidate) for s in others):
+            return candidate, True
+        candidate -= step
+        tried += 1
+    return None, candidate < floor
+
+
+def _attention(block_size: int, **extra: Any) -> FullAttentionSpec:
+    """1 KV head of 64 in bf16: a page of 256 B per token."""
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64,
+                             dtype=torch.bfloat16, **extra)
+
+
+def _state(values: int) -> MambaSpec:
+    """A Mamba state of ``values`` float32 values: a page of 4 * values B."""
+    return MambaSpec(block_size=16, shapes=((values,),), dtypes=(torch.float32,))
+
+
+# One spec set per outcome path (pages in B), so that every path is taken in every run.
+PATH_EXAMPLES: dict[str, Specs] = {
+    # 4096 and 4096: uniform, the original returns its input
+    "unchanged input": {"a.0": _attention(16), "m.1": _state(1024)},
+    # 4096 divides 8192: the original doubles the attention block
+    "original's rescaling": {"a.0": _attention(16), "m.1": _state(2048)},
+    # 4096 does not divide 6000: the original raises, the patch pads Mamba to 8192
+    "unified by the patch": {"m.0": _state(1500), "a.1": _attention(16)},
+    # attention padded to 6000 cannot scale to 12000: the original's assert fails, the patch
+    # refuses (so the AssertionError path is taken on every release)
+    "refused": {"a.0": _attention(16, page_size_padded=6000), "m.1": _state(3000)},
+    # attention only, 8192 does not divide 12288: vLLM's own NotImplementedError
+    "non-hybrid: vLLM's own outcome": {
+        "a.0": FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64,
+                                 dtype=torch.bfloat16),
+        "a.1": FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64,
+                                 dtype=torch.bfloat16)},
+    # a Mamba page (4096) below a larger attention page (8192) that it divides: the bare
+    # AssertionError of 0.16-0.25, padded by the original itself from 0.26 on
+    "Mamba below the largest page": {"a.0": _attention(16), "a.1": _attention(32),
+                                     "m.2": _state(1024)},
+}
+if STRIDED_FLAG:  # 0.24-0.28 pad a strided attention page themselves
+    PATH_EXAMPLES["strided attention"] = {
+        "m.0": _state(1500), "a.1": _attention(16, indexes_kv_by_block_stride=True)}
+
+
+settings.load_profile(PROFILE)
+
+
+def _with_path_examples(test: Any) -> Any:
+    for specs in PATH_EXAMPLES.values():
+        test = example(specs)(test)
+    return test
+
+
+@_with_path_examples
 @given(spec_sets())
 def test_patched_unify(specs: Specs) -> None:
     patched = kcu.unify_kv_cache_spec_page_size
@@ -202,9 +297,12 @@ def test_patched_unify(specs: Specs) -> None:
         return
     OUTCOMES[f"original: {type(before_exc).__name__ if before_exc else 'non-uniform result'}"] += 1
     target = expected_target(specs)
-    fixable = all(scales_to(s, target) for s in specs.values() if not isinstance(s, MambaSpec))
+    others = [s for s in specs.values() if not isinstance(s, MambaSpec)]
+    fixable = all(scales_to(s, target) for s in others)
     if after_exc is not None:
         check(isinstance(after_exc, NotImplementedError), f"patched raised {after_exc!r}")
+        check(not all(scales_linearly(s) for s in others),
+              f"refused although every non-Mamba page scales with block_size: {after_exc}")
         check(not fixable, f"refused a fixable set: {after_exc}")
         check(any(name in str(after_exc) for name in specs), "the error names no layer")
         check(logged == 0, "logged although it refused")
@@ -212,7 +310,15 @@ def test_patched_unify(specs: Specs) -> None:
         return
     assert after is not None
     check(list(after) == list(specs), "key order differs from the input's")
-    check(pages_of(after) == {target}, f"pages {sorted(pages_of(after))}, expected {target}")
+    # judged without the patch's formula: one page, at least every page, the smallest one
+    check(len(pages_of(after)) == 1, f"pages {sorted(pages_of(after))}, expected one")
+    [page] = pages_of(after)
+    check(page >= max(pages_of(specs)), f"page {page} is below an input page")
+    smaller, complete = smaller_reachable_page(specs, page)
+    check(smaller is None, f"page {page}, but every layer could have had {smaller}")
+    OUTCOMES["minimality brute-forced" if complete else "minimality searched partly"] += 1
+    # ... and the formula of KNOWLEDGE §1, which block.py implements
+    check(page == target, f"page {page}, expected {target}")
     for name, old in specs.items():
         new = after[name]
         check(type(new) is type(old), f"{name}: type changed")
@@ -240,8 +346,10 @@ def main() -> int:
         test_patched_unify()
     except Exception as exc:  # reported in OUT.json; hypothesis printed the example to stderr
         status, error = 1, f"{type(exc).__name__}: {exc}"
-    out.write_text(json.dumps({"optimize": sys.flags.optimize, "outcomes": dict(OUTCOMES),
-                               "error": error}, indent=1), encoding="utf-8")
+    out.write_text(json.dumps({"optimize": sys.flags.optimize, "profile": PROFILE,
+                               "strided_flag": STRIDED_FLAG, "path_examples": list(PATH_EXAMPLES),
+                               "outcomes": dict(OUTCOMES), "error": error}, indent=1),
+                   encoding="utf-8")
     return status
 
 

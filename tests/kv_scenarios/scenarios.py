@@ -1,21 +1,26 @@
-"""Drive the patched ``unify_kv_cache_spec_page_size`` of a real vLLM with hybrid spec sets.
+"""Drive ``unify_kv_cache_spec_page_size`` of a real vLLM with hybrid spec sets.
 
-Run with the interpreter of a venv whose vllm/v1/core/kv_cache_utils.py carries the
-kv-cache-page-unification block: ``python scenarios.py OUT.json``. Writes one JSON object to
-OUT.json (vLLM logs to stdout, so stdout is not used for data) and asserts nothing itself: the
-pytest module judges the facts, so this script also works under ``python -O``.
+Run with the interpreter of a venv holding vLLM: ``python scenarios.py OUT.json``. Writes one
+JSON object to OUT.json (vLLM logs to stdout, so stdout is not used for data) and asserts
+nothing itself: the pytest module judges the facts, so this script also works under
+``python -O``, and on each release the tests use (0.20.2, 0.25.1, 0.28.0 patched; 0.29.0 not).
 
-The spec sets are KNOWLEDGE §1's S0-S5 for Qwen3.6-35B-A3B at TP=2, built with vLLM's own
+The spec sets are KNOWLEDGE §1's S0-S5 for Qwen3.6-35B-A3B at TP=2 built with vLLM's own
 MambaStateShapeCalculator / MambaStateDtypeCalculator (Gated DeltaNet state: conv (3, 4096)
 bf16 + ssm (16, 128, 128) fp32 = 1073152 B; attention: 1 KV head of 256 per rank), plus
-non-hybrid sets the original handles. Each set goes through vLLM's original function (the
-wrapper's ``__wrapped__``), the patched one, and the real ``get_kv_cache_groups`` /
-``get_kv_cache_config_from_groups`` with either of them bound in the module.
+non-hybrid sets (one for the full-allocation fallback of 0.27+: MLA next to a sliding-window
+drafter), plus S1 with attention marked ``indexes_kv_by_block_stride`` where the release has
+that flag (0.24-0.28). Each set goes through vLLM's original function and
+the real ``get_kv_cache_groups`` / ``get_kv_cache_config_from_groups``; when the module carries
+the kv-cache-page-unification block (the wrapper's ``__wrapped__`` is the original) also
+through the patched one. An unpatched module (a fixed release) reports the original alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import importlib.metadata
 import json
 import logging
 import sys
@@ -36,8 +41,15 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
 )
+
+try:  # 0.29+: the engine core resolves one physical KV cache layout before grouping
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+except ImportError:
+    resolve_kv_cache_layout = None
 
 PATCH_ID = "kv-cache-page-unification"
 LOG_PREFIX = "Hybrid KV cache: padding max page size"
@@ -88,6 +100,13 @@ def scenarios() -> dict[str, Specs]:
     sliding = SlidingWindowSpec(block_size=16, num_kv_heads=4, head_size=128,
                                 dtype=torch.bfloat16, sliding_window=1024)
     full = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    optional: dict[str, Specs] = {}
+    if "indexes_kv_by_block_stride" in {f.name for f in dataclasses.fields(FullAttentionSpec)}:
+        # 0.24-0.28: the GPU runner marks attention specs of backends that read pages through
+        # a strided view (FlashAttention, Triton); vLLM then pads such a page itself
+        optional["S1_strided"] = qwen36(replace(bf16_16, indexes_kv_by_block_stride=True),
+                                        mamba)
     return {
         "S0": s0,
         "S1": s1,
@@ -106,6 +125,11 @@ def scenarios() -> dict[str, Specs]:
             f"model.layers.{i}.self_attn.attn": full if i % 2 else replace(sliding, num_kv_heads=3)
             for i in range(4)
         },
+        # not hybrid: MLA (18432 B) next to a sliding-window drafter (32768 B); vLLM 0.27+
+        # catch the NotImplementedError in get_kv_cache_groups for a full-allocation fallback
+        "mla_sliding": {**{f"model.layers.{i}.self_attn.attn": mla for i in range(4)},
+                        "draft.layers.0.self_attn.attn": sliding},
+        **optional,
     }
 
 
@@ -155,23 +179,31 @@ def call(function: Callable[[Specs], Specs], specs: Specs,
 
 def grouping(config: VllmConfig, unify: Callable[[Specs], Specs],
              specs: Specs) -> dict[str, Any]:
-    """vLLM's real KV grouping and KV-cache config with ``unify`` bound in the module."""
-    saved = kcu.unify_kv_cache_spec_page_size
-    kcu.unify_kv_cache_spec_page_size = unify
+    """vLLM's real KV grouping and KV-cache config with ``unify`` bound where
+    ``get_kv_cache_groups`` looks it up."""
+    namespace = kcu.get_kv_cache_groups.__globals__
+    saved = namespace["unify_kv_cache_spec_page_size"]
+    namespace["unify_kv_cache_spec_page_size"] = unify
     try:
+        if resolve_kv_cache_layout is not None:  # as the engine core does, once per model
+            config.cache_config.kv_cache_layout = None
+            resolve_kv_cache_layout(config, [[layout.name for layout in KVCacheLayout]],
+                                    list(specs.values()))
         groups = kcu.get_kv_cache_groups(config, dict(specs))
         kv_config = kcu.get_kv_cache_config_from_groups(config, groups, AVAILABLE_MEMORY)
     except Exception as exc:
         return {"raised": type(exc).__name__, "message": str(exc)}
     finally:
-        kcu.unify_kv_cache_spec_page_size = saved
+        namespace["unify_kv_cache_spec_page_size"] = saved
     return {
         "raised": None,
         "groups": [{"layers": len(g.layer_names), **layer_facts(g.kv_cache_spec)}
                    for g in groups],
         "num_blocks": kv_config.num_blocks,
         "tensor_sizes": sorted({t.size for t in kv_config.kv_cache_tensors}),
-        "layers_in_tensors": sum(len(t.shared_by) for t in kv_config.kv_cache_tensors),
+        # 0.29 renamed KVCacheTensor.shared_by (the layers in one tensor) to layers
+        "layers_in_tensors": sum(len(getattr(t, "shared_by", None) or t.layers)
+                                 for t in kv_config.kv_cache_tensors),
     }
 
 
@@ -195,41 +227,50 @@ def main() -> int:
     source = Path(kcu.__file__).read_text(encoding="utf-8")
     begin = f"# >>> hatch-vllm-patch: {PATCH_ID} sha256="
     end = f"# <<< hatch-vllm-patch: {PATCH_ID}"
-    block = source.split(begin, 1)[1].split("\n", 1)[1].split(end, 1)[0]
 
-    patched = kcu.unify_kv_cache_spec_page_size
-    original = patched.__wrapped__
+    current = kcu.unify_kv_cache_spec_page_size
+    is_patched = getattr(current, "_hvp_patch_id", None) == PATCH_ID
+    patched = current if is_patched else None
+    original = current.__wrapped__ if is_patched else current
     config = VllmConfig(device_config=DeviceConfig(device="cpu"))
     # This machine's platform has no hybrid KV cache support, so vLLM switched the hybrid
     # manager off; GPU platforms leave it on, which is the path that unifies page sizes.
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
 
     report: dict[str, Any] = {
+        "vllm_version": importlib.metadata.version("vllm"),
         "optimize": sys.flags.optimize,
+        "patched_module": is_patched,
         "file_has_block": source.count(begin) == 1,
         "wrapper": wrapper_facts(kcu),
         "scenarios": {},
     }
     for name, specs in scenarios().items():
         before = call(original, specs, records)
-        after = call(patched, specs, records)
-        again = call(patched, specs, records)
-        entry = {
+        entry: dict[str, Any] = {
             "input": {k: layer_facts(v) for k, v in specs.items()},
             "original": before,
-            "patched": after,
-            "patched_again_log_lines": len(again["log_lines"]),
-            "equal_to_original": before["raised"] is None and after["raised"] is None
-            and list(before["result"].items()) == list(after["result"].items()),
             "groups_original": grouping(config, original, specs),
-            "groups_patched": grouping(config, patched, specs),
         }
-        for facts in (before, after):
-            facts.pop("result", None)
+        if patched is not None:
+            after = call(patched, specs, records)
+            again = call(patched, specs, records)
+            entry.update({
+                "patched": after,
+                "patched_again_log_lines": len(again["log_lines"]),
+                "equal_to_original": before["raised"] is None and after["raised"] is None
+                and list(before["result"].items()) == list(after["result"].items()),
+                "groups_patched": grouping(config, patched, specs),
+            })
+            after.pop("result", None)
+        before.pop("result", None)
         report["scenarios"][name] = entry
+    if patched is None:
+        out.write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
+        return 0
 
-    # The patched file as `python -O` compiles it (asserts stripped): vLLM's original then
-    # returns S3 with unequal pages instead of raising, and the wrapper must still unify them.
+    # The patched file as `python -O` compiles it (asserts stripped): where vLLM's original
+    # raised AssertionError it now returns unequal pages, and the wrapper must still unify them.
     optimized = types.ModuleType(kcu.__name__)
     optimized.__file__ = kcu.__file__
     exec(compile(source, kcu.__file__, "exec", optimize=2), vars(optimized))
@@ -246,6 +287,7 @@ def main() -> int:
             facts.pop("result", None)
 
     # Executing the block again (the module's dict still holds the wrapper) changes nothing.
+    block = source.split(begin, 1)[1].split("\n", 1)[1].split(end, 1)[0]
     exec(compile(block, kcu.__file__, "exec"), vars(kcu))
     report["exec_again_same_function"] = kcu.unify_kv_cache_spec_page_size is patched
     # importlib.reload re-runs the whole file: vLLM's def first, then the block, which must wrap
