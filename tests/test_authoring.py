@@ -5,7 +5,6 @@ the edited code; another release says unknown-shape; a module-level edit is refu
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
 import json
 import os
@@ -17,7 +16,7 @@ from typing import Any
 
 import pytest
 from conftest import REPO, pristine_environment
-from venvs import UV, create_venv, release_venv, run, site_packages
+from venvs import UV, create_venv, record_sha256, release_venv, run, site_packages
 
 from hatch_vllm_patch.authoring import (
     InexpressibleEdit,
@@ -214,16 +213,6 @@ def test_capture_by_a_module_level_name() -> None:
 
 # --- the commands on a real wheel in a real venv -------------------------------------------------
 
-def record_digest(sp: Path, rel: str) -> str:
-    record = next(sp.glob("demo_pkg-*.dist-info")) / "RECORD"
-    for line in record.read_text().splitlines():
-        path, digest, _ = line.rsplit(",", 2)
-        if path == rel:
-            raw = digest.split("=", 1)[1]
-            return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).hex()
-    raise AssertionError(rel)
-
-
 @pytest.fixture(scope="module")
 def demo_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     project = tmp_path_factory.mktemp("demo-src")
@@ -279,8 +268,8 @@ def test_edit_create_cycle(session: tuple[Path, Path, Path]) -> None:
     assert sorted(p.name for p in folder.iterdir()) == ["block.py", "patch.toml"]
     content = target.read_bytes()
     assert content.startswith(MODULE_SOURCE.encode())
-    assert hashlib.sha256(MODULE_SOURCE.encode()).hexdigest() == record_digest(
-        sp, "demo_pkg/core.py")
+    assert hashlib.sha256(MODULE_SOURCE.encode()).hexdigest() == record_sha256(
+        sp, "demo-pkg", "demo_pkg/core.py")
     assert b"# >>> hatch-vllm-patch: demo-fix sha256=" in content
 
     (project / "pyproject.toml").write_text(

@@ -8,7 +8,6 @@ Everything runs the real CLI in real subprocesses against real wheels installed 
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import hashlib
 import json
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from conftest import DEMO_SOURCE, cli, write_demo_catalog, write_demo_project
-from venvs import UV, cached_wheel, create_venv, run, site_packages
+from venvs import UV, cached_wheel, create_venv, record_sha256, run, site_packages
 
 RECORD = ".hatch-vllm-patch.json"
 OTHER_BLOCK = textwrap.dedent(
@@ -72,16 +71,6 @@ def record_of(python: Path) -> dict[str, object]:
     data = json.loads((site_packages(python.parent.parent) / RECORD).read_text())
     assert isinstance(data, dict)
     return data
-
-
-def record_hash(sp: Path, dist_glob: str, rel: str) -> str:
-    record = next(sp.glob(f"{dist_glob}.dist-info")) / "RECORD"
-    for line in record.read_text().splitlines():
-        path, digest, _ = line.rsplit(",", 2)
-        if path == rel:
-            raw = digest.split("=", 1)[1]
-            return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).hex()
-    raise AssertionError(f"{rel} not in RECORD")
 
 
 def sha(data: bytes) -> str:
@@ -190,7 +179,7 @@ def test_sigkill_at_random_moments_never_leaves_a_broken_file(tmp_path: Path,
             check_record_matches_file(python, target, original)
             complete("revert")  # writes in both directories: our leftovers go
             assert target.read_bytes() == original and not temps(pkg) and not temps(sp)
-            assert sha(original) == record_hash(sp, "demo_pkg-*", "demo_pkg/core.py")
+            assert sha(original) == record_sha256(sp, "demo-pkg", "demo_pkg/core.py")
             check_record_matches_file(python, target, original)
     compile(patched, str(target), "exec")
     assert inside >= 20, f"only {inside} of 120 kills landed inside a write ({kills})"
@@ -546,7 +535,7 @@ def test_blocks_of_a_patch_the_catalog_does_not_know(tmp_path: Path, demo_venv: 
     assert revert.returncode == 0 and verdicts == {"demo-fix": "not-applied",
                                                     "demo-fix-v0": "reverted"}
     assert target.read_bytes() == original
-    assert sha(original) == record_hash(sp, "demo_pkg-*", "demo_pkg/core.py")
+    assert sha(original) == record_sha256(sp, "demo-pkg", "demo_pkg/core.py")
     assert cli("apply", "--python", str(demo_venv), "--patch", "demo-fix",
                catalog=new).returncode == 0
 

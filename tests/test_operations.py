@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import os
@@ -11,23 +10,16 @@ from pathlib import Path
 
 import pytest
 from conftest import DEMO_SOURCE, cli, write_demo_catalog, write_demo_project
-from venvs import UV, create_venv, run, site_packages, venv_python
+from venvs import UV, create_venv, record_sha256, run, site_packages, venv_python
 
 
 def core_file(python: Path) -> Path:
     return site_packages(python.parent.parent) / "demo_pkg" / "core.py"
 
 
-def record_hash(python: Path) -> str:
+def core_record(python: Path) -> str:
     """The sha256 RECORD gives for demo_pkg/core.py, as hex."""
-    sp = site_packages(python.parent.parent)
-    record = next(sp.glob("demo_pkg-*.dist-info")) / "RECORD"
-    for line in record.read_text().splitlines():
-        path, digest, _ = line.rsplit(",", 2)
-        if path == "demo_pkg/core.py":
-            raw = digest.split("=", 1)[1]
-            return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).hex()
-    raise AssertionError("core.py not in RECORD")
+    return record_sha256(site_packages(python.parent.parent), "demo-pkg", "demo_pkg/core.py")
 
 
 def sha(path: Path) -> str:
@@ -50,7 +42,7 @@ def verdict(data: dict[str, object]) -> str:
 def test_apply_verify_revert_cycle(demo_venv: Path, demo_catalog: Path) -> None:
     """apply patches, re-apply is a no-op, verify passes, revert restores the RECORD bytes."""
     target = core_file(demo_venv)
-    assert sha(target) == record_hash(demo_venv)
+    assert sha(target) == core_record(demo_venv)
     before = call(demo_venv, demo_catalog, "verify")
     assert (verdict(before), before["exit"]) == ("missing", 1)
 
@@ -68,7 +60,7 @@ def test_apply_verify_revert_cycle(demo_venv: Path, demo_catalog: Path) -> None:
 
     back = call(demo_venv, demo_catalog, "revert")
     assert (verdict(back), back["exit"]) == ("reverted", 0)
-    assert sha(target) == record_hash(demo_venv)
+    assert sha(target) == core_record(demo_venv)
     assert target.read_text() == DEMO_SOURCE
 
 
@@ -77,7 +69,7 @@ def test_ledger_records_original_and_patched_hashes(demo_venv: Path, demo_catalo
     call(demo_venv, demo_catalog, "apply")
     ledger_path = site_packages(demo_venv.parent.parent) / ".hatch-vllm-patch.json"
     entry = json.loads(ledger_path.read_text())["files"][str(core_file(demo_venv))]
-    assert entry["original_sha256"] == record_hash(demo_venv)
+    assert entry["original_sha256"] == core_record(demo_venv)
     assert entry["patched_sha256"] == sha(core_file(demo_venv))
     assert entry["distribution"] == "demo-pkg" and "demo-fix" in entry["patches"]
     call(demo_venv, demo_catalog, "revert")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import cli, registry_by_ast
-from venvs import release_venv, site_packages
+from venvs import record_sha256, release_venv, site_packages
 
 from hatch_vllm_patch.catalog import load_catalog
 from hatch_vllm_patch.engine import symbol_digest
@@ -34,16 +34,6 @@ PATCHED = ["0.16.0", "0.17.0", "0.17.1", "0.18.0", "0.18.1", "0.19.0", "0.19.1",
 NOT_NEEDED = ["0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"]
 
 pytestmark = pytest.mark.slow
-
-
-def record_sha256(sp: Path, rel: str) -> str:
-    record = next(sp.glob("vllm-*.dist-info")) / "RECORD"
-    for line in record.read_text().splitlines():
-        path, digest, _ = line.rsplit(",", 2)
-        if path == rel:
-            raw = digest.split("=", 1)[1]
-            return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).hex()
-    raise AssertionError(f"{rel} is not in RECORD")
 
 
 def step(python: Path, op: str) -> tuple[int, dict[str, object]]:
@@ -69,7 +59,7 @@ def test_buggy_release_is_patched_verified_and_reverted(release: tuple[Path, Pat
     python, sp = release
     target = sp / MODULE
     original = target.read_bytes()
-    assert hashlib.sha256(original).hexdigest() == record_sha256(sp, MODULE)
+    assert hashlib.sha256(original).hexdigest() == record_sha256(sp, "vllm", MODULE)
     assert symbol_digest(original.decode(), "unify_kv_cache_spec_page_size") in \
         load_catalog()[PATCH].shapes
     registry = sp / "vllm" / "model_executor" / "models" / "registry.py"
@@ -97,7 +87,7 @@ def test_buggy_release_is_patched_verified_and_reverted(release: tuple[Path, Pat
 
     code, out = step(python, "revert")
     assert (code, out["verdict"]) == (0, "reverted")
-    assert hashlib.sha256(target.read_bytes()).hexdigest() == record_sha256(sp, MODULE)
+    assert hashlib.sha256(target.read_bytes()).hexdigest() == record_sha256(sp, "vllm", MODULE)
     code, out = step(python, "verify")
     assert (code, out["verdict"]) == (1, "missing")
 

@@ -172,3 +172,17 @@ def _system_python() -> str:
         if candidate.is_file() and _has_pip(str(candidate)):
             return str(candidate)
     raise AssertionError("no interpreter with pip found to download wheels (python3 -m pip)")
+
+
+def record_sha256(sp: Path, distribution: str, rel: str) -> str:
+    """The sha256 (hex) that ``distribution``'s RECORD in site-packages ``sp`` gives for
+    ``rel``; the tests' own reading of RECORD, independent of the tool's."""
+    import base64
+
+    record = next(sp.glob(f"{distribution.replace('-', '_')}-*.dist-info")) / "RECORD"
+    for line in record.read_text().splitlines():
+        path, digest, _ = line.rsplit(",", 2)
+        if path == rel:
+            raw = digest.split("=", 1)[1]
+            return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).hex()
+    raise AssertionError(f"{rel} is not in {record}")
