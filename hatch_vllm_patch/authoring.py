@@ -29,10 +29,11 @@ import tokenize
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .catalog import ABSENT, Patch, _load_patch, load_patch_folders, module_relative_path
 from .config import DEFAULT_PATCH_DIR
-from .engine import FunctionNode, locate_in, node_source
+from .engine import locate_in, node_source
 from .environment import ModuleQuery, TargetEnvironment, inspect_environment, run_bounded
 from .errors import CatalogError, TargetEnvironmentError, UsageError, VllmPatchError
 from .files import drop_bytecode, locked, remove_stale_temps, write_atomic
@@ -40,6 +41,9 @@ from .markers import MarkerError, parse_file, sha256_hex
 from .operations import Request, resolve, run
 from .record import EditSession, EnvironmentRecord, pristine_copy, read_record
 from .report import Report
+
+if TYPE_CHECKING:
+    from .engine import FunctionNode
 
 _ID = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+$")

@@ -12,12 +12,9 @@ import importlib.util
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from functools import cache, cached_property, lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
-from typing import Any
-
-from packaging.version import InvalidVersion, Version
+from typing import Any, NamedTuple
 
 from . import _toml
 from .errors import CatalogError
@@ -35,14 +32,14 @@ ShapeClassifier = Callable[[str], "tuple[str, str]"]
 _ID = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _SYMBOL = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)?$")
+_RELEASE = re.compile(r"^\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?$")
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 ABSENT = "absent"  # a shape entry meaning: the symbol must not exist (a function the patch adds)
 
 
-@dataclass(frozen=True)
-class Target:
+class Target(NamedTuple):
     """Where a patch goes: symbols (functions, or methods of classes) in a module of an
     installed distribution. The first symbol names the patch's target in messages."""
 
@@ -68,8 +65,7 @@ def module_relative_path(module: str) -> str:
     return "/".join(parts) + ".py" if parts else "__init__.py"
 
 
-@dataclass(frozen=True)
-class Patch:
+class Patch(NamedTuple):
     """One catalog entry, validated."""
 
     id: str
@@ -79,7 +75,7 @@ class Patch:
     removal: str
     architectures: tuple[str, ...]
     target: Target
-    fixed_in: Version | None
+    fixed_in: str | None  # the first release with the upstream fix (PEP 440)
     symbol_shapes: Mapping[str, frozenset[str]]  # symbol -> known digests (or ABSENT)
     block: str
     folder: Path
@@ -89,7 +85,7 @@ class Patch:
     # "module:digest" names the module the symbol moved to.
     fixed_shapes: frozenset[str] = frozenset()
 
-    @cached_property
+    @property
     def shape_fingerprint(self) -> str:
         """A digest of everything that decides the shape verdict (the known digests, or the
         classifier's code): equal fingerprints on equal code give equal verdicts."""
@@ -119,19 +115,20 @@ class Patch:
         return _load_classifier(self.classifier_path)
 
 
-@dataclass(frozen=True)
 class Catalog(Mapping[str, Patch]):
-    """The patches by id, in id order."""
+    """The patches by id, in id order (immutable once built)."""
 
-    patches: tuple[Patch, ...]
-    root: Path
-    extra_roots: tuple[Path, ...] = ()  # project patch folders merged in
+    __slots__ = ("_by_id", "extra_roots", "patches", "root")
+
+    def __init__(self, patches: tuple[Patch, ...], root: Path,
+                 extra_roots: tuple[Path, ...] = ()) -> None:
+        self.patches = patches
+        self.root = root
+        self.extra_roots = extra_roots  # project patch folders merged in
+        self._by_id = {p.id: p for p in patches}
 
     def __getitem__(self, key: str) -> Patch:
-        for patch in self.patches:
-            if patch.id == key:
-                return patch
-        raise KeyError(key)
+        return self._by_id[key]
 
     def __iter__(self) -> Iterator[str]:
         return (p.id for p in self.patches)
@@ -271,12 +268,14 @@ def _load_patch(folder: Path) -> Patch:
         version = None
     install_from = text(target_table, "install-from", "target.install-from", required=False)
 
-    fixed_in: Version | None = None
+    fixed_in: str | None = None
     if "fixed-in" in applies:
-        try:
-            fixed_in = Version(str(applies["fixed-in"]))
-        except InvalidVersion:
-            errors.append(f"{where}: applies.fixed-in {applies['fixed-in']!r} is not a version")
+        # Checked by a pattern, not parsed: packaging is imported only when a version is compared
+        # (a verify of patches in place compares none).
+        fixed_in = str(applies["fixed-in"])
+        if not _RELEASE.match(fixed_in):
+            errors.append(f"{where}: applies.fixed-in {applies['fixed-in']!r} is not a release "
+                          "version (e.g. 0.29.0, 1.0rc1)")
     symbol_shapes = _shapes(applies.get("shapes"), symbols, where, errors)
     fixed_shapes = strings(applies, "fixed-shapes", "applies.fixed-shapes")
     for i, entry in enumerate(fixed_shapes):

@@ -18,9 +18,8 @@ Schema::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import _toml
 from .catalog import Catalog, DuplicatePatchError, load_patch_folders
@@ -33,16 +32,14 @@ _TOP_KEYS = {"python", "models", "architectures", "guard", "patch-dir", "patches
 _ARCH_KEYS = {"patches"}
 
 
-@dataclass(frozen=True)
-class ArchitectureEntry:
+class ArchitectureEntry(NamedTuple):
     """One ``[tool.vllm-patch.architectures.<name>]`` table."""
 
     name: str
     patches: tuple[str, ...] | None  # None: the catalog's patches for this architecture
 
 
-@dataclass(frozen=True)
-class Config:
+class Config(NamedTuple):
     """The validated ``[tool.vllm-patch]`` table of one project."""
 
     source: Path

@@ -8,13 +8,10 @@ installed?" is one hash of that prefix against the wheel's RECORD.
 
 from __future__ import annotations
 
-import ast
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-from packaging.version import InvalidVersion, Version
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .catalog import ABSENT
 from .markers import (
@@ -29,7 +26,11 @@ from .markers import (
 )
 
 if TYPE_CHECKING:
+    import ast
+
     from .catalog import Patch
+
+    FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
 
 __all__ = [
     "BEGIN",
@@ -61,6 +62,8 @@ __all__ = [
 ]
 
 
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
 class Verdict(str, enum.Enum):
     """What happened to (or what is true of) one patch in one environment."""
 
@@ -83,8 +86,7 @@ class Verdict(str, enum.Enum):
         return self.value
 
 
-@dataclass(frozen=True)
-class FileFacts:
+class FileFacts(NamedTuple):
     """What the environment says about one target file (gathered by ``operations``)."""
 
     path: str
@@ -98,11 +100,10 @@ class FileFacts:
     # "<patch id>:<original sha256>:<shape fingerprint>" of shape checks known to say "known"
     known_shapes: frozenset[str] = frozenset()
     # Other modules of the distribution where a fixed release keeps the symbol (fixed-shapes).
-    elsewhere: Mapping[str, bytes | None] = field(default_factory=dict)
+    elsewhere: Mapping[str, bytes | None] = _EMPTY
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     """The outcome of planning one patch operation on one file; ``new_content`` is what to write."""
 
     verdict: Verdict
@@ -110,12 +111,11 @@ class Plan:
     new_content: bytes | None = None
 
 
-FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
-
-
 def locate_function(source: str, symbol: str) -> tuple[FunctionNode | None, str]:
     """The ``def`` of ``name`` or ``Class.name`` at module level (the last binding wins), or
     None with the reason it is not there. Shared with the structural classifiers of patches."""
+    import ast
+
     try:
         tree = ast.parse(source)
     except SyntaxError as exc:
@@ -125,6 +125,8 @@ def locate_function(source: str, symbol: str) -> tuple[FunctionNode | None, str]
 
 def locate_in(tree: ast.Module, symbol: str) -> tuple[FunctionNode | None, str]:
     """:func:`locate_function` in an already parsed module."""
+    import ast
+
     scope: list[ast.stmt] = tree.body
     *classes, name = symbol.split(".")
     for class_name in classes:
@@ -182,6 +184,8 @@ def classify_shape(patch: Patch, original: bytes) -> tuple[str, str]:
         if status not in {"known", "not-applicable", "unknown"}:
             return "unknown", f"classifier returned {status!r}"
         return status, reason
+    import ast  # here, not at the top: a verify whose shapes the record remembers needs none
+
     try:
         tree = ast.parse(source)
     except SyntaxError as exc:
@@ -240,8 +244,10 @@ def fixed_shape_note(patch: Patch, original: bytes | None,
 def _fixed_upstream(patch: Patch, version: str | None) -> bool:
     if patch.fixed_in is None or version is None:
         return False
+    from packaging.version import InvalidVersion, Version
+
     try:
-        return Version(version) >= patch.fixed_in
+        return Version(version) >= Version(patch.fixed_in)
     except InvalidVersion:
         return False
 
@@ -274,8 +280,7 @@ def _parse_original(facts: FileFacts, content: bytes) -> tuple[ParsedFile | None
     return parsed, None
 
 
-@dataclass(frozen=True)
-class Inspection:
+class Inspection(NamedTuple):
     """Everything the three operations need to know about one patch on one file."""
 
     verdict: Verdict  # the state: ALREADY_APPLIED, MISSING, STALE, or a terminal verdict

@@ -13,9 +13,9 @@ import json
 import os
 import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .errors import InterpreterNotFoundError, TargetEnvironmentError, UsageError
 
@@ -24,16 +24,16 @@ if TYPE_CHECKING:
 
 PROBE_TIMEOUT = 120.0
 
-@dataclass(frozen=True)
-class InterpreterChoice:
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+class InterpreterChoice(NamedTuple):
     """The interpreter to inspect and patch, with the reason it was chosen."""
 
     python: Path
     reason: str
 
 
-@dataclass(frozen=True)
-class ModuleLocation:
+class ModuleLocation(NamedTuple):
     module: str
     file: Path | None
     package_dir: Path | None
@@ -41,16 +41,14 @@ class ModuleLocation:
     distribution: str | None = None  # the distribution that owns it, as the probe found it
 
 
-@dataclass(frozen=True)
-class DistributionInfo:
+class DistributionInfo(NamedTuple):
     name: str
     version: str
     editable: bool
     location: str | None
 
 
-@dataclass(frozen=True)
-class TargetEnvironment:
+class TargetEnvironment(NamedTuple):
     """The facts about the target environment that the engine needs."""
 
     python: Path
@@ -59,8 +57,8 @@ class TargetEnvironment:
     prefix: str
     python_version: str
     purelib: Path
-    distributions: Mapping[str, DistributionInfo | None] = field(default_factory=dict)
-    modules: Mapping[str, ModuleLocation] = field(default_factory=dict)
+    distributions: Mapping[str, DistributionInfo | None] = _EMPTY
+    modules: Mapping[str, ModuleLocation] = _EMPTY
     pycache_prefix: str | None = None
 
     def version_of(self, distribution: str) -> str | None:
@@ -135,8 +133,7 @@ def is_running_interpreter(python: Path) -> bool:
         return False
 
 
-@dataclass(frozen=True)
-class ModuleQuery:
+class ModuleQuery(NamedTuple):
     distribution: str
     module: str
     relative_path: str

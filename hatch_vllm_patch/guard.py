@@ -203,13 +203,11 @@ def _full_check(logger: logging.Logger, mode: str, started: float, *, patches: t
 
 def _without_edits(report: Report) -> Report:
     """The report without the patches of files open for editing (``vllm-patch edit``)."""
-    from dataclasses import replace
-
     editing = set(read_record(report.environment.purelib).record.edits)
     if not editing:
         return report
     kept = tuple(o for o in report.outcomes if str(o.file) not in editing)
-    return replace(report, outcomes=kept)
+    return report._replace(outcomes=kept)
 
 
 def _ids(report: Report) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 BEGIN = b"\n# >>> hatch-vllm-patch: "
 END = b"# <<< hatch-vllm-patch: "
@@ -23,8 +23,7 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-@dataclass(frozen=True)
-class AppliedBlock:
+class AppliedBlock(NamedTuple):
     """One of our blocks found in a file."""
 
     patch_id: str
@@ -36,8 +35,7 @@ class AppliedBlock:
         return sha256_hex(self.body) == self.declared_sha256
 
 
-@dataclass(frozen=True)
-class ParsedFile:
+class ParsedFile(NamedTuple):
     """A target file split into the original bytes and our blocks after it."""
 
     original: bytes

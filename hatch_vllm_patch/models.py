@@ -7,9 +7,8 @@ Fine-tunes keep the base ``architectures`` or carry a custom name; ``model_type`
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import ConfigurationError
 
@@ -24,8 +23,7 @@ FAMILY_BY_MODEL_TYPE: dict[str, str] = {
 }
 
 
-@dataclass(frozen=True)
-class ModelInfo:
+class ModelInfo(NamedTuple):
     """What a model directory says about itself."""
 
     path: Path

@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from .catalog import Catalog, Patch, load_catalog, load_patch_folders, module_relative_path
 from .config import Config, load_project_config
@@ -68,8 +68,7 @@ _FINE = {
 }
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
     """What the caller asked for (the CLI's options, the build hook's, or the guard's)."""
 
     project_dir: Path | None = None
@@ -82,7 +81,7 @@ class Request:
     config: Config | None = None  # given: used as is; None: read from the project
     extra_patch_dirs: tuple[Path, ...] = ()  # project patch folders to merge (the guard's record)
     in_process: bool = True  # inspect the running interpreter in this process when it is the target
-    on_wait: Callable[[str], None] | None = field(default=None, compare=False)
+    on_wait: Callable[[str], None] | None = None
 
     @property
     def command_line_selection(self) -> bool:
@@ -272,7 +271,7 @@ class _Session:
         diff = None
         if op == "diff" and plan.new_content is not None and facts.content is not None:
             diff = _unified_diff(path, self.env, facts.content, plan.new_content)
-            plan = replace(plan, reason=f"would apply: {plan.reason}")
+            plan = plan._replace(reason=f"would apply: {plan.reason}")
         elif op in _WRITES and plan.new_content is not None:
             plan = self.write(plan, path, patch.target.distribution, facts)
         if op == "apply" and plan.verdict in {Verdict.APPLIED, Verdict.ALREADY_APPLIED}:
@@ -282,7 +281,7 @@ class _Session:
         if op in _WRITES and plan.verdict not in {Verdict.MODIFIED, Verdict.ERROR}:
             self.reconcile(path, patch.target.distribution)
         if plan.verdict is Verdict.MODIFIED and str(path) in self.record.edits:
-            plan = replace(plan, reason=f"{plan.reason}; it is open for editing (`vllm-patch "
+            plan = plan._replace(reason=f"{plan.reason}; it is open for editing (`vllm-patch "
                                         "edit`): finish with `vllm-patch create ID`, or end it "
                                         "with `vllm-patch edit MODULE --discard`")
         return self.outcome(patch, plan, facts, diff)
@@ -518,14 +517,14 @@ def _deep(outcome: PatchOutcome, catalog: Catalog, env: TargetEnvironment) -> Pa
         return outcome
     patch = catalog[outcome.patch_id]
     if patch.probe_path is None:
-        return replace(outcome, reason=f"{outcome.reason}; no deep probe for this patch")
+        return outcome._replace(reason=f"{outcome.reason}; no deep probe for this patch")
     passed, detail = run_probe(patch, env)
     if passed is None:
-        return replace(outcome, reason=f"{outcome.reason}; deep probe could not run on this "
+        return outcome._replace(reason=f"{outcome.reason}; deep probe could not run on this "
                                         f"machine: {detail}")
     if passed:
-        return replace(outcome, reason=f"{outcome.reason}; deep probe passed: {detail}")
-    return replace(outcome, verdict=Verdict.ERROR, ok=False,
+        return outcome._replace(reason=f"{outcome.reason}; deep probe passed: {detail}")
+    return outcome._replace(verdict=Verdict.ERROR, ok=False,
                    reason=f"deep probe failed: {detail}",
                    next_step=f"the patched code does not behave as {patch.id} expects here; "
                              "run `vllm-patch revert` and report it")

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from .engine import Verdict
 from .environment import TargetEnvironment
 
 
-@dataclass(frozen=True)
-class PatchOutcome:
+class PatchOutcome(NamedTuple):
     """The verdict on one patch, and why."""
 
     patch_id: str
@@ -46,8 +45,7 @@ class PatchOutcome:
         return data
 
 
-@dataclass(frozen=True)
-class Report:
+class Report(NamedTuple):
     """What one operation found and did in one environment.
 
     ``errors`` are failures that belong to no single patch (the environment's record could not be

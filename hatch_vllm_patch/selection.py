@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 from .catalog import Catalog, Patch
 from .config import Config
 from .errors import ConfigurationError, UsageError
 from .models import ModelInfo, read_model
 
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
 
-@dataclass(frozen=True)
-class Selection:
+class Selection(NamedTuple):
     """The selected patches, why each was selected, and what the user should know."""
 
     patches: tuple[Patch, ...]
-    why: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    why: Mapping[str, tuple[str, ...]] = _EMPTY
     architectures: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
 
@@ -102,6 +102,8 @@ def select(
     if patches or architectures or models:
         for pid in patches:
             if pid not in catalog:
+                import difflib
+
                 close = difflib.get_close_matches(pid, list(catalog), n=3)
                 hint = f" (did you mean {', '.join(close)}?)" if close else ""
                 raise UsageError(
@@ -140,6 +142,8 @@ def unknown_architecture_notes(
     architectures: Iterable[str], known: Sequence[str]
 ) -> list[str]:
     """A note for each architecture the installed vLLM does not register, with close matches."""
+    import difflib
+
     notes = []
     for name in architectures:
         if name in known:
