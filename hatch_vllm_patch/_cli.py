@@ -48,7 +48,10 @@ _AUTHORING = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line. With ``only`` (the command given) just that command's parser is built:
+    argparse looks up translations for every help text it adds, which made building all nine
+    a tenth of a ``verify``."""
     where = argparse.ArgumentParser(add_help=False)
     where.add_argument("--python", metavar="PATH",
                        help="target interpreter or environment directory "
@@ -75,12 +78,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="operation", metavar="COMMAND", required=True)
     for name, text in _HELP.items():
+        if only is not None and name != only:
+            continue
         p = sub.add_parser(name, parents=[common], help=text, description=text)
         if name == "verify":
             p.add_argument("--deep", action="store_true",
                            help="also import the patched modules in the target environment and "
                                 "exercise them (slow: imports vLLM)")
     for name, text in _AUTHORING.items():
+        if only is not None and name != only:
+            continue
         p = sub.add_parser(name, parents=[where], help=text, description=text)
         if name == "edit":
             p.add_argument("module", metavar="MODULE", help="e.g. vllm.v1.core.kv_cache_utils")
@@ -200,8 +207,10 @@ def _write(emit: Callable[[], None]) -> None:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in arguments if not a.startswith("-")), None)
+    parser = _parser(command if command in _HELP or command in _AUTHORING else None)
+    args = parser.parse_args(arguments)
     project = (args.project or Path.cwd()).resolve()
     if args.project is not None and not project.is_dir():
         _error(args, f"--project {args.project}: not a directory")

@@ -30,21 +30,29 @@ def _normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "_", name).lower()
 
 
+_FOLDERS: dict[str, dict[str, str]] = {}  # sys.path entry -> normalized name -> folder
+
+
 def _metadata_folder(name: str) -> str | None:
-    """The first ``<name>-<version>.dist-info`` (or ``.egg-info``) folder on sys.path."""
+    """The first ``<name>-<version>.dist-info`` (or ``.egg-info``) folder on sys.path; each
+    entry is listed once per process."""
     wanted = _normalize(name)
     for entry in sys.path:
-        try:
-            names = os.listdir(entry or ".")
-        except OSError:
-            continue
-        for folder in sorted(names):
-            stem, dot, kind = folder.rpartition(".")
-            if dot and kind in ("dist-info", "egg-info") and \
-                    _normalize(stem.split("-")[0]) == wanted:
-                path = os.path.join(entry or ".", folder)
-                if os.path.isdir(path):
-                    return path
+        if entry not in _FOLDERS:
+            found: dict[str, str] = {}
+            try:
+                names = sorted(os.listdir(entry or "."))
+            except OSError:
+                names = []
+            for folder in names:
+                stem, dot, kind = folder.rpartition(".")
+                if dot and kind in ("dist-info", "egg-info"):
+                    found.setdefault(_normalize(stem.split("-")[0]),
+                                     os.path.join(entry or ".", folder))
+            _FOLDERS[entry] = found
+        path = _FOLDERS[entry].get(wanted)
+        if path is not None and os.path.isdir(path):
+            return path
     return None
 
 
