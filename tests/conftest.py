@@ -160,6 +160,25 @@ def vllm_with_tool(tmp_path_factory: pytest.TempPathFactory, project_wheel: Path
 
 
 @contextlib.contextmanager
+def mounted_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (e.g. "2m") mounted at ``path`` (root only: the test is skipped
+    otherwise), unmounted afterwards."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@contextlib.contextmanager
 def pristine_environment(python: Path) -> Iterator[None]:
     """Leave a shared environment as it was installed, also when the test fails half-way:
     edits discarded, every block of ours reverted, the record gone."""

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_SOURCE, cli, write_demo_catalog, write_demo_project
+from conftest import DEMO_SOURCE, cli, mounted_tmpfs, write_demo_catalog, write_demo_project
 from venvs import UV, cached_wheel, create_venv, record_sha256, run, site_packages
 
 RECORD = ".hatch-vllm-patch.json"
@@ -376,18 +376,8 @@ def test_unprivileged_user_in_a_root_owned_vllm_environment(world_readable_dir: 
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 2 MB tmpfs (root only), unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
-                          capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "tmpfs", "2m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def fill(directory: Path) -> None:

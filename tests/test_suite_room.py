@@ -10,22 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, mounted_tmpfs
 
 
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)],
-                      capture_output=True, check=False).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with mounted_tmpfs(tmp_path / "tiny", "16m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_slow_tests_stop_early_without_room(tiny_disk: Path) -> None:
