@@ -235,7 +235,7 @@ def test_neuron_blocks_run_twice_wrap_once(patch_id: str) -> None:
 
 
 def test_demo_block_run_twice_wraps_the_original_once() -> None:
-    """The demo block, run twice, still wraps vLLM's... the module's original function once."""
+    """The demo block, run twice, still wraps the module's original function, once."""
     namespace: dict[str, object] = {}
     exec("def compute(values):\n    return max(values)\n", namespace)
     original = namespace["compute"]
