@@ -29,12 +29,18 @@ import tokenize
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from .catalog import ABSENT, Patch, _load_patch, load_patch_folders, module_relative_path
 from .config import DEFAULT_PATCH_DIR
 from .engine import locate_in, node_source
-from .environment import ModuleQuery, TargetEnvironment, inspect_environment, run_bounded
+from .environment import (
+    InterpreterChoice,
+    ModuleQuery,
+    TargetEnvironment,
+    inspect_environment,
+    run_bounded,
+)
 from .errors import CatalogError, TargetEnvironmentError, UsageError, VllmPatchError
 from .files import drop_bytecode, locked, remove_stale_temps, write_atomic
 from .markers import MarkerError, parse_file, sha256_hex
@@ -375,20 +381,28 @@ def write_patch_folder(patch_dir: Path, patch_id: str, files: dict[str, str]) ->
     return final
 
 
-def _check_new_id(patch_id: str, request: Request) -> tuple[Path, Path | None]:
-    """The project's patch folder for a new patch, and the project; UsageError when the id is
-    not usable (not kebab-case, or already a patch of the catalog or of the project)."""
+class _NewPatch(NamedTuple):
+    folder: Path  # the project's patch folder the new patch goes to
+    project: Path
+    configured: bool  # the project's [tool.vllm-patch] finds that folder (apply, hook, guard)
+    choice: InterpreterChoice
+
+
+def _check_new_id(patch_id: str, request: Request) -> _NewPatch:
+    """Where a new patch goes; UsageError when the id is not usable (not kebab-case, or already
+    a patch of the catalog or of the project)."""
     if not _ID.match(patch_id):
         raise UsageError(f"{patch_id!r}: a patch id is kebab-case (lowercase letters, digits and "
                          "single hyphens), e.g. clearer-kv-memory-error")
-    catalog, config, _, _ = resolve(request)
+    catalog, config, _, choice = resolve(request)
     if patch_id in catalog:
         raise UsageError(f"{patch_id!r} is already a patch ({catalog[patch_id].folder}); "
                          "choose another id")
     project = request.project_dir or Path.cwd()
     if config is not None and config.patch_dirs:
-        return config.patch_dirs[0], project
-    return project / DEFAULT_PATCH_DIR, project
+        return _NewPatch(config.patch_dirs[0], project, True, choice)
+    # The default folder counts once it exists, but only for a project with the table.
+    return _NewPatch(project / DEFAULT_PATCH_DIR, project, config is not None, choice)
 
 
 def _module_of(env: TargetEnvironment, module: str) -> tuple[Path, str, str]:
@@ -401,11 +415,13 @@ def _module_of(env: TargetEnvironment, module: str) -> tuple[Path, str, str]:
     return location.file, distribution, env.version_of(distribution) or "unknown"
 
 
-def _inspect(request: Request, module: str) -> TargetEnvironment:
+def _inspect(request: Request, module: str, choice: InterpreterChoice | None = None
+             ) -> TargetEnvironment:
     if not _MODULE.match(module):
         raise UsageError(f"{module!r} is not a dotted module path inside a package "
                          "(e.g. vllm.v1.core.kv_cache_utils)")
-    _, _, _, choice = resolve(request)
+    if choice is None:
+        choice = resolve(request)[3]
     return inspect_environment(choice, [ModuleQuery("", module, module_relative_path(module))],
                                in_process=request.in_process)
 
@@ -534,9 +550,9 @@ def create(request: Request, patch_id: str, *, module: str | None = None,
     """Turn the edit of one module into ``<patch-dir>/<patch_id>/``, restore the pristine file
     and apply the new patch through the engine. ``ask`` prompts for the texts not given (only
     on a terminal; never otherwise)."""
-    patch_dir, project = _check_new_id(patch_id, request)
-    _, _, _, choice = resolve(request)
-    env = inspect_environment(choice, [], in_process=request.in_process)
+    new_patch = _check_new_id(patch_id, request)
+    patch_dir, project = new_patch.folder, new_patch.project
+    env = inspect_environment(new_patch.choice, [], in_process=request.in_process)
     state = read_record(env.purelib)
     sessions = dict(state.record.edits) if state.usable else {}
     if module is not None:
@@ -602,12 +618,11 @@ def create(request: Request, patch_id: str, *, module: str | None = None,
         _save(env, record.with_edit(name, None))
         pristine_copy(env.purelib, session.pristine_sha256).unlink(missing_ok=True)
     notes = []
-    config_dirs = resolve(Request(project_dir=project))[1]
-    extra = () if config_dirs is not None and patch_dir in config_dirs.patch_dirs else (patch_dir,)
+    extra = () if new_patch.configured else (patch_dir,)
     if extra:
-        notes.append(f"{patch_dir} is not the project's patch-dir: add [tool.vllm-patch] "
-                     f"patch-dir = \"{os.path.relpath(patch_dir, project)}\" so that apply, the "
-                     "build hook and the guard find it")
+        notes.append(f"{project / 'pyproject.toml'} has no [tool.vllm-patch] table: add one, "
+                     f"with patches = [\"{patch_id}\"], so that apply, the build hook and the "
+                     "guard find and keep the patch")
     report = run("apply", Request(project_dir=project, python=request.python,
                                   patches=(patch_id, *session.removed), extra_patch_dirs=extra,
                                   in_process=request.in_process, on_wait=request.on_wait))
@@ -624,8 +639,8 @@ def new(request: Request, patch_id: str, target: str) -> Path:
     if not sep or not symbol:
         raise UsageError(f"--target {target!r}: expected MODULE:SYMBOL, e.g. "
                          "vllm.v1.core.kv_cache_utils:get_kv_cache_groups")
-    patch_dir, _ = _check_new_id(patch_id, request)
-    env = _inspect(request, module)
+    new_patch = _check_new_id(patch_id, request)
+    env = _inspect(request, module, new_patch.choice)
     path, distribution, version = _module_of(env, module)
     source = parse_file(path.read_bytes()).original.decode("utf-8")
     node, missing = locate_in(ast.parse(source), symbol)
@@ -647,7 +662,8 @@ def new(request: Request, patch_id: str, target: str) -> Path:
         why=f"{PLACEHOLDER}: the bug it fixes, and why this way.",
         removal=f"{PLACEHOLDER}: when to delete it (the release that fixes it upstream).",
         fixed_in=None, made_by="new")
-    return write_patch_folder(patch_dir, patch_id, {"patch.toml": manifest, "block.py": block})
+    return write_patch_folder(new_patch.folder, patch_id,
+                              {"patch.toml": manifest, "block.py": block})
 
 
 def _wrapper_block(patch_id: str, module: str, symbol: str, kind: str, is_async: bool) -> str:

@@ -118,13 +118,11 @@ class Patch(NamedTuple):
 class Catalog(Mapping[str, Patch]):
     """The patches by id, in id order (immutable once built)."""
 
-    __slots__ = ("_by_id", "extra_roots", "patches", "root")
+    __slots__ = ("_by_id", "patches", "root")
 
-    def __init__(self, patches: tuple[Patch, ...], root: Path,
-                 extra_roots: tuple[Path, ...] = ()) -> None:
+    def __init__(self, patches: tuple[Patch, ...], root: Path) -> None:
         self.patches = patches
         self.root = root
-        self.extra_roots = extra_roots  # project patch folders merged in
         self._by_id = {p.id: p for p in patches}
 
     def __getitem__(self, key: str) -> Patch:
@@ -153,8 +151,7 @@ class Catalog(Mapping[str, Patch]):
             raise DuplicatePatchError(clashes)
         for patch in other.patches:
             mine.setdefault(patch.id, patch)
-        return Catalog(tuple(mine[i] for i in sorted(mine)), self.root,
-                       (*self.extra_roots, other.root, *other.extra_roots))
+        return Catalog(tuple(mine[i] for i in sorted(mine)), self.root)
 
 
 CATALOG_ENV = "HATCH_VLLM_PATCH_CATALOG"

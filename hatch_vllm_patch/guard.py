@@ -179,7 +179,9 @@ def _full_check(logger: logging.Logger, mode: str, started: float, *, patches: t
         return Request(project_dir=None if patches else project, python=sys.executable,
                        patches=patches, extra_patch_dirs=patch_dirs, on_wait=logger.info)
 
-    report = _without_edits(run("verify", request()))
+    verified = run("verify", request())
+    editing = set(read_record(verified.environment.purelib).record.edits)
+    report = _without_edits(verified, editing)
     if report.ok:
         logger.info("hatch-vllm-patch: patches in place (%s) [guard %s, full check: %s, %.1f ms]",
                     _ids(report), mode, why, (time.perf_counter() - started) * 1000)
@@ -187,8 +189,8 @@ def _full_check(logger: logging.Logger, mode: str, started: float, *, patches: t
     if mode == "apply":
         healed = run("apply", request())
         _reload_in_memory(healed, resolve(request())[0], logger)
-        healed = _without_edits(healed)
-        if healed.ok and _without_edits(run("verify", request())).ok:
+        healed = _without_edits(healed, editing)
+        if healed.ok and _without_edits(run("verify", request()), editing).ok:
             logger.info("hatch-vllm-patch: healed (%s) [guard apply, %.1f ms]",
                         _healed(healed), (time.perf_counter() - started) * 1000)
             return
@@ -201,9 +203,8 @@ def _full_check(logger: logging.Logger, mode: str, started: float, *, patches: t
     raise GuardStop(message)
 
 
-def _without_edits(report: Report) -> Report:
+def _without_edits(report: Report, editing: set[str]) -> Report:
     """The report without the patches of files open for editing (``vllm-patch edit``)."""
-    editing = set(read_record(report.environment.purelib).record.edits)
     if not editing:
         return report
     kept = tuple(o for o in report.outcomes if str(o.file) not in editing)

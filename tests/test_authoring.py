@@ -290,6 +290,20 @@ def test_edit_create_cycle(session: tuple[Path, Path, Path]) -> None:
     assert record["edits"] == {} and not list((sp / ".hatch-vllm-patch-edits").glob("*.py"))
 
 
+def test_create_in_a_project_without_the_table(session: tuple[Path, Path, Path]) -> None:
+    """Without [tool.vllm-patch], create still writes vllm-patches/ID and applies it, and says
+    that the project needs the table for apply, the hook and the guard to keep it."""
+    python, project, target = session
+    (project / "pyproject.toml").write_text('[project]\nname = "serve"\nversion = "0"\n')
+    vp("edit", "demo_pkg.core", "--python", str(python), cwd=project)
+    target.write_text(edited_source("compute"))
+    made = vp("create", "demo-fix", "--python", str(python), cwd=project, stdin="")
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert "has no [tool.vllm-patch] table: add one, with patches = [\"demo-fix\"]" in made.stdout
+    assert (project / "vllm-patches" / "demo-fix" / "block.py").is_file()
+    assert "# >>> hatch-vllm-patch: demo-fix" in target.read_text()
+
+
 def test_create_refuses_a_module_level_edit_and_writes_nothing(
         session: tuple[Path, Path, Path]) -> None:
     """An edit of a module-level statement is refused, naming it; no folder, the edit stays."""
