@@ -446,7 +446,8 @@ def edit(request: Request, module: str, *, discard: bool = False) -> EditResult:
     path, distribution, version = _module_of(env, module)
     location = env.modules[module]
     _writable(env.purelib, path.parent)
-    with locked([env.purelib, path.parent], exclusive=True, on_wait=request.on_wait):
+    with locked([env.purelib, path.parent], exclusive=True, environment=env.purelib,
+                on_wait=request.on_wait):
         state = read_record(env.purelib)
         if not state.usable:
             raise TargetEnvironmentError(f"the environment's record {state.path} "
@@ -612,7 +613,8 @@ def create(request: Request, patch_id: str, *, module: str | None = None,
     diff = "".join(difflib.unified_diff(
         pristine_text.splitlines(keepends=True), edited_text.splitlines(keepends=True),
         fromfile=f"a/{session.module} ({session.version})", tofile=f"b/{session.module} (edited)"))
-    with locked([env.purelib, path.parent], exclusive=True, on_wait=request.on_wait):
+    with locked([env.purelib, path.parent], exclusive=True, environment=env.purelib,
+                on_wait=request.on_wait):
         _write_module(path, pristine, env)
         record = read_record(env.purelib).record
         _save(env, record.with_edit(name, None))

@@ -12,6 +12,7 @@ Order of work, for every operation:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -39,7 +40,15 @@ from .environment import (
     run_bounded,
 )
 from .errors import CatalogError, ConfigurationError, TargetEnvironmentError, UsageError
-from .files import drop_bytecode, locked, remove_stale_temps, write_atomic
+from .files import (
+    FileIdentity,
+    TargetChanged,
+    drop_bytecode,
+    locked,
+    read_identified,
+    remove_stale_temps,
+    write_atomic,
+)
 from .markers import MarkerError, parse_file, sha256_hex
 from .record import (
     DEFAULT_GUARD,
@@ -166,6 +175,7 @@ class _Session:
         self.notes: list[str] = []
         self.record = self.initial = EnvironmentRecord()
         self.contents: dict[str, bytes | None] = {}  # path -> bytes as last read or written
+        self.identities: dict[str, FileIdentity] = {}  # path -> the file they were read from
         self.known: dict[tuple[str, str], str] = {}  # (path, patch id) -> a "known" shape key
         self.wrote_targets = False
 
@@ -194,7 +204,8 @@ class _Session:
         # read it once unlocked to learn them, then again under the lock, where it counts.
         dirs = self.lock_dirs(read_record(self.env.purelib).record)
         for _ in range(3):
-            with locked(sorted(dirs), exclusive=self.writes, on_wait=self.request.on_wait):
+            with locked(sorted(dirs), exclusive=self.writes, environment=self.env.purelib,
+                        on_wait=self.request.on_wait):
                 state = read_record(self.env.purelib)
                 more = self.lock_dirs(state.record) - dirs
                 if not more:
@@ -250,7 +261,8 @@ class _Session:
         if str(path) in self.contents:
             return self.contents[str(path)], None
         try:
-            content: bytes | None = path.read_bytes()
+            content: bytes | None
+            content, self.identities[str(path)] = read_identified(path)
         except FileNotFoundError:
             content = None
         except OSError as exc:
@@ -258,7 +270,24 @@ class _Session:
         self.contents[str(path)] = content
         return content, None
 
+    def forget(self, path: Path) -> None:
+        """Read ``path`` afresh next time (it changed under us)."""
+        self.contents.pop(str(path), None)
+        self.identities.pop(str(path), None)
+
     def one(self, patch: Patch) -> PatchOutcome:
+        try:
+            return self.one_attempt(patch)
+        except TargetChanged:  # an installer replaced the file between our read and write
+            self.forget(self.target_path(patch))
+        try:
+            return self.one_attempt(patch)  # once more, on what the installer left
+        except TargetChanged as exc:
+            facts = self.facts(patch)
+            return self.outcome(patch, Plan(Verdict.ERROR, f"{exc} (twice; retried once)"),
+                                facts)
+
+    def one_attempt(self, patch: Patch) -> PatchOutcome:
         facts = self.facts(patch)
         path = Path(facts.path)
         op = self.operation
@@ -322,12 +351,17 @@ class _Session:
         assert plan.new_content is not None and facts.content is not None
         try:
             remove_stale_temps(path.parent)
-            write_atomic(path, plan.new_content)
+            write_atomic(path, plan.new_content, expected=self.identities.get(str(path)))
         except OSError as exc:
             return Plan(Verdict.ERROR, f"could not write {path}: {exc.strerror or exc}; "
                                        "the file was left as it was")
         self.wrote_targets = True
         self.contents[str(path)] = plan.new_content
+        with contextlib.suppress(OSError):  # what a second patch of this file must find
+            info = path.stat()
+            self.identities[str(path)] = FileIdentity(info.st_ino, info.st_size,
+                                                      info.st_mtime_ns,
+                                                      sha256_hex(plan.new_content))
         drop_bytecode(path, self.env.pycache_prefix)
         self.reconcile(path, distribution)
         return plan

@@ -261,7 +261,7 @@ def test_lock_wait_is_announced_and_bounded(demo_venv: Path, demo_catalog: Path)
     sp = site_packages(demo_venv.parent.parent)
     target = sp / "demo_pkg" / "core.py"
     before = target.read_bytes()
-    fd = os.open(os.path.realpath(target.parent), os.O_RDONLY)
+    fd = os.open(sp / ".hatch-vllm-patch.lock", os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
         started = time.monotonic()
