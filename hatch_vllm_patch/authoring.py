@@ -45,7 +45,7 @@ from .errors import CatalogError, TargetEnvironmentError, UsageError, VllmPatchE
 from .files import drop_bytecode, locked, remove_stale_temps, write_atomic
 from .markers import MarkerError, parse_file, sha256_hex
 from .operations import Request, resolve, run
-from .record import EditSession, EnvironmentRecord, pristine_copy, read_record
+from .record import EditSession, EnvironmentRecord, edit_state, pristine_copy, read_record
 from .report import Report
 
 if TYPE_CHECKING:
@@ -407,6 +407,10 @@ def _check_new_id(patch_id: str, request: Request) -> _NewPatch:
 
 def _module_of(env: TargetEnvironment, module: str) -> tuple[Path, str, str]:
     location = env.modules[module]
+    if location.refused is not None:
+        raise UsageError(f"{module}: refused: it resolves to {location.refused}; edit and new "
+                         "work on the files of an installed distribution only (e.g. "
+                         "vllm.v1.core.kv_cache_utils); nothing was read or written")
     if location.file is None:
         raise UsageError(f"{module}: no such module file in {env.python} ({env.reason}); "
                          "give a module of an installed distribution, e.g. "
@@ -448,12 +452,29 @@ def edit(request: Request, module: str, *, discard: bool = False) -> EditResult:
     _writable(env.purelib, path.parent)
     with locked([env.purelib, path.parent], exclusive=True, environment=env.purelib,
                 on_wait=request.on_wait):
-        state = read_record(env.purelib)
+        state = read_record(env.purelib, env.roots())
         if not state.usable:
             raise TargetEnvironmentError(f"the environment's record {state.path} "
                                          f"{state.problem}; move it away and run again")
         record = state.record
         session = record.edits.get(str(path))
+        notes = []
+        over = None if session is None else edit_state(
+            str(path), session, (version if version != "unknown" else None,
+                                 location.record_sha256))
+        if session is not None and over is not None:  # the file is not the one edit opened
+            record = record.with_edit(str(path), None)
+            if not any(e.pristine_sha256 == session.pristine_sha256
+                       for e in record.edits.values()):
+                pristine_copy(env.purelib, session.pristine_sha256).unlink(missing_ok=True)
+            if discard:
+                _save(env, record)
+                return EditResult(path, module, version, session.removed, discarded=True,
+                                  notes=(f"the edit session was already over ({over}): ended "
+                                         "it, and left the file as it is",))
+            notes.append(f"the earlier edit session of {path} was over ({over}): opened "
+                         "afresh")
+            session = None
         if discard:
             if session is None:
                 raise UsageError(f"{path} is not open for editing")
@@ -470,7 +491,6 @@ def edit(request: Request, module: str, *, discard: bool = False) -> EditResult:
         except MarkerError as exc:
             raise UsageError(f"{path}: our markers were edited by hand ({exc}); restore the "
                              "file first") from None
-        notes = []
         entry = record.files.get(str(path))
         expected = location.record_sha256 or (entry.original_sha256 if entry and parsed.blocks
                                               else None)
@@ -490,8 +510,10 @@ def edit(request: Request, module: str, *, discard: bool = False) -> EditResult:
         write_atomic(copy, parsed.original)
         _write_module(path, parsed.original, env)  # a new inode, without our blocks
         removed = tuple(b.patch_id for b in parsed.blocks)
+        info = path.stat()  # the file this session is about (an installer's has another)
         record = record.with_file(str(path), None).with_edit(str(path), EditSession(
-            module, distribution, version, digest, removed))
+            module, distribution, version, digest, removed,
+            (info.st_ino, info.st_size, info.st_mtime_ns)))
         _save(env, record)
     return EditResult(path, module, version, removed, notes=tuple(notes))
 
@@ -554,10 +576,25 @@ def create(request: Request, patch_id: str, *, module: str | None = None,
     new_patch = _check_new_id(patch_id, request)
     patch_dir, project = new_patch.folder, new_patch.project
     env = inspect_environment(new_patch.choice, [], in_process=request.in_process)
-    state = read_record(env.purelib)
-    sessions = dict(state.record.edits) if state.usable else {}
+    state = read_record(env.purelib, env.roots())
+    if state.exists and not state.usable:
+        raise TargetEnvironmentError(f"the environment's record {state.path} {state.problem}; "
+                                     "move it away and run again")
+    sessions = dict(state.record.edits)  # each path inside the environment: checked above
     if module is not None:
         sessions = {p: s for p, s in sessions.items() if s.module == module}
+    if sessions:  # the installed facts tell whether each session is still live
+        env = inspect_environment(new_patch.choice, [
+            ModuleQuery(s.distribution, s.module, module_relative_path(s.module))
+            for s in sessions.values()], in_process=request.in_process)
+        for name, session in sessions.items():
+            location = env.modules[session.module]
+            over = edit_state(name, session, (env.version_of(session.distribution),
+                                              location.record_sha256))
+            if over is not None:
+                raise UsageError(f"the edit session of {session.module} ({name}) is over: "
+                                 f"{over}; there is no edit to make a patch of: run "
+                                 f"`vllm-patch edit {session.module}` again")
     if not sessions:
         what = f"{module} is" if module else "no module is"
         raise UsageError(f"{what} open for editing in {env.python}: run `vllm-patch edit "
@@ -616,8 +653,11 @@ def create(request: Request, patch_id: str, *, module: str | None = None,
     with locked([env.purelib, path.parent], exclusive=True, environment=env.purelib,
                 on_wait=request.on_wait):
         _write_module(path, pristine, env)
-        record = read_record(env.purelib).record
-        _save(env, record.with_edit(name, None))
+        state = read_record(env.purelib, env.roots())
+        if not state.usable:
+            raise TargetEnvironmentError(f"the environment's record {state.path} "
+                                         f"{state.problem}; move it away and run again")
+        _save(env, state.record.with_edit(name, None))
         pristine_copy(env.purelib, session.pristine_sha256).unlink(missing_ok=True)
     notes = []
     extra = () if new_patch.configured else (patch_dir,)

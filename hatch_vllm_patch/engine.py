@@ -80,6 +80,7 @@ class Verdict(str, enum.Enum):
     MODIFIED = "modified"
     UNKNOWN_PATCH = "unknown-patch"  # a block of ours whose patch this catalog does not know
     BLOCKED = "blocked"  # refused: such a block sits in the target file
+    OUTSIDE = "outside-distribution"  # refused: the target is no file of its distribution
     ERROR = "error"
 
     def __str__(self) -> str:

@@ -56,6 +56,8 @@ from .record import (
     FileEntry,
     RecordRead,
     SelectedPatch,
+    edit_state,
+    pristine_copy,
     read_record,
 )
 from .record import Selection as SelectionRecord
@@ -136,6 +138,12 @@ def run(operation: str, request: Request) -> Report:
     if selection.architectures:
         queries[_REGISTRY.module] = _REGISTRY
     env = inspect_environment(choice, queries.values(), in_process=request.in_process)
+    sessions = read_record(env.purelib).record.edits  # unlocked: which edits to ask about
+    extra = [ModuleQuery(s.distribution, s.module, module_relative_path(s.module))
+             for s in sessions.values() if s.module not in env.modules]
+    if extra:  # whether each edit session is still live needs its installed facts
+        env = inspect_environment(choice, [*queries.values(), *extra],
+                                  in_process=request.in_process)
     notes = list(selection.notes)
     known = (registered_architectures(env.modules[_REGISTRY.module].file)
              if selection.architectures else None)
@@ -178,6 +186,8 @@ class _Session:
         self.identities: dict[str, FileIdentity] = {}  # path -> the file they were read from
         self.known: dict[tuple[str, str], str] = {}  # (path, patch id) -> a "known" shape key
         self.wrote_targets = False
+        self.stale: dict[str, str] = {}  # file -> why its edit session is over
+        self.ended: list[str] = []  # pristine copies to drop once the record says so
 
     # --- where ------------------------------------------------------------------------------
 
@@ -189,9 +199,13 @@ class _Session:
             return location.package_dir / patch.target.relative_path
         return Path(patch.target.relative_path)
 
+    def confined(self) -> list[Patch]:
+        """The patches whose target is a file of their distribution (the others are refused)."""
+        return [p for p in self.patches if self.env.modules[p.target.module].refused is None]
+
     def lock_dirs(self, record: EnvironmentRecord) -> set[str]:
         dirs = {str(self.env.purelib)}
-        paths = [self.target_path(p) for p in self.patches] + [Path(f) for f in record.files]
+        paths = [self.target_path(p) for p in self.confined()] + [Path(f) for f in record.files]
         for path in paths:
             if path.parent.is_dir():
                 dirs.add(os.path.realpath(path.parent))
@@ -202,11 +216,12 @@ class _Session:
     def carry_out(self) -> tuple[list[PatchOutcome], list[str]]:
         # The record names more files to lock (revert and status look at every file of ours);
         # read it once unlocked to learn them, then again under the lock, where it counts.
-        dirs = self.lock_dirs(read_record(self.env.purelib).record)
+        roots = self.env.roots()
+        dirs = self.lock_dirs(read_record(self.env.purelib, roots).record)
         for _ in range(3):
             with locked(sorted(dirs), exclusive=self.writes, environment=self.env.purelib,
                         on_wait=self.request.on_wait):
-                state = read_record(self.env.purelib)
+                state = read_record(self.env.purelib, roots)
                 more = self.lock_dirs(state.record) - dirs
                 if not more:
                     return self.locked_work(state)
@@ -225,10 +240,34 @@ class _Session:
             self.notes.append(f"the environment's record {state.path} {state.problem}; "
                               "treating it as no history")
         self.record = self.initial = state.record
+        self.edit_sessions()
         outcomes = [self.one(patch) for patch in self.patches]
         outcomes += self.foreign_blocks()
         errors = self.save_record(outcomes)
         return outcomes, errors
+
+    def edit_sessions(self) -> None:
+        """End (writers) or name (readers) the edit sessions whose file is no longer the one
+        ``edit`` opened; ``revert`` of everything names the live ones it leaves open."""
+        self.stale = {p: why for p, why in edit_states(self.env, self.record).items() if why}
+        for path, why in sorted(self.stale.items()):
+            session = self.record.edits[path]
+            if self.writes:
+                self.record = self.record.with_edit(path, None)
+                self.ended.append(session.pristine_sha256)
+                self.notes.append(f"ended the edit session of {session.module} ({path}): {why}")
+            else:
+                self.notes.append(
+                    f"the edit session of {session.module} ({path}) is over: {why}; its file "
+                    f"is checked like any other: `vllm-patch edit {session.module}` opens it "
+                    "afresh, `vllm-patch apply` puts the patches back (and ends the session)")
+        live = sorted(p for p in self.record.edits if p not in self.stale)
+        if (live and self.operation == "revert"
+                and not self.request.command_line_selection):
+            names = ", ".join(f"{self.record.edits[p].module} ({p})" for p in live)
+            self.notes.append(
+                f"still open for editing, your changes kept: {names}; `vllm-patch create ID` "
+                "makes a patch of it, `vllm-patch edit MODULE --discard` ends it")
 
     def facts(self, patch: Patch) -> FileFacts:
         location = self.env.modules[patch.target.module]
@@ -288,6 +327,12 @@ class _Session:
                                 facts)
 
     def one_attempt(self, patch: Patch) -> PatchOutcome:
+        refused = self.env.modules[patch.target.module].refused
+        if refused is not None:  # confined to its distribution: never read, never written
+            facts = FileFacts(str(self.target_path(patch)), None, None, None)
+            return self.outcome(patch, Plan(Verdict.OUTSIDE, (
+                f"refused: {patch.target.module} resolves to {refused}; nothing was read or "
+                "written")), facts)
         facts = self.facts(patch)
         path = Path(facts.path)
         op = self.operation
@@ -309,7 +354,8 @@ class _Session:
                 self.known[(str(path), patch.id)] = shape_key(patch, parse_file(content).original)
         if op in _WRITES and plan.verdict not in {Verdict.MODIFIED, Verdict.ERROR}:
             self.reconcile(path, patch.target.distribution)
-        if plan.verdict is Verdict.MODIFIED and str(path) in self.record.edits:
+        if plan.verdict is Verdict.MODIFIED and str(path) in self.record.edits \
+                and str(path) not in self.stale:
             plan = plan._replace(reason=f"{plan.reason}; it is open for editing (`vllm-patch "
                                         "edit`): finish with `vllm-patch create ID`, or end it "
                                         "with `vllm-patch edit MODULE --discard`")
@@ -390,7 +436,7 @@ class _Session:
     def foreign_blocks(self) -> list[PatchOutcome]:
         """Every block of ours, in the files we look at, whose patch the catalog does not know:
         named with a verdict; ``revert`` of everything removes them."""
-        files = {str(self.target_path(p)) for p in self.patches} | set(self.record.files)
+        files = {str(self.target_path(p)) for p in self.confined()} | set(self.record.files)
         revert_all = self.operation == "revert" and not self.request.command_line_selection
         outcomes = []
         for name in sorted(files):
@@ -459,6 +505,9 @@ class _Session:
         try:
             remove_stale_temps(self.env.purelib)
             write_atomic(path, new.render())
+            for digest in self.ended:  # the sessions they belonged to are over now
+                if not any(e.pristine_sha256 == digest for e in new.edits.values()):
+                    pristine_copy(self.env.purelib, digest).unlink(missing_ok=True)
         except OSError as exc:
             problem = f"could not save the environment's record {path}: {exc.strerror or exc}"
             if not self.wrote_targets:
@@ -517,6 +566,23 @@ class _Session:
             block_sha256=block, folder=str(patch.folder))
 
 
+def edit_states(env: TargetEnvironment, record: EnvironmentRecord) -> dict[str, str | None]:
+    """Each edit session's file -> None while the session is live, else why it is over."""
+    states = {}
+    for path, session in record.edits.items():
+        location = env.modules.get(session.module)
+        record_sha256 = location.record_sha256 if location is not None else None
+        states[path] = edit_state(path, session,
+                                  (env.version_of(session.distribution), record_sha256))
+    return states
+
+
+def live_edit_files(env: TargetEnvironment) -> set[str]:
+    """The files open for editing whose session is live (the guard does not check them)."""
+    state = read_record(env.purelib)
+    return {p for p, why in edit_states(env, state.record).items() if why is None}
+
+
 def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: FileFacts
                ) -> str | None:
     target, python = patch.target.distribution, env.python
@@ -535,6 +601,10 @@ def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: Fi
                 f"({', '.join(patch.links[:1]) or patch.id}); do not force it")
     if verdict is Verdict.NOT_INSTALLED and not patch.target.optional:
         return f"install {target} into {python} first (e.g. uv sync)"
+    if verdict is Verdict.OUTSIDE:
+        return (f"the patch's [target] names {target} and {patch.target.module}, which is not a "
+                f"file {target} installs here: fix the patch folder ({patch.folder}); "
+                "hatch-vllm-patch writes only into its target distribution's own files")
     if verdict is Verdict.BLOCKED:
         return (f"run: python -m hatch_vllm_patch revert --python {python} (removes every "
                 "block of ours and restores the original), then apply")
