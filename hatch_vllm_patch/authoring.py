@@ -42,7 +42,7 @@ from .environment import (
     run_bounded,
 )
 from .errors import CatalogError, TargetEnvironmentError, UsageError, VllmPatchError
-from .files import drop_bytecode, locked, remove_stale_temps, write_atomic
+from .files import current_umask, drop_bytecode, locked, remove_stale_temps, write_atomic
 from .markers import MarkerError, parse_file, sha256_hex
 from .operations import Request, resolve, run
 from .record import EditSession, EnvironmentRecord, edit_state, pristine_copy, read_record
@@ -372,6 +372,7 @@ def write_patch_folder(patch_dir: Path, patch_id: str, files: dict[str, str]) ->
         raise UsageError(f"{final} already exists: choose another id, or remove that folder")
     staging = Path(tempfile.mkdtemp(prefix=f".{patch_id}.", suffix=".hvp-tmp", dir=patch_dir))
     try:
+        staging.chmod(0o777 & ~current_umask())  # like any folder the user makes (not 0700)
         for name, text in files.items():
             (staging / name).write_text(text, encoding="utf-8")
         os.rename(staging, final)

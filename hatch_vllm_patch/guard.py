@@ -32,9 +32,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .record import DEFAULT_GUARD, GUARD_MODES, RecordRead, read_record
+from .record import DEFAULT_GUARD, GUARD_MODES, UNSURE, RecordRead, edit_state, read_record
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from .catalog import Catalog
     from .report import Report
 
@@ -79,12 +81,14 @@ def _check(logger: logging.Logger, override: str | None, started: float) -> None
         mode = override or selection.guard
         if mode == "off":
             return
-        editing = set(state.record.edits)
-        changed = _changed_since_apply(state, editing)
+        editing, over = _live_edits(state)
+        changed = over or _changed_since_apply(state, editing)
         if changed is None:
-            ids = ", ".join(p.id for p in selection.patches) or "none selected"
+            checked = [p.id for p in selection.patches if p.file not in editing]
+            ids = ", ".join(checked) or "none selected"
+            unchecked = [(p.id, p.file) for p in selection.patches if p.file in editing]
             logger.info("hatch-vllm-patch: patches in place (%s) [guard %s, %.1f ms]%s", ids,
-                        mode, (time.perf_counter() - started) * 1000, _editing(editing))
+                        mode, (time.perf_counter() - started) * 1000, _editing(unchecked))
             return
         _full_check(logger, mode, started, patches=tuple(p.id for p in selection.patches),
                     patch_dirs=tuple(Path(d) for d in selection.patch_dirs),
@@ -104,10 +108,26 @@ def _check(logger: logging.Logger, override: str | None, started: float) -> None
                 why=f"no record of an apply in this environment; using {project}/pyproject.toml")
 
 
-def _editing(files: set[str]) -> str:
-    if not files:
+def _live_edits(state: RecordRead) -> tuple[set[str], str | None]:
+    """The files of live edit sessions (not checked), and why a full check is needed when a
+    session's file is no longer the one ``edit`` wrote (a stat each; a hash if touched)."""
+    live: set[str] = set()
+    over = None
+    for path, session in state.record.edits.items():
+        why = edit_state(path, session)
+        if why is None:
+            live.add(path)
+        elif over is None:
+            over = (f"{path} is not the file `vllm-patch edit` opened"
+                    + ("" if why == UNSURE else f" ({why})"))
+    return live, over
+
+
+def _editing(unchecked: Sequence[tuple[str, str | None]]) -> str:
+    if not unchecked:
         return ""
-    return (f"; not checked, open for editing (vllm-patch edit): {', '.join(sorted(files))}")
+    names = ", ".join(f"{pid} ({file})" for pid, file in sorted(unchecked, key=str))
+    return f"; not checked (open for editing, vllm-patch edit): {names}"
 
 
 def _changed_since_apply(state: RecordRead, editing: set[str]) -> str | None:
@@ -172,7 +192,7 @@ def _configured_mode(project: Path) -> str | None:
 def _full_check(logger: logging.Logger, mode: str, started: float, *, patches: tuple[str, ...],
                 patch_dirs: tuple[Path, ...], project: Path | None, why: str) -> None:
     """The engine's verify, in this process, for this interpreter; then the mode's action."""
-    from .operations import Request, resolve, run
+    from .operations import Request, live_edit_files, resolve, run
 
     def request() -> Request:
         # With a record, its selection and patch folders; without, the project's config.
@@ -180,11 +200,13 @@ def _full_check(logger: logging.Logger, mode: str, started: float, *, patches: t
                        patches=patches, extra_patch_dirs=patch_dirs, on_wait=logger.info)
 
     verified = run("verify", request())
-    editing = set(read_record(verified.environment.purelib).record.edits)
+    editing = live_edit_files(verified.environment)
     report = _without_edits(verified, editing)
+    unchecked = [(o.patch_id, str(o.file)) for o in verified.outcomes if str(o.file) in editing]
     if report.ok:
-        logger.info("hatch-vllm-patch: patches in place (%s) [guard %s, full check: %s, %.1f ms]",
-                    _ids(report), mode, why, (time.perf_counter() - started) * 1000)
+        logger.info("hatch-vllm-patch: patches in place (%s) [guard %s, full check: %s, "
+                    "%.1f ms]%s", _ids(report), mode, why,
+                    (time.perf_counter() - started) * 1000, _editing(unchecked))
         return
     if mode == "apply":
         healed = run("apply", request())
