@@ -85,8 +85,8 @@ def _check(logger: logging.Logger, override: str | None, started: float) -> None
         changed = over or _changed_since_apply(state, editing)
         if changed is None:
             checked = [p.id for p in selection.patches if p.file not in editing]
-            ids = ", ".join(checked) or "none selected"
             unchecked = [(p.id, p.file) for p in selection.patches if p.file in editing]
+            ids = ", ".join(checked) or ("none checked" if unchecked else "none selected")
             logger.info("hatch-vllm-patch: patches in place (%s) [guard %s, %.1f ms]%s", ids,
                         mode, (time.perf_counter() - started) * 1000, _editing(unchecked))
             return

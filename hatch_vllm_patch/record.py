@@ -246,18 +246,17 @@ def edit_state(path: str, session: EditSession,
     if b"# >>> hatch-vllm-patch: " in data:
         return "it carries our blocks again (an apply, or a copy restored by hand)"
     digest = hashlib.sha256(data).hexdigest()
+    version, record_sha256 = installed if installed is not None else (session.version, None)
+    if version is None:
+        return f"{session.distribution} is not installed any more"
+    if version != session.version:
+        return (f"{session.distribution} {version} is installed now; the edit was of "
+                f"{session.version}")
     if opened is not None and digest == session.pristine_sha256:
         return (f"it is the pristine {session.distribution} {session.version} file again "
                 "(reinstalled, or restored by hand)")
-    if installed is not None:
-        version, record_sha256 = installed
-        if version is None:
-            return f"{session.distribution} is not installed any more"
-        if version != session.version:
-            return (f"{session.distribution} {version} is installed now; the edit was of "
-                    f"{session.version}")
-        if record_sha256 is not None and digest == record_sha256:
-            return f"it is {session.distribution} {version}'s file again (reinstalled)"
+    if record_sha256 is not None and digest == record_sha256:
+        return f"it is {session.distribution} {version}'s file again (reinstalled)"
     return None
 
 

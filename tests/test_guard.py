@@ -331,3 +331,137 @@ def _spawn_scenarios(python: Path, tmp_path: Path) -> None:
     silent = spawn()
     assert silent.returncode == 0 and "CHILD patched: None" in silent.stdout
     assert "hatch-vllm-patch" not in silent.stdout + silent.stderr
+
+
+# --- edit sessions and the guard, on real vLLM files (#19) ------------------------------------
+
+# What vLLM does in each process, without importing vLLM (its files only, --no-deps): load our
+# entry point of vllm.general_plugins (vLLM's own need torch) and call it; then what the server
+# would run.
+PLUGINS = textwrap.dedent("""\
+    import importlib.metadata, importlib.util, logging, sys
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(levelname)s %(name)s: %(message)s")
+    for ep in importlib.metadata.entry_points(group="vllm.general_plugins"):
+        if ep.value.startswith("hatch_vllm_patch"):
+            ep.load()()
+    spec = importlib.util.find_spec("vllm")
+    path = spec.submodule_search_locations[0] + "/v1/core/kv_cache_utils.py"
+    text = open(path).read()
+    print("SERVES", "edited" if "HVP-EDITED" in text else
+          "patched" if "# >>> hatch-vllm-patch: kv-cache" in text else "unpatched")
+    """)
+
+
+@pytest.mark.slow
+def test_edit_sessions_end_when_their_file_is_replaced(tmp_path: Path,
+                                                       project_wheel: Path) -> None:
+    """On vLLM 0.20.2's files: a live edit lets the server run on the edited file, reported as
+    not checked (open for editing), never in place; a reinstall mid-edit ends the session:
+    status and verify name it, the guard stops an error process and heals in apply mode (which
+    ends it and drops its pristine copy), edit opens afresh; a restore by hand and a reinstall
+    of another version end it too; revert says which sessions stay open."""
+    from venvs import cached_wheel, release_venv
+
+    python = release_venv(tmp_path / "venv", "vllm", "0.20.2")
+    run([UV, "pip", "install", "--quiet", "--python", str(python), str(project_wheel)])
+    sp = site_packages(tmp_path / "venv")
+    target = sp / "vllm" / "v1" / "core" / "kv_cache_utils.py"
+    module = "vllm.v1.core.kv_cache_utils"
+    project = tmp_path / "serve"
+    project.mkdir()
+    (project / "pyproject.toml").write_text(f'[tool.vllm-patch]\npatches = ["{PATCH}"]\n')
+    program = tmp_path / "plugins.py"
+    program.write_text(PLUGINS)
+
+    def tool(*args: str) -> subprocess.CompletedProcess[str]:
+        return run([str(python), "-m", "hatch_vllm_patch", *args], cwd=project, check=False)
+
+    def serve(mode: str | None = None) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k not in {"HATCH_VLLM_PATCH_GUARD",
+                                                                 "VIRTUAL_ENV"}}
+        if mode:
+            env["HATCH_VLLM_PATCH_GUARD"] = mode
+        proc = subprocess.run([str(python), str(program)], cwd="/", env=env,
+                              capture_output=True, text=True, timeout=300, check=False)
+        assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+        return proc
+
+    def install(version: str) -> None:
+        run([UV, "pip", "install", "--quiet", "--reinstall", "--no-deps", "--no-cache",
+             "--python", str(python), str(cached_wheel("vllm", version))])
+
+    def edit_in_place() -> None:
+        assert tool("edit", module).returncode == 0
+        text = target.read_text()
+        target.write_text(text.replace('"""Utilities', '"""HVP-EDITED Utilities', 1)
+                          if '"""Utilities' in text else text + "\n# HVP-EDITED\n")
+
+    def sessions() -> dict[str, object]:
+        return json.loads((sp / RECORD).read_text())["edits"]
+
+    assert tool("apply").returncode == 0
+    edit_in_place()
+    copies = list((sp / ".hatch-vllm-patch-edits").iterdir())
+    assert len(copies) == 1
+    live = serve()
+    assert live.returncode == 0 and "SERVES edited" in live.stdout, live.stdout + live.stderr
+    assert "patches in place (none checked)" in live.stdout
+    assert f"not checked (open for editing, vllm-patch edit): {PATCH} ({target})" in live.stdout
+    healing = serve("apply")
+    assert healing.returncode == 0 and "SERVES edited" in healing.stdout  # not healed over
+    assert "is over" not in tool("status").stdout
+
+    install("0.20.2")  # the installer replaces the file mid-edit: the issue's sequence
+    status = tool("status")
+    assert f"the edit session of {module} ({target}) is over: it is the pristine vllm 0.20.2 " \
+        "file again" in status.stdout, status.stdout
+    verify = tool("verify")
+    assert verify.returncode == 1 and "is over" in verify.stdout
+    assert f"missing      {PATCH}" in verify.stdout or "missing" in verify.stdout
+    stopped = serve()
+    assert stopped.returncode == 1 and "SERVES" not in stopped.stdout
+    assert f"{PATCH}: missing in {target}" in stopped.stderr
+    assert "patches in place" not in stopped.stdout + stopped.stderr
+    healed = serve("apply")
+    assert healed.returncode == 0 and "SERVES patched" in healed.stdout, healed.stdout
+    assert f"healed ({PATCH})" in healed.stdout
+    assert sessions() == {} and not list((sp / ".hatch-vllm-patch-edits").iterdir())
+    assert "patches in place (kv-cache-page-unification)" in serve().stdout
+
+    edit_in_place()  # a stale session makes edit open the module afresh
+    install("0.20.2")
+    again = tool("edit", module)
+    assert again.returncode == 0 and "opened afresh" in again.stdout + again.stderr
+    assert list(sessions()) == [str(target)]
+    assert tool("edit", module, "--discard").returncode == 0
+    assert tool("apply").returncode == 0
+
+    patched = target.read_bytes()  # restored by hand, in place, from a copy with our block
+    edit_in_place()
+    target.write_bytes(patched)
+    by_hand = serve()
+    assert by_hand.returncode == 0 and "SERVES patched" in by_hand.stdout
+    assert "patches in place (kv-cache-page-unification) [guard error, full check" in \
+        by_hand.stdout, by_hand.stdout
+    ended = tool("apply")
+    assert ended.returncode == 0 and f"ended the edit session of {module}" in ended.stdout
+    assert sessions() == {}
+
+    edit_in_place()  # a reinstall of another version mid-edit
+    install("0.20.1")
+    other = tool("status")
+    assert "vllm 0.20.1 is installed now; the edit was of 0.20.2" in other.stdout, other.stdout
+    stopped = serve()
+    assert stopped.returncode == 1 and f"{PATCH}: missing" in stopped.stderr
+    install("0.20.2")
+    assert tool("apply").returncode == 0 and sessions() == {}
+
+    edit_in_place()  # revert of everything during an edit: the live session stays, named
+    reverted = tool("revert")
+    assert f"still open for editing, your changes kept: {module} ({target})" in reverted.stdout
+    assert list(sessions()) == [str(target)] and "HVP-EDITED" in target.read_text()
+    install("0.20.2")
+    reverted = tool("revert")
+    assert f"ended the edit session of {module}" in reverted.stdout, reverted.stdout
+    assert sessions() == {} and not list((sp / ".hatch-vllm-patch-edits").iterdir())
