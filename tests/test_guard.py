@@ -465,3 +465,57 @@ def test_edit_sessions_end_when_their_file_is_replaced(tmp_path: Path,
     reverted = tool("revert")
     assert f"ended the edit session of {module}" in reverted.stdout, reverted.stdout
     assert sessions() == {} and not list((sp / ".hatch-vllm-patch-edits").iterdir())
+
+
+# One vLLM import for the issue's sequence: vLLM's own load_general_plugins() in error mode
+# (it must stop), then, flags reset as in a new process, in apply mode (it must heal the
+# already imported module).
+ERROR_THEN_APPLY = textwrap.dedent("""\
+    import logging, os, sys
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(levelname)s %(name)s: %(message)s")
+    import vllm.plugins
+    import vllm.v1.core.kv_cache_utils as k
+    import hatch_vllm_patch.guard as guard
+    for mode in ("error", "apply"):
+        os.environ["HATCH_VLLM_PATCH_GUARD"] = mode
+        vllm.plugins.plugins_loaded = False
+        guard._checked = False
+        try:
+            vllm.plugins.load_general_plugins()
+            print(mode.upper(), "went on", flush=True)
+        except SystemExit as exc:
+            print(mode.upper(), "stopped:", str(exc).splitlines()[0], flush=True)
+        print(mode.upper(), "patched:",
+              getattr(k.unify_kv_cache_spec_page_size, "_hvp_patch_id", None), flush=True)
+    """)
+
+
+@pytest.mark.slow
+def test_reinstall_during_an_edit_stops_error_and_heals_apply_in_vllm(
+        vllm_with_tool: Path, tmp_path: Path) -> None:
+    """The sequence of #19 on vLLM 0.20.2 with its own plugin loading: apply, edit, reinstall;
+    then an error process stops (no "in place" line) and an apply process heals the module it
+    had imported; the stale edit session is gone."""
+    python = vllm_with_tool
+    with pristine_environment(python):
+        work = tmp_path / "work"
+        work.mkdir()
+        sp = site_packages(python.parent.parent)
+        program = tmp_path / "sequence.py"
+        program.write_text(ERROR_THEN_APPLY)
+        run([str(python), "-m", "hatch_vllm_patch", "apply", "--patch", PATCH], cwd=work)
+        run([str(python), "-m", "hatch_vllm_patch", "edit", "vllm.v1.core.kv_cache_utils"],
+            cwd=work)
+        run([UV, "pip", "install", "--quiet", "--reinstall", "--no-deps", "--python",
+             str(python), "vllm==0.20.2"])
+        env = {k: v for k, v in os.environ.items() if k not in {"VIRTUAL_ENV"}}
+        env["HF_HUB_OFFLINE"] = "1"
+        proc = subprocess.run([str(python), str(program)], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=900, check=False)
+        out = proc.stdout
+        assert proc.returncode == 0 and "Traceback" not in out + proc.stderr, out + proc.stderr
+        assert "ERROR stopped: hatch-vllm-patch: this vLLM is not patched as selected" in out
+        assert "ERROR patched: None" in out and "patches in place" not in out
+        assert "APPLY went on" in out and f"APPLY patched: {PATCH}" in out, out
+        assert json.loads((sp / RECORD).read_text())["edits"] == {}
