@@ -854,7 +854,10 @@ def _check_one(patch: Patch, env: TargetEnvironment | None) -> FolderCheck:
         return FolderCheck(folder, tuple(errors), tuple(warnings), tuple(info))
     location = env.modules[patch.target.module]
     version = env.version_of(patch.target.distribution)
-    if location.file is None or version is None:
+    if location.refused is not None:
+        errors.append(f"{manifest}: [target] resolves to {location.refused}: hatch-vllm-patch "
+                      "writes only into its target distribution's own files")
+    elif location.file is None or version is None:
         info.append(f"{patch.target.distribution} is not installed in {env.python}: shapes not "
                     "compared")
     else:

@@ -184,3 +184,16 @@ def test_installer_replacing_the_file_between_read_and_write(
         assert "was replaced or changed while hatch-vllm-patch was writing it" in \
             result["reason"]
         assert b"hatch-vllm-patch" not in content  # the installer's file, untouched
+
+
+def test_patch_folders_follow_the_umask(tmp_path: Path) -> None:
+    """A folder made by create/new and its files get the modes the umask gives (not 0700)."""
+    from hatch_vllm_patch.authoring import write_patch_folder
+
+    old = os.umask(0o022)
+    try:
+        folder = write_patch_folder(tmp_path / "vllm-patches", "demo", {"block.py": "x = 1\n"})
+    finally:
+        os.umask(old)
+    assert folder.stat().st_mode & 0o777 == 0o755
+    assert (folder / "block.py").stat().st_mode & 0o777 == 0o644

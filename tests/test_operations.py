@@ -326,6 +326,8 @@ def test_targets_are_confined_to_their_distribution(demo_venv: Path, tmp_path: P
             assert "fix the patch folder" in outcome["next_step"]
     after = (file.read_bytes(), file.stat().st_mtime_ns, file.stat().st_atime_ns)
     assert after == before
+    checked = cli("check", str(catalog / "demo-fix"), "--python", str(demo_venv), cwd=tmp_path)
+    assert checked.returncode == 1 and "[target] resolves to" in checked.stdout + checked.stderr
     site = site_packages(demo_venv.parent.parent)
     assert not (site / ".hatch-vllm-patch.json").exists()
 
