@@ -17,6 +17,7 @@ applied, verified, reverted and guarded by the same engine. What makes it safe:
 from __future__ import annotations
 
 import ast
+import contextlib
 import difflib
 import io
 import os
@@ -42,7 +43,15 @@ from .environment import (
     run_bounded,
 )
 from .errors import CatalogError, TargetEnvironmentError, UsageError, VllmPatchError
-from .files import current_umask, drop_bytecode, locked, remove_stale_temps, write_atomic
+from .files import (
+    FileIdentity,
+    current_umask,
+    drop_bytecode,
+    locked,
+    read_identified,
+    remove_stale_temps,
+    write_atomic,
+)
 from .markers import MarkerError, parse_file, sha256_hex
 from .operations import Request, resolve, run
 from .record import EditSession, EnvironmentRecord, edit_state, pristine_copy, read_record
@@ -486,7 +495,7 @@ def edit(request: Request, module: str, *, discard: bool = False) -> EditResult:
             return EditResult(path, module, version, session.removed, discarded=True)
         if session is not None:
             return EditResult(path, module, session.version, session.removed, already=True)
-        content = path.read_bytes()
+        content, identity = read_identified(path)
         try:
             parsed = parse_file(content)
         except MarkerError as exc:
@@ -506,10 +515,13 @@ def edit(request: Request, module: str, *, discard: bool = False) -> EditResult:
                          "is taken as the pristine one")
         digest = sha256_hex(parsed.original)
         copy = pristine_copy(env.purelib, digest)
-        copy.parent.mkdir(exist_ok=True)
+        if not copy.parent.is_dir():
+            copy.parent.mkdir()
+            _give_to_owner_of(copy.parent, env.purelib)
         remove_stale_temps(copy.parent)
         write_atomic(copy, parsed.original)
-        _write_module(path, parsed.original, env)  # a new inode, without our blocks
+        # a new inode, without our blocks; refused if an installer replaced the file meanwhile
+        _write_module(path, parsed.original, env, identity)
         removed = tuple(b.patch_id for b in parsed.blocks)
         info = path.stat()  # the file this session is about (an installer's has another)
         record = record.with_file(str(path), None).with_edit(str(path), EditSession(
@@ -529,10 +541,19 @@ def _writable(*folders: Path) -> None:
                                          "own")
 
 
-def _write_module(path: Path, data: bytes, env: TargetEnvironment) -> None:
+def _write_module(path: Path, data: bytes, env: TargetEnvironment,
+                  expected: FileIdentity | None = None) -> None:
     remove_stale_temps(path.parent)
-    write_atomic(path, data)
+    write_atomic(path, data, expected=expected)
     drop_bytecode(path, env.pycache_prefix)
+
+
+def _give_to_owner_of(made: Path, folder: Path) -> None:
+    """Root made ``made`` in a user's environment: it is the user's, as ``folder`` is."""
+    if os.geteuid() == 0:
+        info = folder.stat()
+        with contextlib.suppress(OSError):
+            os.chown(made, info.st_uid, info.st_gid)
 
 
 def _save(env: TargetEnvironment, record: EnvironmentRecord) -> None:
@@ -609,7 +630,7 @@ def create(request: Request, patch_id: str, *, module: str | None = None,
     path = Path(name)
     _writable(env.purelib, path.parent)
     pristine = _pristine(env, path, session)
-    edited = path.read_bytes()
+    edited, identity = read_identified(path)
     if b"# >>> hatch-vllm-patch: " in edited:
         raise UsageError(f"{path} carries a block of ours again (was apply run during the "
                          "edit?): remove it from the file, then run create again")
@@ -653,7 +674,7 @@ def create(request: Request, patch_id: str, *, module: str | None = None,
         fromfile=f"a/{session.module} ({session.version})", tofile=f"b/{session.module} (edited)"))
     with locked([env.purelib, path.parent], exclusive=True, environment=env.purelib,
                 on_wait=request.on_wait):
-        _write_module(path, pristine, env)
+        _write_module(path, pristine, env, identity)
         state = read_record(env.purelib, env.roots())
         if not state.usable:
             raise TargetEnvironmentError(f"the environment's record {state.path} "

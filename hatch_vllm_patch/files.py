@@ -93,7 +93,8 @@ def current_umask() -> int:
 
 def write_atomic(path: Path, data: bytes, *, expected: FileIdentity | None = None) -> None:
     """Replace ``path`` with ``data`` through a new inode, keeping the file's mode, owner and
-    group (a new file gets the mode the umask gives). With ``expected``, just before the
+    group (a new file gets the mode the umask gives, and, written by root, the owner and group
+    of its folder). With ``expected``, just before the
     replace the target must still be that file (inode, size, mtime and hash): otherwise
     :class:`TargetChanged` is raised and nothing is written."""
     import tempfile
@@ -111,6 +112,8 @@ def write_atomic(path: Path, data: bytes, *, expected: FileIdentity | None = Non
             os.fsync(f.fileno())
             if info is not None:
                 _keep_owner(f.fileno(), info)
+            elif os.geteuid() == 0:  # root adding a file to a user's folder: theirs too
+                _keep_owner(f.fileno(), os.stat(path.parent))
         os.chmod(tmp, mode)
         if expected is not None:
             if _before_replace is not None:

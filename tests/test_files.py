@@ -110,7 +110,7 @@ def test_lock_file_is_refused_when_others_could_hold_it(tmp_path: Path) -> None:
 @needs_setpriv
 def test_root_write_keeps_the_users_owner_group_and_mode(tmp_path: Path) -> None:
     """root replacing a user's file leaves it the user's (owner, group, mode); a new file gets
-    the mode the umask gives, not a fixed one."""
+    the mode the umask gives, not a fixed one, and, in a user's folder, the user's owner."""
     target = tmp_path / "module.py"
     target.write_text("old\n")
     os.chown(target, NOBODY, NOBODY)
@@ -125,6 +125,12 @@ def test_root_write_keeps_the_users_owner_group_and_mode(tmp_path: Path) -> None
     finally:
         os.umask(old)
     assert (tmp_path / "fresh.py").stat().st_mode & 0o777 == 0o640
+    users = tmp_path / "users-folder"
+    users.mkdir()
+    os.chown(users, NOBODY, NOBODY)
+    write_atomic(users / "new.json", b"{}")
+    info = (users / "new.json").stat()
+    assert (info.st_uid, info.st_gid) == (NOBODY, NOBODY)
 
 
 def test_lock_timeout_that_is_not_a_number(demo_venv: Path, demo_catalog: Path) -> None:
