@@ -303,8 +303,8 @@ def _full_check(logger: logging.Logger, mode: str, started: float, why: str,
             _reload_in_memory(healed, catalog, logger)
             healed = _without_edits(healed, editing)
             if healed.ok and not changed and _without_edits(run("verify", request), editing).ok:
-                logger.info("hatch-vllm-patch: healed (%s) [guard apply, %.1f ms]",
-                            _healed(healed), (time.perf_counter() - started) * 1000)
+                logger.info("hatch-vllm-patch: healed (%s) [guard apply, %s, %.1f ms]",
+                            _healed(healed), why, (time.perf_counter() - started) * 1000)
                 return
             report = healed._replace(outcomes=(*healed.outcomes, *(
                 o for o in report.outcomes if o.patch_id in changed)))
