@@ -142,14 +142,14 @@ def check_file(path: Path | str, what: str, inside: Path | str | None = None) ->
     if explicitly_trusted(path):
         return
     given = os.path.abspath(path)
+    st = _stat(given, what)
+    if stat.S_ISLNK(st.st_mode):
+        raise _refuse(what, given, st, f"a symlink (to {os.path.realpath(given)})")
     if inside is not None:
         root = os.path.realpath(inside).rstrip(os.sep) + os.sep
         if not os.path.realpath(given).startswith(root):
             raise UntrustedPath(f"hatch-vllm-patch refuses {what} {path}: it lies outside "
                                 f"{inside}; keep it a plain file inside the folder")
-    st = _stat(given, what)
-    if stat.S_ISLNK(st.st_mode):
-        raise _refuse(what, given, st, f"a symlink (to {os.path.realpath(given)})")
     if not stat.S_ISREG(st.st_mode):
         raise UntrustedPath(f"hatch-vllm-patch refuses {what} {path}: not a regular file")
     problem = _problem(st, parent=False)
