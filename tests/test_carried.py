@@ -6,14 +6,19 @@ project. Real hatchling builds, real venvs, the guard called as vLLM calls it.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
+import tempfile
 import textwrap
 import zipfile
 from pathlib import Path
 
 import pytest
 from conftest import DEMO_BLOCK, vllm_like, write_demo_catalog
-from venvs import create_venv, run, site_packages
+from venvs import UV, create_venv, run, scrubbed_environ, site_packages
+
+from hatch_vllm_patch.environment import run_bounded
 
 RECORD = ".hatch-vllm-patch.json"
 
@@ -167,3 +172,119 @@ def test_a_clash_between_carried_selections_is_refused(
     assert stopped.returncode == 1 and "svc-c 1.0" in stopped.stderr, stopped.stderr
     assert "Traceback" not in stopped.stderr
     assert core.read_bytes() == before
+
+
+# --- many nodes: a real Ray cluster -------------------------------------------------------------
+
+RAY = "ray==2.60.0"
+KV_PATCH = "kv-cache-page-unification"
+
+# Runs on the second node, in that node's own environment: vLLM's own plugin loading, then the
+# patched function on specs that unpatched vLLM 0.20.2 rejects (KNOWLEDGE S1: a 1073152 B GDN
+# state page next to a 16384 B bf16 attention page).
+RAY_DRIVER = textwrap.dedent("""\
+    import json, ray
+    ray.init(address="127.0.0.1:6379", logging_level="ERROR")
+
+    @ray.remote(resources={"node2": 1}, num_cpus=0)
+    def serve_on_node2():
+        import logging, os, sys, sysconfig
+        record = os.path.join(sysconfig.get_paths()["purelib"], ".hatch-vllm-patch.json")
+        before = os.path.exists(record)
+        lines = []
+        handler = logging.Handler()
+        handler.emit = lambda r: lines.append(r.getMessage())
+        logging.getLogger("vllm.hatch_vllm_patch").addHandler(handler)
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        import torch
+        import vllm.v1.core.kv_cache_utils as k
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+        specs = {
+            "attn": FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=256,
+                                      dtype=torch.bfloat16),
+            "gdn": MambaSpec(block_size=16, shapes=((3, 4096), (16, 128, 128)),
+                             dtypes=(torch.bfloat16, torch.float32)),
+        }
+        unified = k.unify_kv_cache_spec_page_size(specs)
+        return {"python": sys.executable, "record_before": before,
+                "record_after": os.path.exists(record), "guard": lines,
+                "patch": getattr(k.unify_kv_cache_spec_page_size, "_hvp_patch_id", None),
+                "pages": {n: s.page_size_bytes for n, s in unified.items()}}
+
+    print("RESULT " + json.dumps(ray.get(serve_on_node2.remote(), timeout=600)), flush=True)
+    """)
+
+RAY_CLUSTER = textwrap.dedent("""\
+    set -e
+    ip link set lo up
+    trap '"$HEAD/ray" stop --force >/dev/null 2>&1 || true' EXIT
+    common="--node-ip-address=127.0.0.1 --num-cpus=1 --object-store-memory=100000000"
+    "$HEAD/ray" start --head --port=6379 $common --include-dashboard=false \\
+        --disable-usage-stats --temp-dir="$RAY_TMP" >"$RAY_TMP/head.log" 2>&1
+    "$NODE2/ray" start --address=127.0.0.1:6379 $common --resources='{"node2": 1}' \\
+        >"$RAY_TMP/node2.log" 2>&1
+    "$HEAD/python" "$RAY_TMP/driver.py"
+    """)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"),
+                    reason="a network namespace of the test's own needs root, unshare and ip")
+def test_ray_second_node_heals_from_the_wheel(tmp_path: Path, project_wheel: Path) -> None:
+    """A two-node Ray cluster (in a network namespace of its own): a task pinned to the second
+    node, whose environment was made only by installing the service's wheel (vLLM 0.20.2
+    reinstalled pristine), calls vLLM's load_general_plugins(); the guard heals to the carried
+    block and the patched function then unifies specs unpatched vLLM rejects."""
+    service = tmp_path / "service"
+    (service / "ray_svc").mkdir(parents=True)
+    (service / "ray_svc" / "__init__.py").write_text("")
+    (service / "pyproject.toml").write_text(textwrap.dedent(f"""\
+        [build-system]
+        requires = ["hatchling"]
+        build-backend = "hatchling.build"
+
+        [project]
+        name = "ray-svc"
+        version = "1.0"
+
+        [tool.hatch.build.hooks.vllm-patch]
+
+        [tool.vllm-patch]
+        guard = "apply"
+        patches = ["{KV_PATCH}"]
+        """))
+    wheel = build_wheel(service)
+    # Each node's environment, built before entering the namespace (nothing there reaches
+    # PyPI): the head has Ray only; node 2 is what `pip install ray-svc` gives an image.
+    head = create_venv(tmp_path / "head", RAY)
+    node2 = create_venv(tmp_path / "node2", "vllm==0.20.2", RAY, str(project_wheel), str(wheel))
+    run([UV, "pip", "install", "--quiet", "--reinstall", "--no-deps", "--python", str(node2),
+         "vllm==0.20.2"])
+    sp = site_packages(node2.parent.parent)
+    assert not (sp / RECORD).exists()
+    target = sp / "vllm" / "v1" / "core" / "kv_cache_utils.py"
+    assert "hatch-vllm-patch" not in target.read_text()
+
+    ray_tmp = Path(tempfile.mkdtemp(prefix="hvp-ray-", dir="/tmp"))  # short: unix sockets
+    try:
+        (ray_tmp / "driver.py").write_text(RAY_DRIVER)
+        (ray_tmp / "cluster.sh").write_text(RAY_CLUSTER)
+        env = {**scrubbed_environ(), "HEAD": str(head.parent), "NODE2": str(node2.parent),
+               "RAY_TMP": str(ray_tmp), "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+        env.pop("VLLM_PLUGINS", None)
+        proc = run_bounded(["unshare", "-n", "bash", str(ray_tmp / "cluster.sh")], timeout=1200,
+                           env=env)
+        logs = "".join(p.read_text(errors="replace") for p in ray_tmp.glob("*.log"))
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr + logs
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["python"] == str(node2), result
+    assert result["record_before"] is False and result["record_after"] is True
+    assert any(f"healed ({KV_PATCH})" in line and "carried by ray-svc 1.0" in line
+               for line in result["guard"]), result["guard"]
+    assert result["patch"] == KV_PATCH
+    assert set(result["pages"].values()) == {1081344}, result["pages"]
+    assert f"# >>> hatch-vllm-patch: {KV_PATCH}" in target.read_text()
