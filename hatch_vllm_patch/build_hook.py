@@ -9,7 +9,10 @@ When it acts
     installs the project into an environment for use. An sdist or a standard wheel is an artifact
     that may be installed anywhere; and ``uv build`` of a project with the two-phase setting runs
     the build backend inside the project's own ``.venv``, so "the running interpreter" is no sign
-    of an install. Those builds validate the configuration and touch nothing.
+    of an install. Those builds validate the configuration and touch no environment; a regular
+    wheel carries the resolved selection and the project's own selected patch folders in its
+    ``.dist-info/extra_metadata/`` for the guard and ``apply`` where it is installed
+    (``carried.py``).
 Which environment
     The one ``vllm-patch apply`` would patch from the project directory ([tool.vllm-patch] python,
     ``$UV_PROJECT_ENVIRONMENT``, ``<project>/.venv``, else the running interpreter), so the command
