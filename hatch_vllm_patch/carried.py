@@ -168,13 +168,16 @@ def _parse(path: Path) -> CarriedSelection:
     return CarriedSelection(distribution, version, path, guard, tuple(patches))
 
 
-def join_carried(purelib: Path, catalog: Catalog) -> JoinedSelection | None:
-    """The carried selections of ``purelib`` joined into one Config over ``catalog`` merged with
-    the carried patch folders (loaded under the ownership rule); None when there is none."""
+def join_carried(purelib: Path, catalog: Catalog,
+                 carried: tuple[CarriedSelection, ...] | None = None) -> JoinedSelection | None:
+    """The carried selections of ``purelib`` (or ``carried``, already found there) joined into
+    one Config over ``catalog`` merged with the carried patch folders (loaded under the ownership
+    rule); None when there is none."""
     from .catalog import load_patch_folders
     from .config import Config
 
-    carried = find_carried(purelib)
+    if carried is None:
+        carried = find_carried(purelib)
     if not carried:
         return None
     errors: list[str] = []

@@ -88,7 +88,10 @@ def check() -> None:
         _check(logger, override, started)
     except GuardStop:
         raise
-    except Exception as exc:  # a defect of the guard itself: never take a server down for it
+    except Exception as exc:
+        # Only what runs before any mode is known gets here (finding and reading the record,
+        # which catch their own errors): with no mode there is no order to stop. Every step
+        # after it is run by _guarded, which stops an error or apply process.
         logger.warning("hatch-vllm-patch: the guard could not check this environment (%s: %s); "
                        "run `python -m hatch_vllm_patch verify`", type(exc).__name__, exc)
 
@@ -113,8 +116,11 @@ def _check(logger: logging.Logger, override: str | None, started: float) -> None
         if mode == "off":
             return
         editing = set(state.record.edits)
-        changed = _changed_since_apply(state, editing)
+        changed = _guarded(logger, mode, "checking the recorded files",
+                           lambda: _changed_since_apply(state, editing) or "")
         if changed is None:
+            return  # could not check: logged (warn); error and apply stopped
+        if not changed:
             ids = ", ".join(p.id for p in selection.patches) or "none selected"
             logger.info("hatch-vllm-patch: patches in place (%s) [guard %s, %.1f ms]%s", ids,
                         mode, (time.perf_counter() - started) * 1000, _editing(editing))
@@ -227,10 +233,14 @@ def _named_project(raw: str) -> Config:
 
 
 def _carried(purelib: Path) -> JoinedSelection | None:
-    from .carried import join_carried
+    from .carried import find_carried, join_carried
+
+    carried = find_carried(purelib)  # a scan of the dist-info names: the silent path's cost
+    if not carried:
+        return None
     from .catalog import load_catalog
 
-    return join_carried(purelib, load_catalog())
+    return join_carried(purelib, load_catalog(), carried)
 
 
 def _editing(files: set[str]) -> str:
