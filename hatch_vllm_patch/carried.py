@@ -27,11 +27,14 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from .errors import ConfigurationError
-from .record import GUARD_MODES
+from .record import GUARD_MODES, _Value
 from .trust import check_file
+
+# Import-light like record.py (whose slotted value class it uses): every vLLM process with no
+# record scans for carried selections.
 
 if TYPE_CHECKING:
     from .catalog import Catalog, Patch
@@ -48,15 +51,21 @@ _PATCH_FILES = ("patch.toml", "block.py", "classify.py", "probe.py")
 _MODE_ORDER = ("error", "apply", "warn", "off")
 
 
-class CarriedPatch(NamedTuple):
+class CarriedPatch(_Value):
+    """One patch of a carried selection: the block it selected, and why."""
+
+    _fields = ("id", "block_sha256", "why")
+    __slots__ = _fields
     id: str
     block_sha256: str
     why: tuple[str, ...]
 
 
-class CarriedSelection(NamedTuple):
+class CarriedSelection(_Value):
     """One installed distribution's carried selection."""
 
+    _fields = ("distribution", "version", "source", "guard", "patches")
+    __slots__ = _fields
     distribution: str
     version: str
     source: Path  # its selection.json
@@ -72,9 +81,11 @@ class CarriedSelection(NamedTuple):
         return self.source.parent / PATCHES_DIR
 
 
-class JoinedSelection(NamedTuple):
+class JoinedSelection(_Value):
     """The union of every carried selection, as a Config, and the block each may write."""
 
+    _fields = ("config", "blocks", "carriers")
+    __slots__ = _fields
     config: Config
     blocks: Mapping[str, str]  # patch id -> the block digest the wheel selected
     carriers: tuple[str, ...]  # "name version" of each distribution that carries one
@@ -125,17 +136,19 @@ def write_carried(directory: Path, name: str, version: str, config: Config,
 def find_carried(purelib: Path) -> tuple[CarriedSelection, ...]:
     """Every carried selection in ``purelib``'s dist-info folders, by distribution name;
     ConfigurationError for a damaged one, UntrustedPath for one that fails the ownership rule."""
-    try:
-        names = sorted(e.name for e in os.scandir(purelib) if e.name.endswith(".dist-info"))
+    base = str(purelib)
+    tail = os.path.join("extra_metadata", CARRIED_DIR, SELECTION_FILE)
+    try:  # strings, not Paths: every vLLM process with no record runs this (~150 dist-infos)
+        names = sorted(e.name for e in os.scandir(base) if e.name.endswith(".dist-info"))
     except OSError:
         return ()
     found = []
     for dist_info in names:
-        path = purelib / dist_info / "extra_metadata" / CARRIED_DIR / SELECTION_FILE
+        path = os.path.join(base, dist_info, tail)
         if not os.path.lexists(path):
             continue
         check_file(path, "a carried selection")
-        found.append(_parse(path))
+        found.append(_parse(Path(path)))
     return tuple(found)
 
 
