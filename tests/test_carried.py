@@ -5,6 +5,7 @@ project. Real hatchling builds, real venvs, the guard called as vLLM calls it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -218,6 +219,7 @@ RAY_DRIVER = textwrap.dedent("""\
 RAY_CLUSTER = textwrap.dedent("""\
     set -e
     ip link set lo up
+    cd "$RAY_TMP"  # Ray packs the driver's working directory for the workers otherwise
     trap '"$HEAD/ray" stop --force >/dev/null 2>&1 || true' EXIT
     common="--node-ip-address=127.0.0.1 --num-cpus=1 --object-store-memory=100000000"
     "$HEAD/ray" start --head --port=6379 $common --include-dashboard=false \\
@@ -226,6 +228,24 @@ RAY_CLUSTER = textwrap.dedent("""\
         >"$RAY_TMP/node2.log" 2>&1
     "$HEAD/python" "$RAY_TMP/driver.py"
     """)
+
+
+def _stop_ray_of(*folders: Path) -> None:
+    """Kill what is left of this test's cluster (the processes run from its environments or
+    its Ray folder) — never another Ray on the machine, as `ray stop` would."""
+    import signal
+
+    marks = [str(f) for f in folders]
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if any(mark in command for mark in marks):
+            with contextlib.suppress(OSError):
+                os.kill(int(entry.name), signal.SIGKILL)
 
 
 @pytest.mark.slow
@@ -271,10 +291,16 @@ def test_ray_second_node_heals_from_the_wheel(tmp_path: Path, project_wheel: Pat
         (ray_tmp / "driver.py").write_text(RAY_DRIVER)
         (ray_tmp / "cluster.sh").write_text(RAY_CLUSTER)
         env = {**scrubbed_environ(), "HEAD": str(head.parent), "NODE2": str(node2.parent),
-               "RAY_TMP": str(ray_tmp), "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+               "RAY_TMP": str(ray_tmp), "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0",
+               # Under `uv run` (as this suite runs) Ray would otherwise re-create the driver's
+               # uv environment on each node, from PyPI: the node must use its own environment.
+               "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
         env.pop("VLLM_PLUGINS", None)
-        proc = run_bounded(["unshare", "-n", "bash", str(ray_tmp / "cluster.sh")], timeout=1200,
-                           env=env)
+        try:
+            proc = run_bounded(["unshare", "-n", "bash", str(ray_tmp / "cluster.sh")],
+                               timeout=1200, env=env)
+        finally:
+            _stop_ray_of(tmp_path, ray_tmp)
         logs = "".join(p.read_text(errors="replace") for p in ray_tmp.glob("*.log"))
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
