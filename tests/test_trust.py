@@ -312,3 +312,31 @@ def test_a_record_another_user_wrote_is_not_acted_on(shared: Path, root_env: Pat
     assert stopped.returncode == 1 and "refuses the environment's record" in stopped.stderr
     assert not marker.exists() and core.read_bytes() == pristine
     assert json.loads((sp / RECORD).read_text()) == record
+
+
+def test_a_named_project_keeps_its_patch_folder_inside(tmp_path: Path) -> None:
+    """A project named by the operator (not by the user's command) may not point its patch-dir
+    outside itself; the user's own project may."""
+    from hatch_vllm_patch.catalog import load_catalog
+    from hatch_vllm_patch.config import load_project_config
+    from hatch_vllm_patch.errors import ConfigurationError
+
+    write_demo_catalog(tmp_path / "elsewhere")
+    project = tmp_path / "project"
+    project.mkdir()
+    for raw in ("../elsewhere", str(tmp_path / "elsewhere")):
+        (project / "pyproject.toml").write_text(
+            f'[tool.vllm-patch]\npatch-dir = "{raw}"\npatches = ["demo-fix"]\n')
+        with pytest.raises(ConfigurationError, match="leaves the project"):
+            load_project_config(project, load_catalog(), require_trust=True)
+        config = load_project_config(project, load_catalog())
+        assert config is not None and "demo-fix" in (config.catalog or {})
+
+
+def test_a_symlinked_record_is_refused(tmp_path: Path) -> None:
+    """The record itself passes the rule: a symlink in its place is refused."""
+    real = tmp_path / "real.json"
+    real.write_text("{}")
+    (tmp_path / RECORD).symlink_to(real)
+    with pytest.raises(UntrustedPath, match="a symlink"):
+        check_file(tmp_path / RECORD, "the environment's record")
