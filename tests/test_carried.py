@@ -192,11 +192,11 @@ RAY_DRIVER = textwrap.dedent("""\
         import logging, os, sys, sysconfig
         record = os.path.join(sysconfig.get_paths()["purelib"], ".hatch-vllm-patch.json")
         before = os.path.exists(record)
+        from vllm.plugins import load_general_plugins  # vLLM configures its logging here
         lines = []
         handler = logging.Handler()
         handler.emit = lambda r: lines.append(r.getMessage())
         logging.getLogger("vllm.hatch_vllm_patch").addHandler(handler)
-        from vllm.plugins import load_general_plugins
         load_general_plugins()
         import torch
         import vllm.v1.core.kv_cache_utils as k
