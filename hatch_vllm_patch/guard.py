@@ -140,7 +140,7 @@ def _check(logger: logging.Logger, override: str | None, started: float) -> None
             if mode != "off":
                 _guarded(logger, mode, why, lambda: _full_check(
                     logger, mode, started, why, _config_request(config, logger), None))
-            return
+        return  # the operator's choice replaces the carried selections (also when refused)
     joined = _guarded(logger, override or "error", "reading the carried selections",
                       lambda: _carried(purelib))
     if joined is not None:
