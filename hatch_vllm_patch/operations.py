@@ -99,8 +99,12 @@ class Request(NamedTuple):
         return bool(self.patches or self.architectures or self.models)
 
 
-def resolve(request: Request) -> tuple[Catalog, Config | None, Selection, InterpreterChoice]:
-    """The pure-ish front half shared by every operation and the build hook: no writes."""
+def resolve(request: Request, carried: bool = False
+            ) -> tuple[Catalog, Config | None, Selection, InterpreterChoice]:
+    """The pure-ish front half shared by every operation and the build hook: no writes.
+
+    ``carried``: with no ``[tool.vllm-patch]`` and nothing selected on the command line, select
+    what the distributions installed in the target carry (``carried.py``)."""
     catalog = request.catalog or load_catalog()
     project_dir = request.project_dir
     config = request.config
@@ -113,17 +117,48 @@ def resolve(request: Request) -> tuple[Catalog, Config | None, Selection, Interp
             catalog = catalog.merged(load_patch_folders(folder))
         except CatalogError as exc:
             raise ConfigurationError([f"{folder}: {exc}"]) from None
+    choice = choose_interpreter(project_dir, request.python, config.python if config else None)
+    if carried and config is None and not request.command_line_selection:
+        from .carried import join_carried
+
+        joined = join_carried(_purelib(choice), catalog)
+        if joined is not None:
+            config = joined.config
+            assert config.catalog is not None
+            catalog = config.catalog
     selection = select(catalog, config, patches=request.patches,
                        architectures=request.architectures, models=request.models)
-    choice = choose_interpreter(project_dir, request.python, config.python if config else None)
     return catalog, config, selection, choice
+
+
+def _purelib(choice: InterpreterChoice) -> Path:
+    """The target's site-packages, without the full probe (it needs the selection first)."""
+    from .environment import is_running_interpreter
+
+    if is_running_interpreter(choice.python):
+        import sysconfig
+
+        return Path(sysconfig.get_paths()["purelib"])
+    import subprocess
+
+    try:
+        proc = run_bounded([str(choice.python), "-c", "import sysconfig; "
+                            "print(sysconfig.get_paths()['purelib'])"], timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise TargetEnvironmentError(f"{choice.python} ({choice.reason}) cannot be run: {exc}"
+                                     ) from None
+    if proc.returncode != 0 or not proc.stdout.strip():
+        raise TargetEnvironmentError(f"{choice.python} ({choice.reason}) does not answer "
+                                     "where its site-packages are")
+    return Path(proc.stdout.strip().splitlines()[-1])
 
 
 def run(operation: str, request: Request) -> Report:
     """Carry out ``operation``; raise ConfigurationError / UsageError / TargetEnvironmentError."""
     if operation not in OPERATIONS:
         raise UsageError(f"unknown operation {operation!r}; expected one of {OPERATIONS}")
-    catalog, config, selection, choice = resolve(request)
+    catalog, config, selection, choice = resolve(
+        request, carried=operation in {"apply", "verify", "diff"})
     patches: Sequence[Patch] = selection.patches
     why = dict(selection.why)
     if not patches and operation in {"revert", "status"}:
@@ -554,6 +589,9 @@ class _Session:
             except MarkerError:
                 found = None
             block = found.declared_sha256 if found else None
+        # The block this apply selected, when none is in the file (not installed, not needed):
+        # the only block the guard may later heal it to.
+        block = block or patch.block_digest
         return SelectedPatch(
             id=patch.id, distribution=patch.target.distribution, module=patch.target.module,
             # "applied" whether written now or before: an apply with nothing to do must leave

@@ -160,7 +160,8 @@ class SelectedPatch(_Value):
     ok: bool
     file: str | None  # the target file, when it exists
     file_sha256: str | None  # its bytes after the apply
-    block_sha256: str | None  # our block's digest, when the block is in the file
+    block_sha256: str | None  # the block in the file, else the one apply selected (the guard
+    # heals to this block only)
     folder: str | None  # the patch folder (built-in catalog or the project's)
 
     def to_json(self) -> dict[str, Any]:

@@ -17,45 +17,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_BLOCK, pristine_environment, write_demo_catalog
+from conftest import DEMO_BLOCK, pristine_environment, vllm_like, write_demo_catalog
 from venvs import UV, create_venv, run, site_packages
 
 RECORD = ".hatch-vllm-patch.json"
 PATCH = "kv-cache-page-unification"
 
-# What vLLM does in each process: load the entry points of vllm.general_plugins and call them.
-# `pre` imports the target module first, as vLLM's engine core does before loading plugins.
-DEMO_PROCESS = textwrap.dedent("""\
-    import importlib.metadata, logging, sys
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format="%(levelname)s %(name)s: %(message)s")
-    if sys.argv[1:] == ["pre"]:
-        import demo_pkg.core
-    for ep in importlib.metadata.entry_points(group="vllm.general_plugins"):
-        ep.load()()
-    import demo_pkg.core
-    print("patched:", "_hvp_demo_original" in vars(demo_pkg.core))
-    """)
-
-
 @pytest.fixture
 def guarded(tmp_path: Path, demo_wheels: dict[str, Path], project_wheel: Path) -> Path:
     """A venv with demo-pkg 1.0.0 and hatch-vllm-patch (its guard entry point included)."""
     return create_venv(tmp_path / "venv", str(demo_wheels["1.0.0"]), str(project_wheel))
-
-
-def vllm_like(python: Path, cwd: Path, *args: str, mode: str | None = None,
-              catalog: Path | None = None) -> subprocess.CompletedProcess[str]:
-    program = cwd / "serve.py"
-    program.write_text(DEMO_PROCESS)
-    env = {k: v for k, v in os.environ.items()
-           if k not in {"HATCH_VLLM_PATCH_GUARD", "VIRTUAL_ENV", "HATCH_VLLM_PATCH_CATALOG"}}
-    if mode is not None:
-        env["HATCH_VLLM_PATCH_GUARD"] = mode
-    if catalog is not None:
-        env["HATCH_VLLM_PATCH_CATALOG"] = str(catalog)
-    return subprocess.run([str(python), str(program), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
 
 
 def cli_in(python: Path, *args: str, catalog: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -136,20 +107,141 @@ def test_silent_without_record_or_configuration(guarded: Path, tmp_path: Path) -
     assert not (site_packages(guarded.parent.parent) / RECORD).exists()
 
 
-def test_without_record_the_nearest_pyproject_decides(guarded: Path, tmp_path: Path) -> None:
-    """No apply ever ran here (pip, a Ray node): the [tool.vllm-patch] of the nearest
-    pyproject.toml above the working directory selects, and its guard mode applies."""
+PLANTED = '[tool.vllm-patch]\nguard = "{mode}"\n\n[tool.vllm-patch.architectures.DemoForCausalLM]\n'
+
+
+def test_working_directory_configuration_is_never_read(guarded: Path, tmp_path: Path) -> None:
+    """No record: a [tool.vllm-patch] in the working directory or above it (guard apply, error)
+    is not read: silent, nothing written; the project named by $HATCH_VLLM_PATCH_PROJECT is, and
+    a relative value is refused. (Before: the nearest pyproject.toml decided.)"""
     catalog = write_demo_catalog(tmp_path / "catalog")
+    sp = site_packages(guarded.parent.parent)
+    target = sp / "demo_pkg" / "core.py"
+    unpatched = target.read_bytes()
     project = tmp_path / "project"
     (project / "deep" / "inside").mkdir(parents=True)
-    (project / "pyproject.toml").write_text(
-        '[tool.vllm-patch]\nguard = "apply"\n\n[tool.vllm-patch.architectures.DemoForCausalLM]\n')
-    proc = vllm_like(guarded, project / "deep" / "inside", catalog=catalog)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "healed (demo-fix)" in proc.stdout and "patched: True" in proc.stdout
-    record = json.loads((site_packages(guarded.parent.parent) / RECORD).read_text())
+    for mode in ("apply", "error"):
+        (project / "pyproject.toml").write_text(PLANTED.format(mode=mode))
+        (project / "deep" / "pyproject.toml").write_text(PLANTED.format(mode=mode))
+        for cwd in (project, project / "deep" / "inside"):
+            proc = vllm_like(guarded, cwd, catalog=catalog)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            assert "hatch-vllm-patch" not in proc.stdout + proc.stderr
+            assert "patched: False" in proc.stdout
+    assert target.read_bytes() == unpatched and not (sp / RECORD).exists()
+
+    relative = vllm_like(guarded, tmp_path, catalog=catalog,
+                         env={"HATCH_VLLM_PATCH_PROJECT": "project"})
+    assert relative.returncode == 1 and "relative path" in relative.stderr
+    assert "Traceback" not in relative.stderr and target.read_bytes() == unpatched
+
+    (project / "deep" / "pyproject.toml").unlink()
+    (project / "pyproject.toml").write_text(PLANTED.format(mode="apply"))
+    named = vllm_like(guarded, tmp_path / "project" / "deep" / "inside", catalog=catalog,
+                      env={"HATCH_VLLM_PATCH_PROJECT": str(project)})
+    assert named.returncode == 0, named.stdout + named.stderr
+    assert "healed (demo-fix)" in named.stdout and "patched: True" in named.stdout
+    record = json.loads((sp / RECORD).read_text())
     assert record["selection"]["guard"] == "apply"
     assert [p["id"] for p in record["selection"]["patches"]] == ["demo-fix"]
+
+
+def test_heals_only_to_the_recorded_block(guarded: Path, tmp_path: Path,
+                                          demo_wheels: dict[str, Path]) -> None:
+    """A patch folder whose block changed since apply is not healed from: apply mode stops
+    with its own message and the command; the file stays as the reinstall left it."""
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    cli_in(guarded, "apply", "--patch", "demo-fix", catalog=catalog, cwd=tmp_path)
+    reinstall_demo(guarded, demo_wheels["1.0.0"])
+    target = site_packages(guarded.parent.parent) / "demo_pkg" / "core.py"
+    unpatched = target.read_bytes()
+    block = catalog / "demo-fix" / "block.py"
+    block.write_text(DEMO_BLOCK + "print('a block nobody applied')\n")
+    proc = vllm_like(guarded, tmp_path, mode="apply", catalog=catalog)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "its patch folder changed since it was selected" in proc.stderr
+    assert "heals only to the selected block" in proc.stderr
+    assert "python -m hatch_vllm_patch apply" in proc.stderr
+    assert "a block nobody applied" not in proc.stdout + proc.stderr
+    assert target.read_bytes() == unpatched
+    block.write_text(DEMO_BLOCK)
+    healed = vllm_like(guarded, tmp_path, mode="apply", catalog=catalog)
+    assert healed.returncode == 0 and "healed (demo-fix)" in healed.stdout
+
+
+def test_error_mode_fails_closed(guarded: Path, tmp_path: Path,
+                                 demo_wheels: dict[str, Path]) -> None:
+    """When the guard cannot establish that the patches are in place (the recorded patch folder
+    is gone, the lock is held past its timeout), error and apply stop with the reason, warn
+    logs it and goes on."""
+    import fcntl
+
+    project = tmp_path / "project"
+    write_demo_catalog(project / "vllm-patches")
+    (project / "pyproject.toml").write_text(PLANTED.format(mode="error"))
+    assert run([str(guarded), "-m", "hatch_vllm_patch", "apply"], cwd=project,
+               check=False).returncode == 0
+    reinstall_demo(guarded, demo_wheels["1.0.0"])
+    sp = site_packages(guarded.parent.parent)
+
+    fd = os.open(sp, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        waited = vllm_like(guarded, tmp_path, env={"HATCH_VLLM_PATCH_LOCK_TIMEOUT": "1"})
+    finally:
+        os.close(fd)
+    assert waited.returncode == 1, waited.stdout + waited.stderr
+    assert "cannot establish that this vLLM is patched" in waited.stderr
+    assert "lock" in waited.stderr and "Traceback" not in waited.stderr
+
+    moved = tmp_path / "moved"
+    (project / "vllm-patches").rename(moved)
+    for mode in (None, "apply"):
+        stopped = vllm_like(guarded, tmp_path, mode=mode)
+        assert stopped.returncode == 1, stopped.stdout + stopped.stderr
+        assert f"the recorded patch folder {project / 'vllm-patches'} is gone" in stopped.stderr
+        assert "patched:" not in stopped.stdout
+    warned = vllm_like(guarded, tmp_path, mode="warn")
+    assert warned.returncode == 0 and "patched: False" in warned.stdout
+    assert "WARNING vllm.hatch_vllm_patch: hatch-vllm-patch: cannot establish" in warned.stdout
+
+
+CLASSIFIER = """\
+import pathlib
+pathlib.Path({marker!r}).write_text("classify.py ran")
+
+
+def classify(source):
+    return ("known", "the demo shape") if "raise NotImplementedError" in source else \\
+        ("unknown", "not the demo shape")
+"""
+
+
+def test_guard_never_runs_classify(guarded: Path, tmp_path: Path,
+                                   demo_wheels: dict[str, Path]) -> None:
+    """The guard never imports a patch's classify.py: it heals a reinstalled file with the shape
+    check the record remembers, and calls a shape the record does not know unknown."""
+    marker = tmp_path / "classifier-ran"
+    project = tmp_path / "project"
+    folder = write_demo_catalog(project / "vllm-patches") / "demo-fix"
+    manifest = folder / "patch.toml"
+    text = manifest.read_text()
+    manifest.write_text(text[:text.index("shapes = ")] + 'classifier = "classify.py"\n')
+    (folder / "classify.py").write_text(CLASSIFIER.format(marker=str(marker)))
+    (project / "pyproject.toml").write_text(PLANTED.format(mode="apply"))
+    applied = run([str(guarded), "-m", "hatch_vllm_patch", "apply"], cwd=project, check=False)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    assert marker.exists(), "the CLI runs the project's classifier (the user asked for it)"
+    marker.unlink()
+
+    reinstall_demo(guarded, demo_wheels["1.0.0"])
+    healed = vllm_like(guarded, tmp_path)
+    assert healed.returncode == 0 and "healed (demo-fix)" in healed.stdout, healed.stderr
+    reinstall_demo(guarded, demo_wheels["2.0.0"])
+    unknown = vllm_like(guarded, tmp_path)
+    assert unknown.returncode == 1, unknown.stdout + unknown.stderr
+    assert "which the guard never runs" in unknown.stderr
+    assert not marker.exists(), "the guard imported classify.py"
 
 
 def test_revert_of_everything_clears_the_selection(guarded: Path, tmp_path: Path) -> None:
