@@ -184,7 +184,9 @@ def test_error_mode_fails_closed(guarded: Path, tmp_path: Path,
     reinstall_demo(guarded, demo_wheels["1.0.0"])
     sp = site_packages(guarded.parent.parent)
 
-    fd = os.open(sp, os.O_RDONLY)
+    from hatch_vllm_patch.files import lock_file_of
+
+    fd = os.open(lock_file_of(sp, sp), os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
         waited = vllm_like(guarded, tmp_path, env={"HATCH_VLLM_PATCH_LOCK_TIMEOUT": "1"})
