@@ -319,7 +319,9 @@ def _toml_text(value: str) -> str:
     """A prose value: wrapped over lines of at most 96 characters when it is long."""
     if len(value) <= 80 or "\n" in value:
         return _toml_string(value)
-    return _toml_string(textwrap.fill(value, 96))
+    # Break between words only: a hyphenated word ("vllm-patch") or a URL stays whole.
+    return _toml_string(textwrap.fill(value, 96, break_on_hyphens=False,
+                                      break_long_words=False))
 
 
 def render_manifest(patch_id: str, *, distribution: str, module: str, version: str,

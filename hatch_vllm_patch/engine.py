@@ -68,6 +68,7 @@ class Verdict(str, enum.Enum):
     """What happened to (or what is true of) one patch in one environment."""
 
     APPLIED = "applied"
+    WOULD_APPLY = "would-apply"  # diff: apply would write this
     ALREADY_APPLIED = "already-applied"
     REVERTED = "reverted"
     NOT_APPLIED = "not-applied"

@@ -12,9 +12,11 @@ Order of work, for every operation:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -63,7 +65,8 @@ _FINE = {
     "apply": {Verdict.APPLIED, Verdict.ALREADY_APPLIED, Verdict.NOT_NEEDED, Verdict.NOT_APPLICABLE},
     "verify": {Verdict.APPLIED, Verdict.NOT_NEEDED, Verdict.NOT_APPLICABLE},
     "revert": {Verdict.REVERTED, Verdict.NOT_APPLIED, Verdict.NOT_INSTALLED},
-    "diff": {Verdict.APPLIED, Verdict.ALREADY_APPLIED, Verdict.NOT_NEEDED, Verdict.NOT_APPLICABLE},
+    "diff": {Verdict.WOULD_APPLY, Verdict.ALREADY_APPLIED, Verdict.NOT_NEEDED,
+             Verdict.NOT_APPLICABLE},
     "status": set(Verdict),  # informational
 }
 
@@ -82,19 +85,31 @@ class Request(NamedTuple):
     extra_patch_dirs: tuple[Path, ...] = ()  # project patch folders to merge (the guard's record)
     in_process: bool = True  # inspect the running interpreter in this process when it is the target
     on_wait: Callable[[str], None] | None = None
+    # Called with each file written, right after the write and before Ctrl-C can strike again
+    # (the CLI says what was written when it is interrupted).
+    on_write: Callable[[Path], None] | None = None
 
     @property
     def command_line_selection(self) -> bool:
         return bool(self.patches or self.architectures or self.models)
 
 
-def resolve(request: Request) -> tuple[Catalog, Config | None, Selection, InterpreterChoice]:
-    """The pure-ish front half shared by every operation and the build hook: no writes."""
+def resolve(request: Request, config_problems: list[str] | None = None
+            ) -> tuple[Catalog, Config | None, Selection, InterpreterChoice]:
+    """The pure-ish front half shared by every operation and the build hook: no writes.
+
+    ``config_problems``: when given, an unusable pyproject.toml is described there and treated
+    as no configuration (``revert``, the way out, must not depend on it)."""
     catalog = request.catalog or load_catalog()
     project_dir = request.project_dir
     config = request.config
     if config is None and project_dir is not None:
-        config = load_project_config(project_dir, catalog)
+        try:
+            config = load_project_config(project_dir, catalog)
+        except ConfigurationError as exc:
+            if config_problems is None:
+                raise
+            config_problems += exc.errors
     if config is not None and config.catalog is not None:
         catalog = config.catalog
     for folder in request.extra_patch_dirs:
@@ -112,7 +127,9 @@ def run(operation: str, request: Request) -> Report:
     """Carry out ``operation``; raise ConfigurationError / UsageError / TargetEnvironmentError."""
     if operation not in OPERATIONS:
         raise UsageError(f"unknown operation {operation!r}; expected one of {OPERATIONS}")
-    catalog, config, selection, choice = resolve(request)
+    problems: list[str] = []
+    catalog, config, selection, choice = resolve(
+        request, problems if operation == "revert" else None)
     patches: Sequence[Patch] = selection.patches
     why = dict(selection.why)
     if not patches and operation in {"revert", "status"}:
@@ -128,22 +145,35 @@ def run(operation: str, request: Request) -> Report:
         queries[_REGISTRY.module] = _REGISTRY
     env = inspect_environment(choice, queries.values(), in_process=request.in_process)
     notes = list(selection.notes)
+    if problems:
+        pyproject = (request.project_dir or Path.cwd()) / "pyproject.toml"
+        notes.append(f"{pyproject} is not a usable configuration ({'; '.join(problems)}): "
+                     "reverting without it")
     known = (registered_architectures(env.modules[_REGISTRY.module].file)
              if selection.architectures else None)
     typos = unknown_architecture_notes(selection.architectures, known) if known else []
+    if not patches and typos:
+        # The misspelt name is why nothing is selected: it is the headline, not a note.
+        if request.command_line_selection or config is None:
+            raise UsageError(f"--architecture: {typos[0]}",
+                             [*typos[1:], *notes, "no patches selected"])
+        raise ConfigurationError([f"tool.vllm-patch.architectures: {t}" for t in typos],
+                                 str(config.source), notes)
     notes += typos
     if not patches:
-        if (config is None and not request.command_line_selection) or typos:
-            raise UsageError("\n".join([
+        if config is None and not request.command_line_selection:
+            raise UsageError(
                 "no patches selected: add [tool.vllm-patch] to pyproject.toml "
                 f"(in {request.project_dir or Path.cwd()}), or pass --patch ID, "
-                "--architecture NAME or --model DIR",
-                *(f"note: {n}" for n in notes),
-            ]))
+                "--architecture NAME or --model DIR", notes)
         where = (f"[tool.vllm-patch] in {config.source}" if config and not
                  request.command_line_selection else "the command line")
         notes.append(f"{where} selects no patch for what it serves: nothing to do")
 
+    if operation in {"verify", "status"}:
+        notes += _guard_disabled_notes(os.environ)
+    if operation == "apply" and request.patches:
+        notes += _how_to_select(request, catalog, config)
     session = _Session(operation, request, catalog, config, env, tuple(patches), why)
     outcomes, errors = session.carry_out()
     notes += session.notes
@@ -271,7 +301,7 @@ class _Session:
         diff = None
         if op == "diff" and plan.new_content is not None and facts.content is not None:
             diff = _unified_diff(path, self.env, facts.content, plan.new_content)
-            plan = plan._replace(reason=f"would apply: {plan.reason}")
+            plan = plan._replace(verdict=Verdict.WOULD_APPLY, reason=f"would apply: {plan.reason}")
         elif op in _WRITES and plan.new_content is not None:
             plan = self.write(plan, path, patch.target.distribution, facts)
         if op == "apply" and plan.verdict in {Verdict.APPLIED, Verdict.ALREADY_APPLIED}:
@@ -322,7 +352,10 @@ class _Session:
         assert plan.new_content is not None and facts.content is not None
         try:
             remove_stale_temps(path.parent)
-            write_atomic(path, plan.new_content)
+            with _no_interrupt():  # the write and the word of it, together
+                write_atomic(path, plan.new_content)
+                if self.request.on_write is not None:
+                    self.request.on_write(path)
         except OSError as exc:
             return Plan(Verdict.ERROR, f"could not write {path}: {exc.strerror or exc}; "
                                        "the file was left as it was")
@@ -424,7 +457,10 @@ class _Session:
         path = self.env.purelib / ".hatch-vllm-patch.json"
         try:
             remove_stale_temps(self.env.purelib)
-            write_atomic(path, new.render())
+            with _no_interrupt():
+                write_atomic(path, new.render())
+                if self.request.on_write is not None:
+                    self.request.on_write(path)
         except OSError as exc:
             problem = f"could not save the environment's record {path}: {exc.strerror or exc}"
             if not self.wrote_targets:
@@ -483,6 +519,52 @@ class _Session:
             block_sha256=block, folder=str(patch.folder))
 
 
+@contextlib.contextmanager
+def _no_interrupt() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) back for the duration: it arrives right after, so a write and its
+    report to ``Request.on_write`` are never parted. Only the main thread can do this."""
+    import signal
+    import threading
+
+    mask = getattr(signal, "pthread_sigmask", None)
+    if mask is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = mask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        mask(signal.SIG_SETMASK, old)
+
+
+GUARD_ENTRY_POINT = "hatch_vllm_patch"  # our name in vllm.general_plugins (pyproject.toml)
+
+
+def _guard_disabled_notes(environ: Mapping[str, str]) -> list[str]:
+    """vLLM loads only the general plugins that ``VLLM_PLUGINS`` names when it is set (a comma
+    list of entry-point names; empty: none): say so when the guard is not among them."""
+    value = environ.get("VLLM_PLUGINS")
+    if value is None or GUARD_ENTRY_POINT in value.split(","):
+        return []
+    which = "is empty, so vLLM loads no plugin" if not value else \
+        f"does not name {GUARD_ENTRY_POINT}"
+    return [f"VLLM_PLUGINS={value!r} {which}: vLLM processes started with it skip the guard "
+            f"(add {GUARD_ENTRY_POINT} to the list, or unset it)"]
+
+
+def _how_to_select(request: Request, catalog: Catalog, config: Config | None) -> list[str]:
+    """``apply --patch ID`` of a patch the project does not select: how to keep it selected
+    (the guard and the next apply from the project follow the project's configuration)."""
+    chosen = {p.id for p in select(catalog, config).patches} if config else set()
+    extra = [pid for pid in request.patches if pid not in chosen]
+    if not extra:
+        return []
+    where = config.source if config else (request.project_dir or Path.cwd()) / "pyproject.toml"
+    listed = ", ".join(f'"{pid}"' for pid in extra)
+    return [f"--patch selects for this run only; to keep {', '.join(extra)} selected, add it to "
+            f"[tool.vllm-patch] in {where}: patches = [{listed}]"]
+
+
 def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: FileFacts
                ) -> str | None:
     target, python = patch.target.distribution, env.python
@@ -520,8 +602,7 @@ def _deep(outcome: PatchOutcome, catalog: Catalog, env: TargetEnvironment) -> Pa
         return outcome._replace(reason=f"{outcome.reason}; no deep probe for this patch")
     passed, detail = run_probe(patch, env)
     if passed is None:
-        return outcome._replace(reason=f"{outcome.reason}; deep probe could not run on this "
-                                        f"machine: {detail}")
+        return outcome._replace(reason=f"{outcome.reason}; deep probe could not run {detail}")
     if passed:
         return outcome._replace(reason=f"{outcome.reason}; deep probe passed: {detail}")
     return outcome._replace(verdict=Verdict.ERROR, ok=False,
@@ -535,7 +616,10 @@ PROBE_TIMEOUT = 900.0
 
 def run_probe(patch: Patch, env: TargetEnvironment) -> tuple[bool | None, str]:
     """Run the patch's deep probe in the target interpreter: (passed, detail); passed is None
-    when the probe says it cannot run on this machine (``{"skipped": reason}``)."""
+    when the probe says it cannot run on this machine (``{"skipped": reason}``), or stopped
+    on a module the target lacks that is not the patched distribution's (torch in a
+    ``--no-deps`` vLLM): the probe cannot tell anything there, which is no failure of the
+    patch. The detail then says where it could not run ("on this machine: ...")."""
     import subprocess
 
     assert patch.probe_path is not None
@@ -550,11 +634,22 @@ def run_probe(patch: Patch, env: TargetEnvironment) -> tuple[bool | None, str]:
         except ValueError:
             continue
         if isinstance(data, dict) and isinstance(data.get("skipped"), str):
-            return None, data["skipped"]
+            return None, f"on this machine: {data['skipped']}"
         if isinstance(data, dict) and "ok" in data:
             return bool(data["ok"]) and proc.returncode == 0, str(data.get("detail", ""))
     tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    missing = _MISSING_MODULE.match(tail)
+    own = {patch.target.module.split(".")[0], *(m.split(".")[0] for m in patch.fixed_modules)}
+    if missing and missing.group(1).split(".")[0] not in own:
+        name = missing.group(1).split(".")[0]
+        return None, (f"in this environment: {tail.split(': ', 1)[1]} ({name} is not "
+                      f"installed in {env.python}, e.g. a --no-deps install); the markers "
+                      "and digests were checked")
     return False, f"probe exited {proc.returncode} without a verdict: {tail}"
+
+
+_MISSING_MODULE = re.compile(r"^(?:ModuleNotFoundError|ImportError): No module named "
+                             r"'([\w.]+)'")
 
 
 def _unified_diff(path: Path, env: TargetEnvironment, old: bytes, new: bytes) -> str:
