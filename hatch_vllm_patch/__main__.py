@@ -4,9 +4,7 @@ The command line's modules are imported inside :func:`entry`, so that Ctrl-C whi
 (the first tens of milliseconds) is one line and exit 130 as well, not a traceback.
 """
 
-from __future__ import annotations
-
-import sys
+import sys  # built in, already loaded: nothing runs (and no ``from __future__``, on purpose)
 
 
 def entry() -> int:

@@ -410,11 +410,38 @@ def _check_new_id(patch_id: str, request: Request) -> _NewPatch:
 def _module_of(env: TargetEnvironment, module: str) -> tuple[Path, str, str]:
     location = env.modules[module]
     if location.file is None:
-        raise UsageError(f"{module}: no such module file in {env.python} ({env.reason}); "
-                         "give a module of an installed distribution, e.g. "
-                         "vllm.v1.core.kv_cache_utils")
+        raise UsageError(f"{module}: no such module file in {env.python} ({env.reason})"
+                         f"{_close_modules(module, location.package_dir)}; give a module of an "
+                         "installed distribution, e.g. vllm.v1.core.kv_cache_utils")
     distribution = location.distribution or "unknown"
     return location.file, distribution, env.version_of(distribution) or "unknown"
+
+
+def _close_modules(module: str, package_dir: Path | None) -> str:
+    """" (did you mean ...?)" with the installed modules closest to a misspelt ``module``: its
+    deepest existing package is searched for the first part that is not there."""
+    import difflib
+
+    if package_dir is None:
+        return ""
+    top, *rest = module.split(".")
+    here, found = package_dir, [top]
+    for i, part in enumerate(rest):
+        if (here / part).is_dir():
+            here, found = here / part, [*found, part]
+            continue
+        if i == len(rest) - 1 and (here / f"{part}.py").is_file():
+            return ""  # it is there: a package without the module file asked for
+        try:
+            names = sorted({p.stem for p in here.iterdir()
+                            if p.suffix == ".py" or (p / "__init__.py").is_file()} - {"__init__"})
+        except OSError:
+            return ""
+        close = difflib.get_close_matches(part, names, n=3)
+        tail = ".".join(rest[i + 1:])
+        guesses = [".".join([*found, c, *([tail] if tail else [])]) for c in close]
+        return f" (did you mean {' or '.join(guesses)}?)" if guesses else ""
+    return ""
 
 
 def _inspect(request: Request, module: str, choice: InterpreterChoice | None = None

@@ -332,3 +332,99 @@ def test_deep_probe_that_cannot_import_its_dependencies_passes(tmp_path: Path,
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "torch_that_is_not_installed" in proc.stdout and "revert" not in proc.stdout
     assert "deep probe could not run in this environment" in proc.stdout
+
+
+def test_misspelt_module_and_symbol_get_close_matches(tmp_path: Path, demo_venv: Path,
+                                                      demo_catalog: Path) -> None:
+    """edit / new name the installed modules and functions closest to a misspelt one."""
+    project = tmp_path / "serve"
+    project.mkdir()
+    (project / "pyproject.toml").write_text("[tool.vllm-patch]\n")
+    proc = cli("edit", "demo_pkg.cor", "--python", str(demo_venv), cwd=project,
+               catalog=demo_catalog)
+    assert proc.returncode == 2 and "(did you mean demo_pkg.core?)" in proc.stderr, proc.stderr
+    proc = cli("new", "my-fix", "--target", "demo_pkg.core:comput", "--python",
+               str(demo_venv), cwd=project, catalog=demo_catalog)
+    assert proc.returncode == 2 and "(did you mean compute?)" in proc.stderr, proc.stderr
+
+
+# --- Ctrl-C -------------------------------------------------------------------------------------
+
+CTRL_C_RUNS = 200  # about 40 s on 2 busy cores: each run is one `vllm-patch apply` (~0.15 s)
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_random_moments_of_apply(tmp_path: Path, project_wheel: Path) -> None:
+    """Real SIGINTs at random moments of `vllm-patch apply` (the console script) on vLLM
+    0.16.0's real files: exit 130 with one line and no traceback, the file original or fully
+    patched, "nothing was written" only when nothing was, else the files named."""
+    import os
+    import random
+    import signal
+    import statistics
+    import subprocess
+    import time
+
+    from venvs import UV, release_venv, run
+
+    python = release_venv(tmp_path / "venv", "vllm", "0.16.0")
+    run([UV, "pip", "install", "--quiet", "--python", str(python), str(project_wheel)])
+    script = str(python.parent / "vllm-patch")
+    sp = site_packages(tmp_path / "venv")
+    target = sp / "vllm" / "v1" / "core" / "kv_cache_utils.py"
+    record = sp / ".hatch-vllm-patch.json"
+    original = target.read_bytes()
+    command = [script, "apply", "--patch", "kv-cache-page-unification"]
+
+    def restore() -> None:
+        scratch = target.with_name(".restore.tmp")
+        scratch.write_bytes(original)
+        os.replace(scratch, target)
+        record.unlink(missing_ok=True)
+
+    durations = []
+    for _ in range(3):
+        start = time.monotonic()
+        run(command, cwd=tmp_path)
+        durations.append(time.monotonic() - start)
+        patched = target.read_bytes()
+        restore()
+    assert patched != original
+    # Before the package's first line runs, CPython is starting and looking for it: a SIGINT
+    # there is CPython's own (README, "The command line"); the draws start after it.
+    startup = []
+    for _ in range(5):
+        start = time.monotonic()
+        run([str(python), "-c", "import hatch_vllm_patch.__main__"])
+        startup.append(time.monotonic() - start)
+    first, last = max(startup) * 1.5, statistics.median(durations) * 1.2
+    rng = random.Random(16)
+    seen: dict[str, int] = {"finished": 0, "nothing written": 0, "after writing": 0}
+    for i in range(CTRL_C_RUNS):
+        delay = rng.uniform(first, last)
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=tmp_path)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        content = target.read_bytes()
+        where = f"run {i}, SIGINT after {delay * 1000:.1f} ms: exit {proc.returncode}\n{err}"
+        assert "Traceback" not in err + out, where
+        assert content in (original, patched), where
+        if proc.returncode == 0:  # the work was done before the signal (or was being printed)
+            assert content == patched and out.rstrip().endswith("OK"), where
+            seen["finished"] += 1
+        else:
+            assert proc.returncode == 130 and out == "" and err.count("\n") == 1, where
+            if err == "vllm-patch: interrupted; nothing was written\n":
+                assert content == original and not record.exists(), where
+                seen["nothing written"] += 1
+            else:
+                assert err.startswith("vllm-patch: interrupted after writing "), where
+                named = err.split(" after writing ", 1)[1]
+                assert (str(target) in named) == (content == patched), where
+                assert (str(record) in named) == record.exists(), where
+                seen["after writing"] += 1
+        restore()
+    print(f"{CTRL_C_RUNS} SIGINTs between {first * 1000:.0f} and {last * 1000:.0f} ms: {seen}")
+    assert seen["nothing written"] and seen["after writing"], seen
