@@ -636,20 +636,34 @@ def run_probe(patch: Patch, env: TargetEnvironment) -> tuple[bool | None, str]:
         if isinstance(data, dict) and isinstance(data.get("skipped"), str):
             return None, f"on this machine: {data['skipped']}"
         if isinstance(data, dict) and "ok" in data:
-            return bool(data["ok"]) and proc.returncode == 0, str(data.get("detail", ""))
+            passed = bool(data["ok"]) and proc.returncode == 0
+            detail = str(data.get("detail", ""))
+            missing = None if passed else _missing_module(detail, patch, env)
+            return (None, missing) if missing else (passed, detail)
     tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    missing = _MISSING_MODULE.match(tail)
-    own = {patch.target.module.split(".")[0], *(m.split(".")[0] for m in patch.fixed_modules)}
-    if missing and missing.group(1).split(".")[0] not in own:
-        name = missing.group(1).split(".")[0]
-        return None, (f"in this environment: {tail.split(': ', 1)[1]} ({name} is not "
-                      f"installed in {env.python}, e.g. a --no-deps install); the markers "
-                      "and digests were checked")
+    missing = _missing_module(tail, patch, env)
+    if missing:
+        return None, missing
     return False, f"probe exited {proc.returncode} without a verdict: {tail}"
 
 
-_MISSING_MODULE = re.compile(r"^(?:ModuleNotFoundError|ImportError): No module named "
-                             r"'([\w.]+)'")
+_MISSING_MODULE = re.compile(r"^(?:ModuleNotFoundError|ImportError): (No module named "
+                             r"'([\w.]+)')")
+
+
+def _missing_module(text: str, patch: Patch, env: TargetEnvironment) -> str | None:
+    """Where a probe stopped on a module the target lacks, outside the patched distribution's
+    own packages (torch in a ``--no-deps`` vLLM): why it could not run, else None."""
+    missing = _MISSING_MODULE.match(text.strip())
+    if missing is None:
+        return None
+    name = missing.group(2).split(".")[0]
+    own = {patch.target.module.split(".")[0], *(m.split(".")[0] for m in patch.fixed_modules)}
+    if name in own:
+        return None
+    return (f"in this environment: {missing.group(1)} ({name} is not installed in "
+            f"{env.python}, e.g. a --no-deps install; install it to run the probe); the "
+            "markers and digests were checked")
 
 
 def _unified_diff(path: Path, env: TargetEnvironment, old: bytes, new: bytes) -> str:
