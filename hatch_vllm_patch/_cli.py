@@ -117,6 +117,8 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
         if only is not None and name != only:
             continue
         p = sub.add_parser(name, parents=[where], help=text, description=text)
+        p.add_argument("--json", action="store_true",
+                       help="print one machine-readable JSON object")
         if name == "edit":
             p.add_argument("module", metavar="MODULE", help="e.g. vllm.v1.core.kv_cache_utils")
             p.add_argument("--discard", action="store_true",
@@ -235,21 +237,25 @@ def _failure(exc: Exception) -> _Failure:
     return _Failure(EXIT_FAILED, (str(exc),))
 
 
-def _document(operation: str | None, code: int, report: Report | None,
-              failure: _Failure | None, project: Path | None) -> dict[str, object]:
+def _document(operation: str | None, outcome: _Outcome, project: Path | None
+              ) -> dict[str, object]:
     """The ``--json`` object: one schema (schema/output.schema.json) for every outcome."""
+    report, failure = outcome.report, outcome.failure
     doc: dict[str, object] = {"schema": SCHEMA_VERSION, "operation": operation,
-                              "exit_code": code, "ok": code == EXIT_OK}
+                              "exit_code": outcome.code, "ok": outcome.code == EXIT_OK}
     if report is not None:
         body = report.to_json()
         for key in ("operation", "ok"):
             body.pop(key, None)
         doc.update(body)
-        return doc
-    assert failure is not None
-    doc.update(project=str(project) if project else None, config=failure.config,
-               environment=None, patches=[], notes=list(failure.notes),
-               errors=list(failure.errors))
+        doc["notes"] = [*report.notes, *outcome.notes]
+    else:
+        doc.update(project=str(project) if project else None,
+                   config=failure.config if failure else None, environment=None, patches=[],
+                   notes=[*(failure.notes if failure else ()), *outcome.notes],
+                   errors=list(failure.errors) if failure else [])
+    if outcome.result is not None:
+        doc["result"] = outcome.result
     return doc
 
 
@@ -275,6 +281,8 @@ class _Outcome(NamedTuple):
     code: int
     report: Report | None = None
     failure: _Failure | None = None
+    result: dict[str, object] | None = None  # edit / create / new / check: what they made
+    notes: tuple[str, ...] = ()  # besides the report's
 
 
 def _finish(outcome: _Outcome, operation: str | None, *, as_json: bool, short: bool = False,
@@ -285,7 +293,7 @@ def _finish(outcome: _Outcome, operation: str | None, *, as_json: bool, short: b
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     report, failure = outcome.report, outcome.failure
     if as_json:
-        doc = _document(operation, outcome.code, report, failure, project)
+        doc = _document(operation, outcome, project)
         _write(lambda: print(json.dumps(doc, indent=2)))
     elif report is not None:
         _write(lambda: (_print_short if short else _print_report)(report, sys.stdout))
@@ -400,8 +408,19 @@ def _author(args: argparse.Namespace, request: Request) -> int:
     """edit / create / new / check (imported only for them)."""
     from . import authoring
 
+    def as_json(code: int, result: dict[str, object], notes: Sequence[str] = (),
+                report: Report | None = None) -> int:
+        return _finish(_Outcome(code, report=report, result=result, notes=tuple(notes)),
+                       args.operation, as_json=True, project=request.project_dir)
+
     if args.operation == "edit":
         edited = authoring.edit(request, args.module, discard=args.discard)
+        if args.json:
+            state = ("discarded" if edited.discarded else "already-open" if edited.already
+                     else "open")
+            return as_json(EXIT_OK, {"module": edited.module, "file": str(edited.file),
+                                     "version": edited.version, "state": state,
+                                     "removed": list(edited.removed)}, edited.notes)
         for note in edited.notes:
             _notice(f"note: {note}")
         if edited.discarded:
@@ -417,7 +436,16 @@ def _author(args: argparse.Namespace, request: Request) -> int:
     if args.operation == "create":
         made = authoring.create(request, args.patch_id, module=args.module,
                                 summary=args.summary, why=args.why, removal=args.removal,
-                                fixed_in=args.fixed_in, ask=authoring.interactive_ask())
+                                fixed_in=args.fixed_in,
+                                ask=None if args.json else authoring.interactive_ask())
+        code = EXIT_OK if made.report is None or made.report.ok else EXIT_FAILED
+        if args.json:
+            return as_json(code, {
+                "folder": str(made.folder), "module": made.module, "diff": made.diff,
+                "changes": [{"symbol": c.symbol, "added": c.added} for c in made.changes],
+                "warnings": list(made.warnings)}, [
+                *made.notes, f"select it in [tool.vllm-patch] patches = [\"{made.folder.name}\"] "
+                "(unless it is), commit the folder"], made.report)
 
         def show() -> None:
             out = sys.stdout
@@ -437,17 +465,25 @@ def _author(args: argparse.Namespace, request: Request) -> int:
                   f"[\"{made.folder.name}\"] (unless it is), commit the folder", file=out)
 
         _write(show)
-        return EXIT_OK if made.report is None or made.report.ok else EXIT_FAILED
+        return code
     if args.operation == "new":
         folder = authoring.new(request, args.patch_id, args.target)
+        advice = (f"edit {folder / 'block.py'} (the wrapper) and the TODOs of patch.toml, then "
+                  "`vllm-patch check` and `vllm-patch apply --patch " + args.patch_id + "`; "
+                  f"to keep it applied, select it in [tool.vllm-patch] of "
+                  f"{request.project_dir or Path.cwd()}/pyproject.toml: "
+                  f"patches = [\"{args.patch_id}\"]")
+        if args.json:
+            return as_json(EXIT_OK, {"folder": str(folder)}, [advice])
         _write(lambda: print(folder))
-        _notice(f"edit {folder / 'block.py'} (the wrapper) and the TODOs of patch.toml, then "
-                "`vllm-patch check` and `vllm-patch apply --patch " + args.patch_id + "`; "
-                f"to keep it applied, select it in [tool.vllm-patch] of "
-                f"{request.project_dir or Path.cwd()}/pyproject.toml: "
-                f"patches = [\"{args.patch_id}\"]")
+        _notice(advice)
         return EXIT_OK
     results = authoring.check(request, list(args.folders))
+    code = EXIT_OK if all(r.ok for r in results) else EXIT_FAILED
+    if args.json:
+        return as_json(code, {"folders": [
+            {"folder": str(r.folder), "ok": r.ok, "errors": list(r.errors),
+             "warnings": list(r.warnings), "info": list(r.info)} for r in results]})
 
     def show_checks() -> None:
         for result in results:
@@ -462,4 +498,4 @@ def _author(args: argparse.Namespace, request: Request) -> int:
         print(f"vllm-patch check: {len(results) - failed} ok, {failed} failed")
 
     _write(show_checks)
-    return EXIT_OK if all(r.ok for r in results) else EXIT_FAILED
+    return code

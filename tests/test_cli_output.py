@@ -473,3 +473,33 @@ def test_ctrl_c_at_random_moments_of_apply(tmp_path: Path, nodeps_vllm: Path) ->
     run([script, "revert"], cwd=tmp_path)
     print(f"{CTRL_C_RUNS} SIGINTs between {first * 1000:.0f} and {last * 1000:.0f} ms: {seen}")
     assert seen["nothing written"] and seen["after writing"], seen
+
+
+def test_authoring_commands_json_matches_the_schema(tmp_path: Path, demo_venv: Path,
+                                                    demo_catalog: Path, validator: Any) -> None:
+    """edit / create / new / check --json: the same schema, with what each made in `result`;
+    their failures too."""
+    project = tmp_path / "serve"
+    project.mkdir()
+    (project / "pyproject.toml").write_text("[tool.vllm-patch]\n")
+    python = str(demo_venv)
+
+    def run(*args: str) -> dict[str, Any]:
+        return json_run(validator, *args, "--python", python, catalog=demo_catalog, cwd=project)
+
+    doc = run("new", "my-wrap", "--target", "demo_pkg.core:compute")
+    folder = project / "vllm-patches" / "my-wrap"
+    assert doc["exit_code"] == 0 and doc["result"] == {"folder": str(folder)}
+    assert 'patches = ["my-wrap"]' in doc["notes"][0]
+    doc = run("check")
+    assert [f["folder"] for f in doc["result"]["folders"]] == [str(folder)]
+    doc = run("edit", "demo_pkg.core")
+    assert doc["result"]["state"] == "open" and doc["exit_code"] == 0
+    module = Path(doc["result"]["file"])
+    module.write_text(module.read_text().replace('return "untouched"', 'return "touched"'))
+    doc = run("create", "touch", "--summary", "touch other()", "--why", "a test")
+    assert doc["exit_code"] == 0 and doc["result"]["changes"] == [
+        {"symbol": "other", "added": False}], doc
+    assert {p["id"]: p["verdict"] for p in doc["patches"]}["touch"] == "applied"
+    assert run("edit", "demo_pkg.cor")["exit_code"] == 2
+    assert run("new", "Bad_Id", "--target", "demo_pkg.core:compute")["exit_code"] == 2
