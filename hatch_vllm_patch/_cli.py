@@ -318,8 +318,9 @@ def interrupted_message(written: Sequence[Path], authoring: bool = False) -> str
     """The one line of a Ctrl-C: what was written before it, or that nothing was."""
     if written:
         files = ", ".join(dict.fromkeys(str(p) for p in written))
-        return (f"vllm-patch: interrupted after writing {files} (each file whole: written "
-                "atomically); run the command again to finish")
+        more = " and maybe files of the patch folder" if authoring else ""
+        return (f"vllm-patch: interrupted after writing {files}{more} (each file whole: "
+                "written atomically); run the command again to finish")
     if authoring:
         return ("vllm-patch: interrupted; any file it wrote is whole (written atomically): "
                 "run the command again")

@@ -555,7 +555,10 @@ def _guard_disabled_notes(environ: Mapping[str, str]) -> list[str]:
 def _how_to_select(request: Request, catalog: Catalog, config: Config | None) -> list[str]:
     """``apply --patch ID`` of a patch the project does not select: how to keep it selected
     (the guard and the next apply from the project follow the project's configuration)."""
-    chosen = {p.id for p in select(catalog, config).patches} if config else set()
+    try:
+        chosen = {p.id for p in select(catalog, config).patches} if config else set()
+    except (ConfigurationError, UsageError):  # a model of the table unreadable: said elsewhere
+        chosen = set()
     extra = [pid for pid in request.patches if pid not in chosen]
     if not extra:
         return []
