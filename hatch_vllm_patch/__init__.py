@@ -11,13 +11,14 @@ The names are imported on first use: the guard that vLLM loads in every process 
 package, and must not pay for the engine unless it needs it.
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
-
+# No import runs here at all (not even ``from __future__``): ``vllm-patch`` imports this package
+# before its own code can catch Ctrl-C, so the less happens here, the smaller that window.
+TYPE_CHECKING = False
 __version__ = "0.2.0"
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from .engine import Verdict
     from .errors import (
         CatalogError,
@@ -55,7 +56,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> "Any":
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

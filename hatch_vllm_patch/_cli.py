@@ -1,7 +1,10 @@
 """The command line: argparse, printing and exit codes — and nothing else prints or exits.
 
 Exit codes: 0 every selected patch is applied or not needed; 1 something is missing, stale,
-refused or failed; 2 usage or configuration error.
+refused or failed; 2 usage or configuration error; 130 interrupted (Ctrl-C).
+
+Every outcome, success or failure, is rendered here in one place (:func:`_finish`): as text, or
+with ``--json`` as one object of the schema in ``schema/output.schema.json``.
 """
 
 from __future__ import annotations
@@ -9,12 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TextIO
+from typing import NamedTuple, NoReturn, TextIO
 
 from . import __version__
 from .errors import (
@@ -22,12 +26,15 @@ from .errors import (
     ConfigurationError,
     InterpreterNotFoundError,
     TargetEnvironmentError,
+    UnusableInterpreterError,
     UsageError,
 )
 from .operations import Request, run
 from .report import PatchOutcome, Report
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+# The version of the --json document (schema/output.schema.json); raised on incompatible change.
+SCHEMA_VERSION = 1
 
 _HELP = {
     "apply": "patch the target environment (idempotent)",
@@ -48,30 +55,48 @@ _AUTHORING = {
 }
 
 
+class _ArgumentError(Exception):
+    """A command line argparse rejects; rendered by :func:`_finish` like every other outcome."""
+
+    def __init__(self, message: str, usage: str) -> None:
+        super().__init__(message)
+        self.usage = usage
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing and exiting, so that ``--json`` gets JSON."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _ArgumentError(f"{self.prog}: {message}", self.format_usage().strip())
+
+
 def _parser(only: str | None = None) -> argparse.ArgumentParser:
     """The command line. With ``only`` (the command given) just that command's parser is built:
     argparse looks up translations for every help text it adds, which made building all nine
     a tenth of a ``verify``."""
-    where = argparse.ArgumentParser(add_help=False)
+    where = _Parser(add_help=False)
     where.add_argument("--python", metavar="PATH",
                        help="target interpreter or environment directory "
                             "(default: [tool.vllm-patch] python, $UV_PROJECT_ENVIRONMENT, "
                             "<project>/.venv, then this interpreter)")
     where.add_argument("--project", metavar="DIR", type=Path, default=None,
                        help="project whose pyproject.toml holds [tool.vllm-patch] "
-                            "(default: the current directory)")
-    common = argparse.ArgumentParser(add_help=False, parents=[where])
+                            "(default: the nearest pyproject.toml from the current directory "
+                            "up, as uv finds it)")
+    common = _Parser(add_help=False, parents=[where])
     common.add_argument("--patch", metavar="ID", action="append", default=[], dest="patches",
                         help="select this patch (repeatable); overrides the project's selection")
     common.add_argument("--architecture", metavar="NAME", action="append", default=[],
                         dest="architectures",
                         help="select the patches for this model architecture (repeatable)")
-    common.add_argument("--model", metavar="DIR", action="append", default=[], type=Path,
+    common.add_argument("--model", metavar="DIR|HUB_ID", action="append", default=[],
                         dest="models",
-                        help="select the patches for the model in DIR (reads its config.json)")
+                        help="select the patches for the model in DIR, or of a hub id "
+                             "(Org/Name) in the local Hugging Face cache (reads its "
+                             "config.json; offline)")
     common.add_argument("--json", action="store_true",
                         help="print one machine-readable JSON object")
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="vllm-patch",
         description="Patch vLLM's installed files for hybrid models, verifiably and reversibly.",
     )
@@ -85,10 +110,15 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
             p.add_argument("--deep", action="store_true",
                            help="also import the patched modules in the target environment and "
                                 "exercise them (slow: imports vLLM)")
+        if name == "status":
+            p.add_argument("--short", action="store_true",
+                           help="one line per patch: id, verdict, file")
     for name, text in _AUTHORING.items():
         if only is not None and name != only:
             continue
         p = sub.add_parser(name, parents=[where], help=text, description=text)
+        p.add_argument("--json", action="store_true",
+                       help="print one machine-readable JSON object")
         if name == "edit":
             p.add_argument("module", metavar="MODULE", help="e.g. vllm.v1.core.kv_cache_utils")
             p.add_argument("--discard", action="store_true",
@@ -119,6 +149,9 @@ def _print_report(report: Report, out: TextIO) -> None:
           + (f"; {versions}" if versions else ""), file=out)
     if report.config_source:
         print(f"config: {report.config_source}", file=out)
+    elif report.project_dir and (report.project_dir / "pyproject.toml").is_file():
+        print(f"config: {report.project_dir / 'pyproject.toml'} (no [tool.vllm-patch] table)",
+              file=out)
     width = max([len(o.verdict.value) for o in report.outcomes] + [8])
     pad = f"  {'':<{width}}  "
     for o in report.outcomes:
@@ -167,11 +200,106 @@ def _dash(out: TextIO) -> str:
     return "\u2014"
 
 
-def _error(args: argparse.Namespace, message: str, errors: Sequence[str] = ()) -> None:
-    if getattr(args, "json", False):
-        print(json.dumps({"ok": False, "error": message, "errors": list(errors)}))
+
+
+def _print_short(report: Report, out: TextIO) -> None:
+    """``status --short``: one line per patch (id, verdict, file), then notes and errors."""
+    id_width = max([len(o.patch_id) for o in report.outcomes] + [2])
+    width = max([len(o.verdict.value) for o in report.outcomes] + [7])
+    for o in report.outcomes:
+        print(f"{o.patch_id:<{id_width}}  {o.verdict.value:<{width}}  {o.file or '-'}", file=out)
+    for note in report.notes:
+        print(f"note: {note}", file=out)
+    for error in report.errors:
+        print(f"error: {error}", file=out)
+
+
+class _Failure(NamedTuple):
+    """An outcome without a report: what went wrong, for the same rendering as a report."""
+
+    code: int
+    errors: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+    config: str | None = None  # the pyproject.toml at fault
+    usage: str | None = None  # argparse's usage line
+
+
+def _failure(exc: Exception) -> _Failure:
+    """The exit code and the lines of an error raised on purpose."""
+    if isinstance(exc, ConfigurationError):
+        return _Failure(EXIT_USAGE, tuple(exc.errors), tuple(exc.notes), exc.source)
+    if isinstance(exc, _ArgumentError):
+        return _Failure(EXIT_USAGE, (str(exc),), usage=exc.usage)
+    if isinstance(exc, UsageError):
+        return _Failure(EXIT_USAGE, (str(exc),), tuple(exc.notes))
+    if isinstance(exc, (InterpreterNotFoundError, UnusableInterpreterError)):
+        return _Failure(EXIT_USAGE, (str(exc),))
+    return _Failure(EXIT_FAILED, (str(exc),))
+
+
+def _document(operation: str | None, outcome: _Outcome, project: Path | None
+              ) -> dict[str, object]:
+    """The ``--json`` object: one schema (schema/output.schema.json) for every outcome."""
+    report, failure = outcome.report, outcome.failure
+    doc: dict[str, object] = {"schema": SCHEMA_VERSION, "operation": operation,
+                              "exit_code": outcome.code, "ok": outcome.code == EXIT_OK}
+    if report is not None:
+        body = report.to_json()
+        for key in ("operation", "ok"):
+            body.pop(key, None)
+        doc.update(body)
+        doc["notes"] = [*report.notes, *outcome.notes]
     else:
-        print(f"vllm-patch: error: {message}", file=sys.stderr)
+        doc.update(project=str(project) if project else None,
+                   config=failure.config if failure else None, environment=None, patches=[],
+                   notes=[*(failure.notes if failure else ()), *outcome.notes],
+                   errors=list(failure.errors) if failure else [])
+    if outcome.result is not None:
+        doc["result"] = outcome.result
+    return doc
+
+
+def _print_failure(failure: _Failure, err: TextIO) -> None:
+    if failure.usage is not None:  # as argparse prints it
+        print(failure.usage, file=err)
+    first, *rest = failure.errors or ("failed",)
+    where = f"invalid configuration in {failure.config}: " if failure.config else ""
+    if failure.usage is not None:
+        prog, _, message = first.partition(": ")
+        print(f"{prog}: error: {message}", file=err)
+    else:
+        print(f"vllm-patch: error: {where}{first}", file=err)
+    for line in rest:
+        print(f"  - {line}", file=err)
+    for note in failure.notes:
+        print(f"vllm-patch: note: {note}", file=err)
+
+
+class _Outcome(NamedTuple):
+    """What one command ends with, rendered by :func:`_finish`."""
+
+    code: int
+    report: Report | None = None
+    failure: _Failure | None = None
+    result: dict[str, object] | None = None  # edit / create / new / check: what they made
+    notes: tuple[str, ...] = ()  # besides the report's
+
+
+def _finish(outcome: _Outcome, operation: str | None, *, as_json: bool, short: bool = False,
+            project: Path | None = None, final: bool = False) -> int:
+    """Render ``outcome`` — the one place that does, for text and ``--json`` alike."""
+    if final:
+        # The work is done: Ctrl-C from here on would only part the output from it.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    report, failure = outcome.report, outcome.failure
+    if as_json:
+        doc = _document(operation, outcome, project)
+        _write(lambda: print(json.dumps(doc, indent=2)))
+    elif report is not None:
+        _write(lambda: (_print_short if short else _print_report)(report, sys.stdout))
+    elif failure is not None:
+        _print_failure(failure, sys.stderr)
+    return outcome.code
 
 
 def _notice(message: str) -> None:
@@ -186,13 +314,33 @@ def _robust_streams() -> None:
             reconfigure(errors="backslashreplace")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def interrupted_message(written: Sequence[Path], authoring: bool = False) -> str:
+    """The one line of a Ctrl-C: what was written before it, or that nothing was."""
+    if written:
+        files = ", ".join(dict.fromkeys(str(p) for p in written))
+        more = " and maybe files of the patch folder" if authoring else ""
+        return (f"vllm-patch: interrupted after writing {files}{more} (each file whole: "
+                "written atomically); run the command again to finish")
+    if authoring:
+        return ("vllm-patch: interrupted; any file it wrote is whole (written atomically): "
+                "run the command again")
+    return "vllm-patch: interrupted; nothing was written"
+
+
+def main(argv: Sequence[str] | None = None, *, final: bool = False) -> int:
+    """The command line. ``final``: the process ends with this call (the console script and
+    ``python -m``), so once the work is done Ctrl-C is ignored while the result is printed."""
     _robust_streams()
+    written: list[Path] = []
+    operation: list[str] = []
     try:
-        return _main(argv)
+        return _main(argv, written, operation, final)
     except KeyboardInterrupt:
-        print("vllm-patch: interrupted", file=sys.stderr)
-        return 130
+        if final:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        authoring = bool(operation) and operation[0] in _AUTHORING
+        print(interrupted_message(written, authoring), file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
 
 
 def _write(emit: Callable[[], None]) -> None:
@@ -206,25 +354,41 @@ def _write(emit: Callable[[], None]) -> None:
         os.dup2(devnull, sys.stdout.fileno())
 
 
-def _main(argv: Sequence[str] | None) -> int:
+def _main(argv: Sequence[str] | None, written: list[Path], operation: list[str],
+          final: bool) -> int:
+    from .config import find_project_dir
+    from .models import resolve_model_dir
+
     arguments = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in arguments[:arguments.index("--")] if "--" in arguments else \
+        "--json" in arguments
     command = next((a for a in arguments if not a.startswith("-")), None)
-    parser = _parser(command if command in _HELP or command in _AUTHORING else None)
-    args = parser.parse_args(arguments)
-    project = (args.project or Path.cwd()).resolve()
-    if args.project is not None and not project.is_dir():
-        _error(args, f"--project {args.project}: not a directory")
-        return EXIT_USAGE
-    request = Request(
-        project_dir=project,
-        python=args.python,
-        patches=tuple(getattr(args, "patches", ())),
-        architectures=tuple(getattr(args, "architectures", ())),
-        models=tuple(m.resolve() for m in getattr(args, "models", ())),
-        deep=getattr(args, "deep", False),
-        on_wait=_notice,
-    )
+    known = command if command in _HELP or command in _AUTHORING else None
+    finish = partial(_finish, as_json=as_json, final=final)
     try:
+        args = _parser(known).parse_args(arguments)
+    except _ArgumentError as exc:
+        return finish(_Outcome(EXIT_USAGE, failure=_failure(exc)), known)
+    operation.append(args.operation)
+    if args.project is not None:
+        project = args.project.resolve()
+        if not project.is_dir():
+            failure = _Failure(EXIT_USAGE, (f"--project {args.project}: not a directory",))
+            return finish(_Outcome(EXIT_USAGE, failure=failure), args.operation)
+    else:
+        project = find_project_dir(Path.cwd()) or Path.cwd()
+    try:
+        request = Request(
+            project_dir=project,
+            python=args.python,
+            patches=tuple(getattr(args, "patches", ())),
+            architectures=tuple(getattr(args, "architectures", ())),
+            models=tuple(resolve_model_dir(m, where=f"--model {m}")
+                         for m in getattr(args, "models", ())),
+            deep=getattr(args, "deep", False),
+            on_wait=_notice,
+            on_write=written.append,
+        )
         if args.operation in _AUTHORING:
             try:
                 return _author(args, request)
@@ -233,28 +397,31 @@ def _main(argv: Sequence[str] | None) -> int:
                 raise TargetEnvironmentError(
                     f"{args.operation} failed on{where}: {exc.strerror or exc}") from None
         report = run(args.operation, request)
-    except ConfigurationError as exc:
-        _write(partial(_error, args, str(exc), exc.errors))
-        return EXIT_USAGE
-    except (UsageError, InterpreterNotFoundError) as exc:
-        _write(partial(_error, args, str(exc)))
-        return EXIT_USAGE
-    except (TargetEnvironmentError, CatalogError) as exc:
-        _write(partial(_error, args, str(exc)))
-        return EXIT_FAILED
-    if args.json:
-        _write(lambda: print(json.dumps(report.to_json(), indent=2)))
-    else:
-        _write(lambda: _print_report(report, sys.stdout))
-    return EXIT_OK if report.ok else EXIT_FAILED
+    except (ConfigurationError, UsageError, TargetEnvironmentError, CatalogError) as exc:
+        failure = _failure(exc)
+        return finish(_Outcome(failure.code, failure=failure), args.operation, project=project)
+    code = EXIT_OK if report.ok else EXIT_FAILED
+    return finish(_Outcome(code, report=report), args.operation,
+                  short=getattr(args, "short", False))
 
 
 def _author(args: argparse.Namespace, request: Request) -> int:
     """edit / create / new / check (imported only for them)."""
     from . import authoring
 
+    def as_json(code: int, result: dict[str, object], notes: Sequence[str] = (),
+                report: Report | None = None) -> int:
+        return _finish(_Outcome(code, report=report, result=result, notes=tuple(notes)),
+                       args.operation, as_json=True, project=request.project_dir)
+
     if args.operation == "edit":
         edited = authoring.edit(request, args.module, discard=args.discard)
+        if args.json:
+            state = ("discarded" if edited.discarded else "already-open" if edited.already
+                     else "open")
+            return as_json(EXIT_OK, {"module": edited.module, "file": str(edited.file),
+                                     "version": edited.version, "state": state,
+                                     "removed": list(edited.removed)}, edited.notes)
         for note in edited.notes:
             _notice(f"note: {note}")
         if edited.discarded:
@@ -270,7 +437,16 @@ def _author(args: argparse.Namespace, request: Request) -> int:
     if args.operation == "create":
         made = authoring.create(request, args.patch_id, module=args.module,
                                 summary=args.summary, why=args.why, removal=args.removal,
-                                fixed_in=args.fixed_in, ask=authoring.interactive_ask())
+                                fixed_in=args.fixed_in,
+                                ask=None if args.json else authoring.interactive_ask())
+        code = EXIT_OK if made.report is None or made.report.ok else EXIT_FAILED
+        if args.json:
+            return as_json(code, {
+                "folder": str(made.folder), "module": made.module, "diff": made.diff,
+                "changes": [{"symbol": c.symbol, "added": c.added} for c in made.changes],
+                "warnings": list(made.warnings)}, [
+                *made.notes, f"select it in [tool.vllm-patch] patches = [\"{made.folder.name}\"] "
+                "(unless it is), commit the folder"], made.report)
 
         def show() -> None:
             out = sys.stdout
@@ -290,14 +466,25 @@ def _author(args: argparse.Namespace, request: Request) -> int:
                   f"[\"{made.folder.name}\"] (unless it is), commit the folder", file=out)
 
         _write(show)
-        return EXIT_OK if made.report is None or made.report.ok else EXIT_FAILED
+        return code
     if args.operation == "new":
         folder = authoring.new(request, args.patch_id, args.target)
+        advice = (f"edit {folder / 'block.py'} (the wrapper) and the TODOs of patch.toml, then "
+                  "`vllm-patch check` and `vllm-patch apply --patch " + args.patch_id + "`; "
+                  f"to keep it applied, select it in [tool.vllm-patch] of "
+                  f"{request.project_dir or Path.cwd()}/pyproject.toml: "
+                  f"patches = [\"{args.patch_id}\"]")
+        if args.json:
+            return as_json(EXIT_OK, {"folder": str(folder)}, [advice])
         _write(lambda: print(folder))
-        _notice(f"edit {folder / 'block.py'} (the wrapper) and the TODOs of patch.toml, then "
-                "`vllm-patch check` and `vllm-patch apply --patch " + args.patch_id + "`")
+        _notice(advice)
         return EXIT_OK
     results = authoring.check(request, list(args.folders))
+    code = EXIT_OK if all(r.ok for r in results) else EXIT_FAILED
+    if args.json:
+        return as_json(code, {"folders": [
+            {"folder": str(r.folder), "ok": r.ok, "errors": list(r.errors),
+             "warnings": list(r.warnings), "info": list(r.info)} for r in results]})
 
     def show_checks() -> None:
         for result in results:
@@ -312,4 +499,4 @@ def _author(args: argparse.Namespace, request: Request) -> int:
         print(f"vllm-patch check: {len(results) - failed} ok, {failed} failed")
 
     _write(show_checks)
-    return EXIT_OK if all(r.ok for r in results) else EXIT_FAILED
+    return code

@@ -328,7 +328,9 @@ def _toml_text(value: str) -> str:
     """A prose value: wrapped over lines of at most 96 characters when it is long."""
     if len(value) <= 80 or "\n" in value:
         return _toml_string(value)
-    return _toml_string(textwrap.fill(value, 96))
+    # Break between words only: a hyphenated word ("vllm-patch") or a URL stays whole.
+    return _toml_string(textwrap.fill(value, 96, break_on_hyphens=False,
+                                      break_long_words=False))
 
 
 def render_manifest(patch_id: str, *, distribution: str, module: str, version: str,
@@ -422,11 +424,38 @@ def _module_of(env: TargetEnvironment, module: str) -> tuple[Path, str, str]:
                          "work on the files of an installed distribution only (e.g. "
                          "vllm.v1.core.kv_cache_utils); nothing was read or written")
     if location.file is None:
-        raise UsageError(f"{module}: no such module file in {env.python} ({env.reason}); "
-                         "give a module of an installed distribution, e.g. "
-                         "vllm.v1.core.kv_cache_utils")
+        raise UsageError(f"{module}: no such module file in {env.python} ({env.reason})"
+                         f"{_close_modules(module, location.package_dir)}; give a module of an "
+                         "installed distribution, e.g. vllm.v1.core.kv_cache_utils")
     distribution = location.distribution or "unknown"
     return location.file, distribution, env.version_of(distribution) or "unknown"
+
+
+def _close_modules(module: str, package_dir: Path | None) -> str:
+    """" (did you mean ...?)" with the installed modules closest to a misspelt ``module``: its
+    deepest existing package is searched for the first part that is not there."""
+    import difflib
+
+    if package_dir is None:
+        return ""
+    top, *rest = module.split(".")
+    here, found = package_dir, [top]
+    for i, part in enumerate(rest):
+        if (here / part).is_dir():
+            here, found = here / part, [*found, part]
+            continue
+        if i == len(rest) - 1 and (here / f"{part}.py").is_file():
+            return ""  # it is there: a package without the module file asked for
+        try:
+            names = sorted({p.stem for p in here.iterdir()
+                            if p.suffix == ".py" or (p / "__init__.py").is_file()} - {"__init__"})
+        except OSError:
+            return ""
+        close = difflib.get_close_matches(part, names, n=3)
+        tail = ".".join(rest[i + 1:])
+        guesses = [".".join([*found, c, *([tail] if tail else [])]) for c in close]
+        return f" (did you mean {' or '.join(guesses)}?)" if guesses else ""
+    return ""
 
 
 def _inspect(request: Request, module: str, choice: InterpreterChoice | None = None

@@ -24,7 +24,8 @@ from typing import Any, NamedTuple
 
 from . import _toml
 from .catalog import Catalog, DuplicatePatchError, load_patch_folders
-from .errors import CatalogError, ConfigurationError
+from .errors import CatalogError, ConfigurationError, UsageError
+from .models import is_hub_id, resolve_model_dir
 from .record import GUARD_MODES
 from .trust import UntrustedPath, check_file, check_folder
 
@@ -101,6 +102,12 @@ def validate(table: Mapping[str, Any], source: Path, catalog: Catalog,
             errors.append(f"{TABLE}.models[{i}]: expected a path, found {_type_name(raw)}")
             continue
         path = (source.parent / raw).resolve()
+        if not (path / "config.json").is_file() and is_hub_id(raw):
+            try:
+                path = resolve_model_dir(raw, source.parent, where=f"{TABLE}.models[{i}]")
+            except UsageError as exc:
+                errors.append(str(exc))
+                continue
         if not (path / "config.json").is_file():
             errors.append(f"{TABLE}.models[{i}]: {raw!r} is not a model directory "
                           f"({path / 'config.json'} not found)")
@@ -153,8 +160,12 @@ def _patch_ids(values: list[Any], where: str, catalog: Catalog, errors: list[str
         if not isinstance(pid, str):
             errors.append(f"{where}.patches[{i}]: expected a patch id, found {_type_name(pid)}")
         elif pid not in catalog:
+            import difflib
+
+            close = difflib.get_close_matches(pid, list(catalog), n=3)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
             errors.append(f"{where}.patches[{i}]: unknown patch {pid!r} "
-                          f"(known patches: {known_ids})")
+                          f"({hint}known patches: {known_ids})")
         elif pid in ids:
             errors.append(f"{where}.patches[{i}]: {pid!r} is listed twice")
         else:
@@ -197,6 +208,28 @@ def _project_patches(table: Mapping[str, Any], source: Path, catalog: Catalog,
                    if line.strip() and line != "the patch catalog is invalid:"]
         return (folder,), catalog
     return (folder,), merged
+
+
+def find_project_dir(start: Path) -> Path | None:
+    """The nearest folder from ``start`` upward that holds a pyproject.toml (as uv finds its
+    project). The search stops at a repository root (a folder with ``.git``) and at a
+    filesystem boundary; None when there is none."""
+    here = start.resolve()
+    try:
+        device = here.stat().st_dev
+    except OSError:
+        return None
+    while True:
+        if (here / "pyproject.toml").is_file():
+            return here
+        if (here / ".git").exists() or here.parent == here:
+            return None
+        try:
+            if here.parent.stat().st_dev != device:
+                return None
+        except OSError:
+            return None
+        here = here.parent
 
 
 def load_project_config(project_dir: Path, catalog: Catalog, require_trust: bool = False

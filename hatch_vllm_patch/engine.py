@@ -68,6 +68,7 @@ class Verdict(str, enum.Enum):
     """What happened to (or what is true of) one patch in one environment."""
 
     APPLIED = "applied"
+    WOULD_APPLY = "would-apply"  # diff: apply would write this
     ALREADY_APPLIED = "already-applied"
     REVERTED = "reverted"
     NOT_APPLIED = "not-applied"
@@ -133,14 +134,22 @@ def locate_in(tree: ast.Module, symbol: str) -> tuple[FunctionNode | None, str]:
     for class_name in classes:
         found = [n for n in scope if isinstance(n, ast.ClassDef) and n.name == class_name]
         if not found:
-            return None, f"no module-level class {class_name}"
+            names = [n.name for n in scope if isinstance(n, ast.ClassDef)]
+            return None, f"no module-level class {class_name}{_did_you_mean(class_name, names)}"
         scope = found[-1].body
-    defs = [n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and n.name == name]
+    functions = [n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    defs = [n for n in functions if n.name == name]
     if not defs:
         owner = f"{classes[-1]} defines no method" if classes else "no module-level function"
-        return None, f"{owner} {name}"
+        return None, f"{owner} {name}{_did_you_mean(name, [n.name for n in functions])}"
     return defs[-1], ""
+
+
+def _did_you_mean(name: str, names: list[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, names, n=3)
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
 
 
 def node_source(source: str, node: FunctionNode) -> str:

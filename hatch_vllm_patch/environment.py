@@ -17,7 +17,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .errors import InterpreterNotFoundError, TargetEnvironmentError, UsageError
+from .errors import (
+    InterpreterNotFoundError,
+    TargetEnvironmentError,
+    UnusableInterpreterError,
+    UsageError,
+)
 
 if TYPE_CHECKING:
     import subprocess
@@ -204,14 +209,14 @@ def inspect_environment(
         proc = run_bounded([str(python), "-c", _probe_source(), json.dumps(payload)],
                            timeout=PROBE_TIMEOUT, env=env)
     except OSError as exc:
-        raise TargetEnvironmentError(
+        raise UnusableInterpreterError(
             f"cannot run {python} ({choice.reason}): {exc.strerror or exc}") from None
     except subprocess.TimeoutExpired:
         raise TargetEnvironmentError(
             f"{python} ({choice.reason}) did not answer within {PROBE_TIMEOUT:.0f} s") from None
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise TargetEnvironmentError(f"cannot inspect {python} ({choice.reason}): {last}")
+        raise UnusableInterpreterError(f"cannot inspect {python} ({choice.reason}): {last}")
     lines = proc.stdout.strip().splitlines()
     try:
         data = json.loads(lines[-1])
@@ -221,11 +226,11 @@ def inspect_environment(
 
 
 def _environment(choice: InterpreterChoice, data: Any, expected: set[str]) -> TargetEnvironment:
-    """The probe's answer as a :class:`TargetEnvironment`; TargetEnvironmentError when it is not
-    the answer of a Python interpreter running the probe."""
+    """The probe's answer as a :class:`TargetEnvironment`; UnusableInterpreterError when it is
+    not the answer of a Python interpreter running the probe."""
 
     def bad(what: str) -> TargetEnvironmentError:
-        return TargetEnvironmentError(
+        return UnusableInterpreterError(
             f"{choice.python} ({choice.reason}) is not a Python interpreter that answers the "
             f"environment probe ({what}); pass --python with a Python 3.8+ interpreter or "
             "environment"

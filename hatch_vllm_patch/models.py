@@ -7,10 +7,13 @@ Fine-tunes keep the base ``architectures`` or carry a custom name; ``model_type`
 from __future__ import annotations
 
 import json
+import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, UsageError
 
 # model_type -> the vLLM architecture of that family
 FAMILY_BY_MODEL_TYPE: dict[str, str] = {
@@ -70,3 +73,66 @@ def read_model(path: Path, where: str = "model") -> ModelInfo:
     text_model_type = text.get("model_type") if isinstance(text.get("model_type"), str) else None
     model_type = data.get("model_type") if isinstance(data.get("model_type"), str) else None
     return ModelInfo(path, tuple(architectures), model_type, text_model_type, hybrid)
+
+
+# A Hugging Face hub id, "Org/Name" with an optional "@revision"; never a path (no leading
+# "." or "/", exactly one slash).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?$")
+
+
+def is_hub_id(text: str) -> bool:
+    return bool(_HUB_ID.match(text)) and ".." not in text
+
+
+def hub_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Where the Hugging Face hub keeps downloaded repositories: ``$HF_HUB_CACHE``, else
+    ``$HF_HOME/hub`` (``$HF_HOME`` defaults to ``$XDG_CACHE_HOME/huggingface``, that to
+    ``~/.cache/huggingface``)."""
+    environ = os.environ if environ is None else environ
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if environ.get(name):
+            return Path(environ[name]).expanduser()
+    home = environ.get("HF_HOME") or os.path.join(
+        environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def resolve_model_dir(arg: str, base: Path | None = None, *, where: str = "model",
+                      environ: Mapping[str, str] | None = None) -> Path:
+    """The model directory ``arg`` names: a path (relative to ``base``, default the working
+    directory), or a hub id (``Qwen/Qwen3.6-35B-A3B``, ``Org/Name@revision``) whose snapshot is
+    in the local Hugging Face cache — read offline, never downloaded.
+
+    A path is returned as it is (``read_model`` says what is wrong with it); a hub id that is
+    not cached raises UsageError saying where it looked."""
+    path = Path(arg).expanduser()
+    path = path if path.is_absolute() else (base or Path.cwd()) / path
+    if path.is_dir() or not is_hub_id(arg):
+        return path.resolve()
+    repo, _, revision = arg.partition("@")
+    cache = hub_cache_dir(environ)
+    folder = cache / f"models--{repo.replace('/', '--')}"
+    snapshots = folder / "snapshots"
+    ref = folder / "refs" / (revision or "main")
+    commit = None
+    try:
+        commit = ref.read_text(encoding="utf-8").strip() or None
+    except (OSError, UnicodeDecodeError):
+        if revision:
+            commit = revision  # a commit hash given as the revision
+    candidates: list[Path] = []
+    if commit is not None:
+        candidates = [snapshots / commit]
+    elif not revision and snapshots.is_dir():  # no refs/main: the newest snapshot with a config
+        candidates = sorted((d for d in snapshots.iterdir() if (d / "config.json").is_file()),
+                            key=lambda d: d.stat().st_mtime, reverse=True)
+    for snapshot in candidates:
+        if (snapshot / "config.json").is_file():
+            return snapshot
+    shown = f"{snapshots}/{commit or '*'}/config.json"
+    raise UsageError(
+        f"{where}: {arg!r} is not a directory ({path}) and not in the local Hugging Face cache "
+        f"(looked for {shown}; the cache is $HF_HUB_CACHE, else $HF_HOME/hub: {cache}); "
+        f"download it first (e.g. `hf download {repo} config.json`"
+        f"{' --revision ' + revision if revision else ''}) or give the model's directory")

@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -74,7 +75,8 @@ _FINE = {
     "apply": {Verdict.APPLIED, Verdict.ALREADY_APPLIED, Verdict.NOT_NEEDED, Verdict.NOT_APPLICABLE},
     "verify": {Verdict.APPLIED, Verdict.NOT_NEEDED, Verdict.NOT_APPLICABLE},
     "revert": {Verdict.REVERTED, Verdict.NOT_APPLIED, Verdict.NOT_INSTALLED},
-    "diff": {Verdict.APPLIED, Verdict.ALREADY_APPLIED, Verdict.NOT_NEEDED, Verdict.NOT_APPLICABLE},
+    "diff": {Verdict.WOULD_APPLY, Verdict.ALREADY_APPLIED, Verdict.NOT_NEEDED,
+             Verdict.NOT_APPLICABLE},
     "status": set(Verdict),  # informational
 }
 
@@ -93,23 +95,33 @@ class Request(NamedTuple):
     extra_patch_dirs: tuple[Path, ...] = ()  # project patch folders to merge (the guard's record)
     in_process: bool = True  # inspect the running interpreter in this process when it is the target
     on_wait: Callable[[str], None] | None = None
+    # Called with each file written, right after the write and before Ctrl-C can strike again
+    # (the CLI says what was written when it is interrupted).
+    on_write: Callable[[Path], None] | None = None
 
     @property
     def command_line_selection(self) -> bool:
         return bool(self.patches or self.architectures or self.models)
 
 
-def resolve(request: Request, carried: bool = False
+def resolve(request: Request, config_problems: list[str] | None = None, carried: bool = False
             ) -> tuple[Catalog, Config | None, Selection, InterpreterChoice]:
     """The pure-ish front half shared by every operation and the build hook: no writes.
 
+    ``config_problems``: when given, an unusable pyproject.toml is described there and treated
+    as no configuration (``revert``, the way out, must not depend on it).
     ``carried``: with no ``[tool.vllm-patch]`` and nothing selected on the command line, select
     what the distributions installed in the target carry (``carried.py``)."""
     catalog = request.catalog or load_catalog()
     project_dir = request.project_dir
     config = request.config
     if config is None and project_dir is not None:
-        config = load_project_config(project_dir, catalog)
+        try:
+            config = load_project_config(project_dir, catalog)
+        except ConfigurationError as exc:
+            if config_problems is None:
+                raise
+            config_problems += exc.errors
     if config is not None and config.catalog is not None:
         catalog = config.catalog
     for folder in request.extra_patch_dirs:
@@ -157,8 +169,10 @@ def run(operation: str, request: Request) -> Report:
     """Carry out ``operation``; raise ConfigurationError / UsageError / TargetEnvironmentError."""
     if operation not in OPERATIONS:
         raise UsageError(f"unknown operation {operation!r}; expected one of {OPERATIONS}")
+    problems: list[str] = []
     catalog, config, selection, choice = resolve(
-        request, carried=operation in {"apply", "verify", "diff"})
+        request, problems if operation == "revert" else None,
+        carried=operation in {"apply", "verify", "diff"})
     patches: Sequence[Patch] = selection.patches
     why = dict(selection.why)
     if not patches and operation in {"revert", "status"}:
@@ -180,22 +194,35 @@ def run(operation: str, request: Request) -> Report:
         env = inspect_environment(choice, [*queries.values(), *extra],
                                   in_process=request.in_process)
     notes = list(selection.notes)
+    if problems:
+        pyproject = (request.project_dir or Path.cwd()) / "pyproject.toml"
+        notes.append(f"{pyproject} is not a usable configuration ({'; '.join(problems)}): "
+                     "reverting without it")
     known = (registered_architectures(env.modules[_REGISTRY.module].file)
              if selection.architectures else None)
     typos = unknown_architecture_notes(selection.architectures, known) if known else []
+    if not patches and typos:
+        # The misspelt name is why nothing is selected: it is the headline, not a note.
+        if request.command_line_selection or config is None:
+            raise UsageError(f"--architecture: {typos[0]}",
+                             [*typos[1:], *notes, "no patches selected"])
+        raise ConfigurationError([f"tool.vllm-patch.architectures: {t}" for t in typos],
+                                 str(config.source), notes)
     notes += typos
     if not patches:
-        if (config is None and not request.command_line_selection) or typos:
-            raise UsageError("\n".join([
+        if config is None and not request.command_line_selection:
+            raise UsageError(
                 "no patches selected: add [tool.vllm-patch] to pyproject.toml "
                 f"(in {request.project_dir or Path.cwd()}), or pass --patch ID, "
-                "--architecture NAME or --model DIR",
-                *(f"note: {n}" for n in notes),
-            ]))
+                "--architecture NAME or --model DIR", notes)
         where = (f"[tool.vllm-patch] in {config.source}" if config and not
                  request.command_line_selection else "the command line")
         notes.append(f"{where} selects no patch for what it serves: nothing to do")
 
+    if operation in {"verify", "status"}:
+        notes += _guard_disabled_notes(os.environ)
+    if operation == "apply" and request.patches:
+        notes += _how_to_select(request, catalog, config)
     session = _Session(operation, request, catalog, config, env, tuple(patches), why)
     outcomes, errors = session.carry_out()
     notes += session.notes
@@ -380,7 +407,7 @@ class _Session:
         diff = None
         if op == "diff" and plan.new_content is not None and facts.content is not None:
             diff = _unified_diff(path, self.env, facts.content, plan.new_content)
-            plan = plan._replace(reason=f"would apply: {plan.reason}")
+            plan = plan._replace(verdict=Verdict.WOULD_APPLY, reason=f"would apply: {plan.reason}")
         elif op in _WRITES and plan.new_content is not None:
             plan = self.write(plan, path, patch.target.distribution, facts)
         if op == "apply" and plan.verdict in {Verdict.APPLIED, Verdict.ALREADY_APPLIED}:
@@ -432,7 +459,10 @@ class _Session:
         assert plan.new_content is not None and facts.content is not None
         try:
             remove_stale_temps(path.parent)
-            write_atomic(path, plan.new_content, expected=self.identities.get(str(path)))
+            with _no_interrupt():  # the write and the word of it, together
+                write_atomic(path, plan.new_content, expected=self.identities.get(str(path)))
+                if self.request.on_write is not None:
+                    self.request.on_write(path)
         except OSError as exc:
             return Plan(Verdict.ERROR, f"could not write {path}: {exc.strerror or exc}; "
                                        "the file was left as it was")
@@ -539,7 +569,10 @@ class _Session:
         path = self.env.purelib / ".hatch-vllm-patch.json"
         try:
             remove_stale_temps(self.env.purelib)
-            write_atomic(path, new.render())
+            with _no_interrupt():
+                write_atomic(path, new.render())
+                if self.request.on_write is not None:
+                    self.request.on_write(path)
             for digest in self.ended:  # the sessions they belonged to are over now
                 if not any(e.pristine_sha256 == digest for e in new.edits.values()):
                     pristine_copy(self.env.purelib, digest).unlink(missing_ok=True)
@@ -621,6 +654,55 @@ def live_edit_files(env: TargetEnvironment) -> set[str]:
     return {p for p, why in edit_states(env, state.record).items() if why is None}
 
 
+@contextlib.contextmanager
+def _no_interrupt() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) back for the duration: it arrives right after, so a write and its
+    report to ``Request.on_write`` are never parted. Only the main thread can do this."""
+    import signal
+    import threading
+
+    mask = getattr(signal, "pthread_sigmask", None)
+    if mask is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = mask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        mask(signal.SIG_SETMASK, old)
+
+
+GUARD_ENTRY_POINT = "hatch_vllm_patch"  # our name in vllm.general_plugins (pyproject.toml)
+
+
+def _guard_disabled_notes(environ: Mapping[str, str]) -> list[str]:
+    """vLLM loads only the general plugins that ``VLLM_PLUGINS`` names when it is set (a comma
+    list of entry-point names; empty: none): say so when the guard is not among them."""
+    value = environ.get("VLLM_PLUGINS")
+    if value is None or GUARD_ENTRY_POINT in value.split(","):
+        return []
+    which = "is empty, so vLLM loads no plugin" if not value else \
+        f"does not name {GUARD_ENTRY_POINT}"
+    return [f"VLLM_PLUGINS={value!r} {which}: vLLM processes started with it skip the guard "
+            f"(add {GUARD_ENTRY_POINT} to the list, or unset it)"]
+
+
+def _how_to_select(request: Request, catalog: Catalog, config: Config | None) -> list[str]:
+    """``apply --patch ID`` of a patch the project does not select: how to keep it selected
+    (the guard and the next apply from the project follow the project's configuration)."""
+    try:
+        chosen = {p.id for p in select(catalog, config).patches} if config else set()
+    except (ConfigurationError, UsageError):  # a model of the table unreadable: said elsewhere
+        chosen = set()
+    extra = [pid for pid in request.patches if pid not in chosen]
+    if not extra:
+        return []
+    where = config.source if config else (request.project_dir or Path.cwd()) / "pyproject.toml"
+    listed = ", ".join(f'"{pid}"' for pid in extra)
+    return [f"--patch selects for this run only; to keep {', '.join(extra)} selected, add it to "
+            f"[tool.vllm-patch] in {where}: patches = [{listed}]"]
+
+
 def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: FileFacts
                ) -> str | None:
     target, python = patch.target.distribution, env.python
@@ -662,8 +744,7 @@ def _deep(outcome: PatchOutcome, catalog: Catalog, env: TargetEnvironment) -> Pa
         return outcome._replace(reason=f"{outcome.reason}; no deep probe for this patch")
     passed, detail = run_probe(patch, env)
     if passed is None:
-        return outcome._replace(reason=f"{outcome.reason}; deep probe could not run on this "
-                                        f"machine: {detail}")
+        return outcome._replace(reason=f"{outcome.reason}; deep probe could not run {detail}")
     if passed:
         return outcome._replace(reason=f"{outcome.reason}; deep probe passed: {detail}")
     return outcome._replace(verdict=Verdict.ERROR, ok=False,
@@ -677,7 +758,10 @@ PROBE_TIMEOUT = 900.0
 
 def run_probe(patch: Patch, env: TargetEnvironment) -> tuple[bool | None, str]:
     """Run the patch's deep probe in the target interpreter: (passed, detail); passed is None
-    when the probe says it cannot run on this machine (``{"skipped": reason}``)."""
+    when the probe says it cannot run on this machine (``{"skipped": reason}``), or stopped
+    on a module the target lacks that is not the patched distribution's (torch in a
+    ``--no-deps`` vLLM): the probe cannot tell anything there, which is no failure of the
+    patch. The detail then says where it could not run ("on this machine: ...")."""
     import subprocess
 
     assert patch.probe_path is not None
@@ -692,11 +776,36 @@ def run_probe(patch: Patch, env: TargetEnvironment) -> tuple[bool | None, str]:
         except ValueError:
             continue
         if isinstance(data, dict) and isinstance(data.get("skipped"), str):
-            return None, data["skipped"]
+            return None, f"on this machine: {data['skipped']}"
         if isinstance(data, dict) and "ok" in data:
-            return bool(data["ok"]) and proc.returncode == 0, str(data.get("detail", ""))
+            passed = bool(data["ok"]) and proc.returncode == 0
+            detail = str(data.get("detail", ""))
+            missing = None if passed else _missing_module(detail, patch, env)
+            return (None, missing) if missing else (passed, detail)
     tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    missing = _missing_module(tail, patch, env)
+    if missing:
+        return None, missing
     return False, f"probe exited {proc.returncode} without a verdict: {tail}"
+
+
+_MISSING_MODULE = re.compile(r"^(?:ModuleNotFoundError|ImportError): (No module named "
+                             r"'([\w.]+)')")
+
+
+def _missing_module(text: str, patch: Patch, env: TargetEnvironment) -> str | None:
+    """Where a probe stopped on a module the target lacks, outside the patched distribution's
+    own packages (torch in a ``--no-deps`` vLLM): why it could not run, else None."""
+    missing = _MISSING_MODULE.match(text.strip())
+    if missing is None:
+        return None
+    name = missing.group(2).split(".")[0]
+    own = {patch.target.module.split(".")[0], *(m.split(".")[0] for m in patch.fixed_modules)}
+    if name in own:
+        return None
+    return (f"in this environment: {missing.group(1)} ({name} is not installed in "
+            f"{env.python}, e.g. a --no-deps install; install it to run the probe); the "
+            "markers and digests were checked")
 
 
 def _unified_diff(path: Path, env: TargetEnvironment, old: bytes, new: bytes) -> str:

@@ -151,7 +151,7 @@ def unknown_architecture_notes(
         if name in known:
             continue
         close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
-        hint = f"; close matches: {', '.join(close)}" if close else ""
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
         notes.append(f"architecture {name!r} is not registered by the installed vLLM{hint}")
     return notes
 

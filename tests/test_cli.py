@@ -192,10 +192,11 @@ def fake_interpreter(folder: Path, body: str) -> Path:
 ])
 def test_python_that_does_not_answer_the_probe(tmp_path: Path, demo_catalog: Path, name: str,
                                                body: str | None) -> None:
-    """--python /bin/echo or any interpreter whose answer is not the probe's: exit 1, one line."""
+    """--python /bin/echo or any interpreter whose answer is not the probe's: a usage error
+    (exit 2, like every unusable --python), one line."""
     python = "/bin/echo" if body is None else str(fake_interpreter(tmp_path, body))
     proc = cli("verify", "--python", python, "--patch", "demo-fix", catalog=demo_catalog)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     assert python in proc.stderr
 

@@ -156,7 +156,7 @@ def test_unknown_architecture_notes_offer_close_matches() -> None:
     notes = unknown_architecture_notes(["Qwen3NextForCausalLm", "LlamaForCausalLM"],
                                        ["Qwen3NextForCausalLM", "LlamaForCausalLM"])
     assert notes == ["architecture 'Qwen3NextForCausalLm' is not registered by the installed "
-                     "vLLM; close matches: Qwen3NextForCausalLM"]
+                     "vLLM; did you mean Qwen3NextForCausalLM?"]
 
 
 def test_interpreter_choice_order(tmp_path: Path) -> None:

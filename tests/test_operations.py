@@ -245,7 +245,7 @@ def test_configuration_errors_exit_2_with_every_error(tmp_path: Path, demo_wheel
     for expected in ("tool.vllm-patch.modles: unknown key",
                      "tool.vllm-patch.models[0]: './nope' is not a model directory",
                      "tool.vllm-patch.architectures.DemoForCausalLM.patches[0]: unknown patch "
-                     "'demo-fx' (known patches: demo-fix)",
+                     "'demo-fx' (did you mean demo-fix? known patches: demo-fix)",
                      "tool.vllm-patch.architectures.DemoForCausalLM.patches[1]: expected a patch "
                      "id, found an integer"):
         assert expected in proc.stderr

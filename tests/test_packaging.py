@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, write_demo_catalog
 from venvs import UV, create_venv, run
 
 from hatch_vllm_patch.catalog import load_catalog
@@ -45,3 +47,96 @@ def test_installed_wheel_runs_the_cli_with_its_own_catalog(wheel: Path, tmp_path
     assert location.endswith("site-packages/hatch_vllm_patch/_patches")
     script = run([str(python.parent / "vllm-patch"), "--version"]).stdout
     assert script.startswith("vllm-patch ")
+
+
+def test_sdist_and_wheel_metadata_pass_twine_check(tmp_path: Path) -> None:
+    """Both distributions build, and their metadata (license, URLs, classifiers, the README as
+    the long description) pass `twine check --strict`."""
+    out = tmp_path / "dist"
+    run([UV, "build", "--quiet", "--out-dir", str(out), str(REPO)])
+    dists = sorted(out.glob("hatch_vllm_patch-*"))
+    assert [d.suffix for d in dists] == [".whl", ".gz"], dists
+    proc = run([sys.executable, "-m", "twine", "check", "--strict", *map(str, dists)])
+    assert proc.stdout.count("PASSED") == 2, proc.stdout + proc.stderr
+    with zipfile.ZipFile(dists[0]) as whl:
+        metadata = next(whl.read(n).decode() for n in whl.namelist()
+                        if n.endswith(".dist-info/METADATA"))
+        assert "hatch_vllm_patch/schema/output.schema.json" in whl.namelist()
+    for field in ("License-Expression: Apache-2.0", "License-File: LICENSE", "Project-URL: ",
+                  "Classifier: ", "Description-Content-Type: text/markdown",
+                  "Requires-Dist: editables"):
+        assert field in metadata, field
+
+
+DOWNSTREAM = """\
+[build-system]
+requires = ["hatchling>=1.24", "hatch-vllm-patch"]
+build-backend = "hatchling.build"
+
+[project]
+name = "demo-service"
+version = "0.1.0"
+dependencies = ["demo-pkg==1.0.0", "hatch-vllm-patch"]
+
+[tool.hatch.build.targets.wheel]
+packages = ["demo_service"]
+
+[tool.hatch.build.hooks.vllm-patch]
+
+[tool.vllm-patch]
+patches = ["demo-fix"]
+"""
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(tmp_path_factory: pytest.TempPathFactory, wheel: Path,
+               demo_wheels: dict[str, Path]) -> Path:
+    """A --find-links folder: this checkout's wheel, demo-pkg, and hatchling with its
+    dependencies (pip downloads them from PyPI once; pip's own cache keeps them)."""
+    from venvs import _system_python
+
+    folder = tmp_path_factory.mktemp("wheelhouse")
+    for source in (wheel, demo_wheels["1.0.0"]):
+        shutil.copy2(source, folder)
+    run([_system_python(), "-m", "pip", "download", "--quiet", "--only-binary=:all:",
+         "--dest", str(folder), "hatchling>=1.24", "editables>=0.3", "packaging>=23"])
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isolation", [True, False], ids=["isolated", "no-build-isolation"])
+def test_pip_editable_install_of_a_downstream_project(tmp_path: Path, wheelhouse: Path,
+                                                      isolation: bool) -> None:
+    """Real pip in a plain `python -m venv`, hatch-vllm-patch from --find-links (no PyPI):
+    `pip install -e .` succeeds with build isolation and without it (hatch-vllm-patch brings
+    hatchling and editables along); without isolation the hook patches at once, with it the
+    post-sync command does."""
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    env = {"HATCH_VLLM_PATCH_CATALOG": str(catalog), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    project = tmp_path / "service"
+    (project / "demo_service").mkdir(parents=True)
+    (project / "demo_service" / "__init__.py").write_text("")
+    (project / "pyproject.toml").write_text(DOWNSTREAM)
+    run([sys.executable, "-m", "venv", str(tmp_path / "venv")])
+    python = tmp_path / "venv" / "bin" / "python"
+    pip = [str(python), "-m", "pip", "install", "--no-index", "--find-links", str(wheelhouse)]
+    core = tmp_path / "venv" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / \
+        "site-packages" / "demo_pkg" / "core.py"
+    if isolation:
+        proc = run([*pip, "-v", "-e", str(project)], env=env, check=False)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "hatch-vllm-patch: demo-fix" not in core.read_text()  # pip installs it later
+        applied = run([str(python.parent / "vllm-patch"), "apply"], cwd=project, env=env)
+        assert "applied   demo-fix" in applied.stdout, applied.stdout
+    else:
+        # Without isolation the build requirements must be installed first: hatch-vllm-patch
+        # brings hatchling and editables (hatchling's editable builds need it).
+        run([*pip, "hatch-vllm-patch", "demo-pkg==1.0.0"], env=env)
+        proc = run([*pip, "--no-build-isolation", "-v", "-e", str(project)], env=env,
+                   check=False)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "hatch-vllm-patch: demo-fix" in core.read_text()
+    verified = run([str(python.parent / "vllm-patch"), "verify"], cwd=project, env=env,
+                   check=False)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert f"config: {project / 'pyproject.toml'}" in verified.stdout

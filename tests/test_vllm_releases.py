@@ -147,4 +147,4 @@ def test_architecture_selection_and_registry_warning(release: tuple[Path, Path])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "no patches selected" in proc.stderr
     assert ("'Qwen3_5MoeForConditionalGenration' is not registered by the installed vLLM; "
-            "close matches: Qwen3_5MoeForConditionalGeneration") in proc.stderr
+            "did you mean Qwen3_5MoeForConditionalGeneration") in proc.stderr.splitlines()[0]
