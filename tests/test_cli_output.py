@@ -4,6 +4,8 @@ subprocesses on the demo distribution."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import textwrap
 from pathlib import Path
@@ -185,6 +187,14 @@ def test_configuration_error_headline_is_the_first_real_error(tmp_path: Path, de
     registry.mkdir(parents=True)
     (registry / "registry.py").write_text(
         '_TEXT_GENERATION_MODELS = {\n    "DemoForCausalLM": ("demo", "Demo"),\n}\n')
+    # an installed vllm that lists the file (targets are confined to their distribution)
+    info = registry.parents[2] / "vllm-0.20.2.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.20.2\n")
+    digest = base64.urlsafe_b64encode(hashlib.sha256(
+        (registry / "registry.py").read_bytes()).digest()).rstrip(b"=").decode()
+    (info / "RECORD").write_text(f"vllm/model_executor/models/registry.py,sha256={digest},1\n"
+                                 "vllm-0.20.2.dist-info/RECORD,,\n")
     project = tmp_path / "serve"
     project.mkdir()
     (project / "pyproject.toml").write_text("[tool.vllm-patch.architectures.DemoForCausalLm]\n")
