@@ -1,4 +1,5 @@
-"""kv-cache-page-unification against the real files of every vLLM release 0.16.0 … 0.33.0.
+"""Catalog patches against the real files of every vLLM release 0.16.0 … 0.33.0
+(kv-cache-page-unification, and the three *-spec-conv-state patches).
 
 Each release's real wheel (kept in a wheel cache between runs) is installed with
 ``uv pip install --no-deps`` (real RECORD, real files) and driven through the CLI as a user
@@ -148,3 +149,81 @@ def test_architecture_selection_and_registry_warning(release: tuple[Path, Path])
     assert "no patches selected" in proc.stderr
     assert ("'Qwen3_5MoeForConditionalGenration' is not registered by the installed vLLM; "
             "close matches: Qwen3_5MoeForConditionalGeneration") in proc.stderr
+
+
+# --- the Mamba-2 state patches of three hybrid families (*-spec-conv-state) ---------------------
+
+SPEC_PATCHES = {  # patch id -> its module file
+    "falcon-h1-spec-conv-state": "vllm/model_executor/models/falcon_h1.py",
+    "granitemoehybrid-spec-conv-state": "vllm/model_executor/models/granitemoehybrid.py",
+    "zamba2-spec-conv-state": "vllm/model_executor/models/zamba2.py",
+}
+# get_mamba_state_shape_from_config passes no num_spec through 0.31.0 (two known shapes: 0.16.0-
+# 0.30.0 and 0.31.0's blank docstring line); 0.32.0 passes it (fixed-in, fixed shape).
+SPEC_PATCHED = [*PATCHED, "0.29.0", "0.30.0", "0.31.0"]
+SPEC_FIXED = ["0.32.0", "0.33.0"]
+
+
+def spec_step(python: Path, op: str) -> tuple[int, dict[str, dict[str, object]]]:
+    args = [a for p in SPEC_PATCHES for a in ("--patch", p)]
+    proc = cli(op, "--python", str(python), *args, "--json")
+    assert "Traceback" not in proc.stderr, proc.stderr
+    outcomes = {p["id"]: p for p in json.loads(proc.stdout)["patches"]}
+    assert set(outcomes) == set(SPEC_PATCHES), outcomes
+    return proc.returncode, outcomes
+
+
+def verdicts(outcomes: dict[str, dict[str, object]]) -> set[object]:
+    return {o["verdict"] for o in outcomes.values()}
+
+
+@pytest.mark.parametrize("release", SPEC_PATCHED, indirect=True)
+def test_spec_conv_state_patches_on_affected_releases(release: tuple[Path, Path],
+                                                      tmp_path: Path) -> None:
+    """0.16.0-0.31.0: each family's classmethod has a known shape; apply (through the shared
+    inode), re-apply, verify and revert give the RECORD bytes back."""
+    python, sp = release
+    originals = {}
+    for patch_id, rel in SPEC_PATCHES.items():
+        target = sp / rel
+        originals[rel] = target.read_bytes()
+        assert hashlib.sha256(originals[rel]).hexdigest() == record_sha256(sp, "vllm", rel)
+        patch = load_catalog()[patch_id]
+        assert symbol_digest(originals[rel].decode(), patch.target.symbol) in patch.shapes
+        os.link(target, tmp_path / f"{target.stem}.twin")
+
+    code, out = spec_step(python, "verify")
+    assert (code, verdicts(out)) == (1, {"missing"}), out
+    code, out = spec_step(python, "apply")
+    assert (code, verdicts(out)) == (0, {"applied"}), out
+    for rel, original in originals.items():
+        patched = (sp / rel).read_bytes()
+        assert patched.startswith(original) and patched != original
+        compile(patched, rel, "exec")
+        twin = tmp_path / f"{Path(rel).stem}.twin"
+        assert twin.read_bytes() == original, "the write went through the shared inode"
+    code, out = spec_step(python, "apply")
+    assert (code, verdicts(out)) == (0, {"already-applied"}), out
+    code, out = spec_step(python, "verify")
+    assert (code, verdicts(out)) == (0, {"applied"}), out
+    code, out = spec_step(python, "revert")
+    assert (code, verdicts(out)) == (0, {"reverted"}), out
+    for rel in SPEC_PATCHES.values():
+        assert hashlib.sha256((sp / rel).read_bytes()).hexdigest() == record_sha256(sp, "vllm",
+                                                                                     rel)
+
+
+@pytest.mark.parametrize("release", SPEC_FIXED, indirect=True)
+def test_spec_conv_state_patches_not_needed_where_fixed(release: tuple[Path, Path]) -> None:
+    """0.32.0 and 0.33.0 pass num_spec themselves: not-needed by a known fixed shape, nothing
+    written."""
+    python, sp = release
+    files = {rel: (sp / rel).read_bytes() for rel in SPEC_PATCHES.values()}
+    for op in ("apply", "verify", "revert"):
+        code, out = spec_step(python, op)
+        assert code == 0, out
+        assert verdicts(out) <= {"not-needed", "not-applied"}, out
+        for outcome in out.values():
+            if outcome["verdict"] == "not-needed":
+                assert "is a fixed shape the patch knows" in str(outcome["reason"]), outcome
+    assert {rel: (sp / rel).read_bytes() for rel in files} == files
