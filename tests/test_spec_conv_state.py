@@ -1,8 +1,9 @@
-"""The *-spec-conv-state patches (Falcon-H1, GraniteMoeHybrid, Zamba2), judged by vLLM's own code.
+"""The *-spec-conv-state patches (Falcon-H1, GraniteMoeHybrid, Zamba2, Bamba), judged by vLLM's
+own code.
 
 Fast tests read the patch folders. The slow tests build one venv with the full vLLM 0.20.2 (CPU;
 hardlinks into uv's cache) and run tests/hybrid_scenarios/state_shapes.py in it twice, as released
-and after `vllm-patch apply` of the three patches: each run imports vLLM once and builds, for
+and after `vllm-patch apply` of the four patches: each run imports vLLM once and builds, for
 every model of tests/fixtures/hybrid_models (our config.json files from published dimensions)
 and Qwen3-Next as the reference, the engine config with and without a 2-token n-gram draft,
 vLLM's own start-up planning of the state page, and the KV-cache specs the model's own layers
@@ -31,7 +32,9 @@ PATCHES = {
     "granitemoehybrid-spec-conv-state": ("granitemoehybrid", "GraniteMoeHybridForCausalLM",
                                          "granite_4_0_h_tiny"),
     "zamba2-spec-conv-state": ("zamba2", "Zamba2ForCausalLM", "zamba2_1_2b"),
+    "bamba-spec-conv-state": ("bamba", "BambaForCausalLM", "bamba_9b"),
 }
+FIXED_IN = {"bamba-spec-conv-state": None}  # vLLM 0.24.0 removed Bamba: no fixed release
 MODELS = [FIXTURES / "hybrid_models" / fixture for _, _, fixture in PATCHES.values()]
 REFERENCE = FIXTURES / "neuron" / "models" / "qwen3_next_tiny"  # passes num_spec itself
 CONV_KERNEL = 4
@@ -40,7 +43,7 @@ DRAFT = 2
 # 16-token rule): the layers' page is larger than the padded page. Zamba2-1.2B's attention
 # pages leave enough slack (786432 B padded for a 566528 B state): its plan is short by the
 # draft rows, and start-up does not fail.
-ASSERTS = {"falcon_h1_0_5b", "granite_4_0_h_tiny"}
+ASSERTS = {"falcon_h1_0_5b", "granite_4_0_h_tiny", "bamba_9b"}
 
 
 # --- the patch folders ------------------------------------------------------------------------
@@ -48,7 +51,8 @@ ASSERTS = {"falcon_h1_0_5b", "granite_4_0_h_tiny"}
 
 @pytest.mark.parametrize("patch_id", sorted(PATCHES))
 def test_patch_folder_is_a_valid_catalog_entry(patch_id: str) -> None:
-    """patch.toml loads with its one-module target, two known shapes, fixed-in 0.32.0."""
+    """patch.toml loads with its one-module target and known shapes; fixed-in 0.32.0 with its
+    fixed shape (Bamba: none, the model left vLLM in 0.24.0)."""
     module, cls, _ = PATCHES[patch_id]
     patch = load_catalog(REPO / "patches")[patch_id]
     assert (patch.target.distribution, patch.target.module, patch.target.symbols) == (
@@ -56,11 +60,14 @@ def test_patch_folder_is_a_valid_catalog_entry(patch_id: str) -> None:
         (f"{cls}.get_mamba_state_shape_from_config",))
     assert not patch.target.optional
     assert patch.architectures == (cls,)
-    assert patch.fixed_in == "0.32.0"
-    assert len(patch.shapes) == 2 and len(patch.fixed_shapes) == 1
-    assert not patch.shapes & patch.fixed_shapes
+    assert patch.fixed_in == FIXED_IN.get(patch_id, "0.32.0")
+    if patch.fixed_in is None:
+        assert len(patch.shapes) == 1 and not patch.fixed_shapes
+    else:
+        assert len(patch.shapes) == 2 and len(patch.fixed_shapes) == 1
+        assert not patch.shapes & patch.fixed_shapes
+        assert "https://github.com/vllm-project/vllm/pull/47635" in patch.links
     assert patch.probe_path == patch.folder / "probe.py"
-    assert "https://github.com/vllm-project/vllm/pull/47635" in patch.links
 
 
 def _module_level_names(tree: ast.Module) -> set[str]:

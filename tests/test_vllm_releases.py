@@ -1,5 +1,5 @@
 """Catalog patches against the real files of every vLLM release 0.16.0 … 0.33.0
-(kv-cache-page-unification, the three *-spec-conv-state patches, mamba-split-external-kv).
+(kv-cache-page-unification, the four *-spec-conv-state patches, mamba-split-external-kv).
 
 Each release's real wheel (kept in a wheel cache between runs) is installed with
 ``uv pip install --no-deps`` (real RECORD, real files) and driven through the CLI as a user
@@ -162,6 +162,9 @@ SPEC_PATCHES = {  # patch id -> its module file
 # 0.30.0 and 0.31.0's blank docstring line); 0.32.0 passes it (fixed-in, fixed shape).
 SPEC_PATCHED = [*PATCHED, "0.29.0", "0.30.0", "0.31.0"]
 SPEC_FIXED = ["0.32.0", "0.33.0"]
+BAMBA_PATCHES = {"bamba-spec-conv-state": "vllm/model_executor/models/bamba.py"}
+# Bamba is in vLLM 0.16.0-0.23.0 only (0.24.0 removed bamba.py): no fixed release, unknown-shape.
+BAMBA_PATCHED = PATCHED[:PATCHED.index("0.23.0") + 1]
 SPLIT_PATCHES = {"mamba-split-external-kv": "vllm/v1/core/sched/scheduler.py"}
 # Scheduler._mamba_block_aligned_split asserts no external tokens through 0.22.1.
 SPLIT_PATCHED = PATCHED[:PATCHED.index("0.22.1") + 1]
@@ -216,6 +219,21 @@ def patched_round_trip(python: Path, sp: Path, tmp_path: Path, patches: dict[str
         assert digest == record_sha256(sp, "vllm", rel), rel
 
 
+def absent_refused(python: Path, sp: Path, patches: dict[str, str]) -> None:
+    """The module is gone (and no fix is known): unknown-shape for apply and verify, nothing
+    created; revert has nothing to do."""
+    for rel in patches.values():
+        assert not (sp / rel).exists(), rel
+    for op in ("apply", "verify"):
+        code, out = group_step(python, op, patches)
+        assert (code, verdicts(out)) == (1, {"unknown-shape"}), out
+        assert all("does not exist" in str(o["reason"]) for o in out.values()), out
+    code, out = group_step(python, "revert", patches)
+    assert (code, verdicts(out)) == (0, {"not-applied"}), out
+    for rel in patches.values():
+        assert not (sp / rel).exists(), rel
+
+
 def fixed_untouched(python: Path, sp: Path, patches: dict[str, str]) -> None:
     """not-needed by a fixed shape the patch knows, for apply, verify and revert; nothing
     written."""
@@ -230,23 +248,25 @@ def fixed_untouched(python: Path, sp: Path, patches: dict[str, str]) -> None:
     assert {rel: (sp / rel).read_bytes() for rel in files} == files
 
 
-HYBRID_GROUPS = (  # (patches, the releases they patch); the other releases carry the fix
-    (SPEC_PATCHES, SPEC_PATCHED),
-    (SPLIT_PATCHES, SPLIT_PATCHED),
+HYBRID_GROUPS = (  # (patches, the releases they patch, what the other releases get)
+    (SPEC_PATCHES, SPEC_PATCHED, fixed_untouched),
+    (BAMBA_PATCHES, BAMBA_PATCHED, absent_refused),
+    (SPLIT_PATCHES, SPLIT_PATCHED, fixed_untouched),
 )
 
 
 @pytest.mark.parametrize("release", [*PATCHED, *NOT_NEEDED], indirect=True)
 def test_hybrid_patches_on_every_release(release: tuple[Path, Path], tmp_path: Path) -> None:
-    """Each release's real files: the *-spec-conv-state patches (0.16.0-0.31.0) and
-    mamba-split-external-kv (0.16.0-0.22.1) apply, re-apply, verify and revert to the RECORD
-    bytes where the bug is; elsewhere they are not-needed by a known fixed shape."""
+    """Each release's real files: the *-spec-conv-state patches (0.16.0-0.31.0; Bamba's
+    0.16.0-0.23.0) and mamba-split-external-kv (0.16.0-0.22.1) apply, re-apply, verify and
+    revert to the RECORD bytes where the bug is; elsewhere they are not-needed by a known fixed
+    shape (Bamba: unknown-shape, its module is gone)."""
     python, sp = release
     [dist_info] = sp.glob("vllm-*.dist-info")
     released = dist_info.name.removeprefix("vllm-").removesuffix(".dist-info")
     assert released in SPEC_PATCHED + SPEC_FIXED, released
-    for patches, affected in HYBRID_GROUPS:
+    for patches, affected, elsewhere in HYBRID_GROUPS:
         if released in affected:
             patched_round_trip(python, sp, tmp_path, patches)
         else:
-            fixed_untouched(python, sp, patches)
+            elsewhere(python, sp, patches)

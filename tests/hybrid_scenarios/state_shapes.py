@@ -71,6 +71,9 @@ def _calculator_shapes(config: Any, num_spec: int) -> Any:
         "falcon_h1": lambda: dict(
             intermediate_size=hf.mamba_d_ssm or int(hf.mamba_expand * hf.hidden_size),
             n_groups=hf.mamba_n_groups, num_heads=hf.mamba_n_heads, head_dim=hf.mamba_d_head),
+        "bamba": lambda: dict(
+            intermediate_size=hf.mamba_expand * hf.hidden_size, n_groups=hf.mamba_n_groups,
+            num_heads=hf.mamba_n_heads, head_dim=hf.mamba_d_head),
         "granitemoehybrid": lambda: dict(
             intermediate_size=hf.mamba_expand * hf.hidden_size, n_groups=hf.mamba_n_groups,
             num_heads=hf.mamba_n_heads, head_dim=hf.mamba_d_head),
