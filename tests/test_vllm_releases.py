@@ -1,4 +1,5 @@
-"""kv-cache-page-unification against the real files of every vLLM release 0.16.0 … 0.33.0.
+"""Catalog patches against the real files of every vLLM release 0.16.0 … 0.33.0
+(kv-cache-page-unification, the four *-spec-conv-state patches, mamba-split-external-kv).
 
 Each release's real wheel (kept in a wheel cache between runs) is installed with
 ``uv pip install --no-deps`` (real RECORD, real files) and driven through the CLI as a user
@@ -148,3 +149,124 @@ def test_architecture_selection_and_registry_warning(release: tuple[Path, Path])
     assert "no patches selected" in proc.stderr
     assert ("'Qwen3_5MoeForConditionalGenration' is not registered by the installed vLLM; "
             "did you mean Qwen3_5MoeForConditionalGeneration") in proc.stderr.splitlines()[0]
+
+
+# --- patches of hybrid models: the Mamba-2 state (*-spec-conv-state), the scheduler's split ---
+
+SPEC_PATCHES = {  # patch id -> its module file
+    "falcon-h1-spec-conv-state": "vllm/model_executor/models/falcon_h1.py",
+    "granitemoehybrid-spec-conv-state": "vllm/model_executor/models/granitemoehybrid.py",
+    "zamba2-spec-conv-state": "vllm/model_executor/models/zamba2.py",
+}
+# get_mamba_state_shape_from_config passes no num_spec through 0.31.0 (two known shapes: 0.16.0-
+# 0.30.0 and 0.31.0's blank docstring line); 0.32.0 passes it (fixed-in, fixed shape).
+SPEC_PATCHED = [*PATCHED, "0.29.0", "0.30.0", "0.31.0"]
+SPEC_FIXED = ["0.32.0", "0.33.0"]
+BAMBA_PATCHES = {"bamba-spec-conv-state": "vllm/model_executor/models/bamba.py"}
+# Bamba is in vLLM 0.16.0-0.23.0 only (0.24.0 removed bamba.py): no fixed release, unknown-shape.
+BAMBA_PATCHED = PATCHED[:PATCHED.index("0.23.0") + 1]
+SPLIT_PATCHES = {"mamba-split-external-kv": "vllm/v1/core/sched/scheduler.py"}
+# Scheduler._mamba_block_aligned_split asserts no external tokens through 0.22.1.
+SPLIT_PATCHED = PATCHED[:PATCHED.index("0.22.1") + 1]
+SPLIT_FIXED = [*PATCHED[PATCHED.index("0.23.0"):], *NOT_NEEDED]
+
+
+def group_step(python: Path, op: str, patches: dict[str, str]
+               ) -> tuple[int, dict[str, dict[str, object]]]:
+    args = [a for p in patches for a in ("--patch", p)]
+    proc = cli(op, "--python", str(python), *args, "--json")
+    assert "Traceback" not in proc.stderr, proc.stderr
+    outcomes = {p["id"]: p for p in json.loads(proc.stdout)["patches"]}
+    assert set(outcomes) == set(patches), outcomes
+    return proc.returncode, outcomes
+
+
+def verdicts(outcomes: dict[str, dict[str, object]]) -> set[object]:
+    return {o["verdict"] for o in outcomes.values()}
+
+
+def patched_round_trip(python: Path, sp: Path, tmp_path: Path, patches: dict[str, str]) -> None:
+    """Every target symbol has a known shape; apply (not through the shared inode), re-apply,
+    verify, revert to the RECORD bytes."""
+    originals = {}
+    for patch_id, rel in patches.items():
+        target = sp / rel
+        originals[rel] = target.read_bytes()
+        assert hashlib.sha256(originals[rel]).hexdigest() == record_sha256(sp, "vllm", rel)
+        patch = load_catalog()[patch_id]
+        for symbol, known in patch.symbol_shapes.items():
+            assert symbol_digest(originals[rel].decode(), symbol) in known, symbol
+        os.link(target, tmp_path / f"{target.stem}.twin")
+
+    code, out = group_step(python, "verify", patches)
+    assert (code, verdicts(out)) == (1, {"missing"}), out
+    code, out = group_step(python, "apply", patches)
+    assert (code, verdicts(out)) == (0, {"applied"}), out
+    for rel, original in originals.items():
+        patched = (sp / rel).read_bytes()
+        assert patched.startswith(original) and patched != original
+        compile(patched, rel, "exec")
+        twin = tmp_path / f"{Path(rel).stem}.twin"
+        assert twin.read_bytes() == original, "the write went through the shared inode"
+    code, out = group_step(python, "apply", patches)
+    assert (code, verdicts(out)) == (0, {"already-applied"}), out
+    code, out = group_step(python, "verify", patches)
+    assert (code, verdicts(out)) == (0, {"applied"}), out
+    code, out = group_step(python, "revert", patches)
+    assert (code, verdicts(out)) == (0, {"reverted"}), out
+    for rel in patches.values():
+        digest = hashlib.sha256((sp / rel).read_bytes()).hexdigest()
+        assert digest == record_sha256(sp, "vllm", rel), rel
+
+
+def absent_refused(python: Path, sp: Path, patches: dict[str, str]) -> None:
+    """The module is gone (and no fix is known): unknown-shape for apply and verify, nothing
+    created; revert has nothing to do."""
+    for rel in patches.values():
+        assert not (sp / rel).exists(), rel
+    for op in ("apply", "verify"):
+        code, out = group_step(python, op, patches)
+        assert (code, verdicts(out)) == (1, {"unknown-shape"}), out
+        assert all("does not exist" in str(o["reason"]) for o in out.values()), out
+    code, out = group_step(python, "revert", patches)
+    assert (code, verdicts(out)) == (0, {"not-applied"}), out
+    for rel in patches.values():
+        assert not (sp / rel).exists(), rel
+
+
+def fixed_untouched(python: Path, sp: Path, patches: dict[str, str]) -> None:
+    """not-needed by a fixed shape the patch knows, for apply, verify and revert; nothing
+    written."""
+    files = {rel: (sp / rel).read_bytes() for rel in patches.values()}
+    for op in ("apply", "verify", "revert"):
+        code, out = group_step(python, op, patches)
+        assert code == 0, out
+        assert verdicts(out) <= {"not-needed", "not-applied"}, out
+        for outcome in out.values():
+            if outcome["verdict"] == "not-needed":
+                assert "is a fixed shape the patch knows" in str(outcome["reason"]), outcome
+    assert {rel: (sp / rel).read_bytes() for rel in files} == files
+
+
+HYBRID_GROUPS = (  # (patches, the releases they patch, what the other releases get)
+    (SPEC_PATCHES, SPEC_PATCHED, fixed_untouched),
+    (BAMBA_PATCHES, BAMBA_PATCHED, absent_refused),
+    (SPLIT_PATCHES, SPLIT_PATCHED, fixed_untouched),
+)
+
+
+@pytest.mark.parametrize("release", [*PATCHED, *NOT_NEEDED], indirect=True)
+def test_hybrid_patches_on_every_release(release: tuple[Path, Path], tmp_path: Path) -> None:
+    """Each release's real files: the *-spec-conv-state patches (0.16.0-0.31.0; Bamba's
+    0.16.0-0.23.0) and mamba-split-external-kv (0.16.0-0.22.1) apply, re-apply, verify and
+    revert to the RECORD bytes where the bug is; elsewhere they are not-needed by a known fixed
+    shape (Bamba: unknown-shape, its module is gone)."""
+    python, sp = release
+    [dist_info] = sp.glob("vllm-*.dist-info")
+    released = dist_info.name.removeprefix("vllm-").removesuffix(".dist-info")
+    assert released in SPEC_PATCHED + SPEC_FIXED, released
+    for patches, affected, elsewhere in HYBRID_GROUPS:
+        if released in affected:
+            patched_round_trip(python, sp, tmp_path, patches)
+        else:
+            elsewhere(python, sp, patches)
