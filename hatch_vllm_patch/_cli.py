@@ -110,6 +110,9 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
             p.add_argument("--deep", action="store_true",
                            help="also import the patched modules in the target environment and "
                                 "exercise them (slow: imports vLLM)")
+            p.add_argument("--strict", action="store_true",
+                           help="also fail (exit 1) for a block in place that the selection "
+                                "does not name (another project's, an `apply --patch` addition)")
         if name == "status":
             p.add_argument("--short", action="store_true",
                            help="one line per patch: id, verdict, file")
@@ -386,6 +389,7 @@ def _main(argv: Sequence[str] | None, written: list[Path], operation: list[str],
             models=tuple(resolve_model_dir(m, where=f"--model {m}")
                          for m in getattr(args, "models", ())),
             deep=getattr(args, "deep", False),
+            strict=getattr(args, "strict", False),
             on_wait=_notice,
             on_write=written.append,
         )

@@ -71,6 +71,8 @@ class Verdict(str, enum.Enum):
     WOULD_APPLY = "would-apply"  # diff: apply would write this
     ALREADY_APPLIED = "already-applied"
     REVERTED = "reverted"
+    REMOVED = "removed"  # apply: reverted because the configuration no longer selects it
+    NOT_SELECTED = "not-selected"  # a block in place that this selection does not name
     NOT_APPLIED = "not-applied"
     NOT_NEEDED = "not-needed"
     NOT_INSTALLED = "not-installed"

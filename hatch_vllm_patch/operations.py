@@ -52,12 +52,14 @@ from .files import (
 )
 from .markers import MarkerError, parse_file, sha256_hex
 from .record import (
+    COMMAND_LINE,
     DEFAULT_GUARD,
     EnvironmentRecord,
     FileEntry,
     RecordRead,
     SelectedPatch,
     edit_state,
+    merge_selection,
     pristine_copy,
     read_record,
 )
@@ -72,8 +74,10 @@ _WRITES = frozenset({"apply", "revert"})
 
 # Verdicts that mean "nothing is wrong" for each operation.
 _FINE = {
-    "apply": {Verdict.APPLIED, Verdict.ALREADY_APPLIED, Verdict.NOT_NEEDED, Verdict.NOT_APPLICABLE},
-    "verify": {Verdict.APPLIED, Verdict.NOT_NEEDED, Verdict.NOT_APPLICABLE},
+    "apply": {Verdict.APPLIED, Verdict.ALREADY_APPLIED, Verdict.NOT_NEEDED, Verdict.NOT_APPLICABLE,
+              Verdict.REMOVED, Verdict.NOT_SELECTED},
+    "verify": {Verdict.APPLIED, Verdict.NOT_NEEDED, Verdict.NOT_APPLICABLE,
+               Verdict.NOT_SELECTED},  # not-selected fails verify --strict
     "revert": {Verdict.REVERTED, Verdict.NOT_APPLIED, Verdict.NOT_INSTALLED},
     "diff": {Verdict.WOULD_APPLY, Verdict.ALREADY_APPLIED, Verdict.NOT_NEEDED,
              Verdict.NOT_APPLICABLE},
@@ -90,6 +94,7 @@ class Request(NamedTuple):
     architectures: tuple[str, ...] = ()
     models: tuple[Path, ...] = ()
     deep: bool = False
+    strict: bool = False  # verify: a block in place that the selection does not name fails
     catalog: Catalog | None = None
     config: Config | None = None  # given: used as is; None: read from the project
     extra_patch_dirs: tuple[Path, ...] = ()  # project patch folders to merge (the guard's record)
@@ -143,6 +148,23 @@ def resolve(request: Request, config_problems: list[str] | None = None, carried:
     return catalog, config, selection, choice
 
 
+def _origin(request: Request, config: Config | None, env: TargetEnvironment) -> str:
+    """Who this run selects for, as the record's ``selected_by`` names it: the project's
+    pyproject.toml, the carrier distributions of a wheel-carried selection, or the command
+    line."""
+    if request.command_line_selection or config is None:
+        return COMMAND_LINE
+    from .carried import SELECTION_FILE, find_carried
+
+    if config.source.name == SELECTION_FILE:
+        try:
+            names = sorted({c.distribution for c in find_carried(env.purelib)})
+        except (OSError, ValueError):
+            names = []
+        return f"carried by {', '.join(names) or config.source}"
+    return str(config.source)
+
+
 def _purelib(choice: InterpreterChoice) -> Path:
     """The target's site-packages, without the full probe (it needs the selection first)."""
     from .environment import is_running_interpreter
@@ -187,9 +209,15 @@ def run(operation: str, request: Request) -> Report:
     if selection.architectures:
         queries[_REGISTRY.module] = _REGISTRY
     env = inspect_environment(choice, queries.values(), in_process=request.in_process)
-    sessions = read_record(env.purelib).record.edits  # unlocked: which edits to ask about
+    recorded = read_record(env.purelib).record  # unlocked: which edits to ask about
     extra = [ModuleQuery(s.distribution, s.module, module_relative_path(s.module))
-             for s in sessions.values() if s.module not in env.modules]
+             for s in recorded.edits.values() if s.module not in env.modules]
+    origin = _origin(request, config, env)
+    converge = operation == "apply" and origin != COMMAND_LINE
+    if converge and recorded.selection is not None:  # what a convergence may revert
+        extra += [ModuleQuery(e.distribution, e.module, module_relative_path(e.module))
+                  for e in recorded.selection.patches if e.module not in env.modules
+                  and all(q.module != e.module for q in extra)]
     if extra:  # whether each edit session is still live needs its installed facts
         env = inspect_environment(choice, [*queries.values(), *extra],
                                   in_process=request.in_process)
@@ -217,15 +245,21 @@ def run(operation: str, request: Request) -> Report:
                 "--architecture NAME or --model DIR", notes)
         where = (f"[tool.vllm-patch] in {config.source}" if config and not
                  request.command_line_selection else "the command line")
-        notes.append(f"{where} selects no patch for what it serves: nothing to do")
+        notes.append(f"{where} selects no patch for what it serves")
 
     if operation in {"verify", "status"}:
         notes += _guard_disabled_notes(os.environ)
     if operation == "apply" and request.patches:
         notes += _how_to_select(request, catalog, config)
     session = _Session(operation, request, catalog, config, env, tuple(patches), why)
+    session.origin, session.converge = origin, converge
     outcomes, errors = session.carry_out()
     notes += session.notes
+    if not patches:
+        removed = any(o.verdict is Verdict.REMOVED for o in outcomes)
+        tail = "what it selected before is removed" if removed else "nothing to do"
+        notes = [f"{n}: {tail}" if n.endswith("selects no patch for what it serves") else n
+                 for n in notes]
     if operation == "verify" and request.deep:
         outcomes = [_deep(o, catalog, env) for o in outcomes]
     return Report(operation, env, tuple(outcomes), tuple(notes), request.project_dir,
@@ -250,6 +284,9 @@ class _Session:
         self.wrote_targets = False
         self.stale: dict[str, str] = {}  # file -> why its edit session is over
         self.ended: list[str] = []  # pristine copies to drop once the record says so
+        self.origin = COMMAND_LINE  # who selects (record.merge_selection), set by run()
+        self.converge = False  # apply of a whole configuration: revert what it dropped
+        self.unremoved: set[str] = set()  # dropped patches whose block could not be removed
 
     # --- where ------------------------------------------------------------------------------
 
@@ -268,6 +305,8 @@ class _Session:
     def lock_dirs(self, record: EnvironmentRecord) -> set[str]:
         dirs = {str(self.env.purelib)}
         paths = [self.target_path(p) for p in self.confined()] + [Path(f) for f in record.files]
+        if self.converge and record.selection is not None:
+            paths += [Path(e.file) for e in record.selection.patches if e.file]
         for path in paths:
             if path.parent.is_dir():
                 dirs.add(os.path.realpath(path.parent))
@@ -303,8 +342,9 @@ class _Session:
                               "treating it as no history")
         self.record = self.initial = state.record
         self.edit_sessions()
-        outcomes = [self.one(patch) for patch in self.patches]
-        outcomes += self.foreign_blocks()
+        removed = self.remove_unselected()  # first: an apply must not find the dropped block
+        outcomes = [self.one(patch) for patch in self.patches] + removed
+        outcomes += self.foreign_blocks({o.patch_id for o in outcomes})
         errors = self.save_record(outcomes)
         return outcomes, errors
 
@@ -498,12 +538,17 @@ class _Session:
 
     # --- blocks of patches this catalog does not know ----------------------------------------
 
-    def foreign_blocks(self) -> list[PatchOutcome]:
-        """Every block of ours, in the files we look at, whose patch the catalog does not know:
-        named with a verdict; ``revert`` of everything removes them."""
+    def foreign_blocks(self, reported: set[str]) -> list[PatchOutcome]:
+        """Every block of ours, in the files we look at, that this selection does not name: of a
+        patch the catalog does not know, or (besides ``revert``) one it knows or the record
+        names (another project's, an ``apply --patch`` addition) — present but not selected.
+        Named with a verdict; ``revert`` of everything removes them."""
         files = {str(self.target_path(p)) for p in self.confined()} | set(self.record.files)
         revert_all = self.operation == "revert" and not self.request.command_line_selection
         outcomes = []
+        if self.operation != "revert":
+            outcomes += self.unselected_blocks(files, reported)
+            reported = reported | {o.patch_id for o in outcomes}
         for name in sorted(files):
             path = Path(name)
             content, error = self.read(path)
@@ -513,7 +558,8 @@ class _Session:
                 blocks = parse_file(content).blocks
             except MarkerError:
                 continue  # reported as modified by the patch that targets the file
-            unknown = tuple(b.patch_id for b in blocks if b.patch_id not in self.catalog)
+            unknown = tuple(b.patch_id for b in blocks if b.patch_id not in self.catalog
+                            and b.patch_id not in reported)
             if not unknown:
                 continue
             if revert_all:
@@ -541,6 +587,94 @@ class _Session:
                         f"run: python -m hatch_vllm_patch revert --python {self.env.python} "
                         "(removes every block of ours and restores the original), then apply")))
         return outcomes
+
+    def unselected_blocks(self, files: set[str], reported: set[str]) -> list[PatchOutcome]:
+        """The blocks in ``files`` of patches this run does not select, which the catalog knows
+        or the record names: ``not-selected``, fine but for ``verify --strict``."""
+        selection = self.record.selection
+        recorded = {e.id: e for e in (selection.patches if selection else ())}
+        ids = {p.id for p in self.patches} | reported
+        strict = self.operation == "verify" and self.request.strict
+        outcomes = []
+        for name in sorted(files):
+            content, error = self.read(Path(name))
+            if content is None or error is not None:
+                continue
+            try:
+                blocks = parse_file(content).blocks
+            except MarkerError:
+                continue
+            for block in blocks:
+                pid = block.patch_id
+                if pid in ids or (pid not in self.catalog and pid not in recorded):
+                    continue
+                ids.add(pid)
+                entry = recorded.get(pid)
+                who = (f"applied for {'; '.join(entry.selected_by)}" if entry and
+                       entry.selected_by else "no record says who applied it")
+                outcomes.append(PatchOutcome(
+                    pid, Verdict.NOT_SELECTED,
+                    f"present but not selected by {self._selector()}: {who}; apply from a "
+                    "project does not remove it", not strict, Path(name),
+                    next_step=(f"select it, or remove it: python -m hatch_vllm_patch revert "
+                               f"--python {self.env.python} --patch {pid}") if strict else None))
+        return outcomes
+
+    def _selector(self) -> str:
+        if self.origin == COMMAND_LINE:
+            return "the command line"
+        if self.config is not None and self.origin == str(self.config.source):
+            return f"[tool.vllm-patch] in {self.config.source}"
+        return self.origin
+
+    # --- convergence: what the configuration no longer selects ------------------------------
+
+    def remove_unselected(self) -> list[PatchOutcome]:
+        """``apply`` of a whole configuration: revert the blocks that this origin's earlier
+        apply recorded and nobody selects now (record.merge_selection says which)."""
+        previous = self.record.selection
+        if not self.converge or previous is None:
+            return []
+        ids = {p.id for p in self.patches}
+        _, removed = merge_selection(previous.patches, self.origin, (), True)
+        return [self.remove(entry) for entry in removed if entry.id not in ids]
+
+    def remove(self, entry: SelectedPatch) -> PatchOutcome:
+        why = f"removed: no longer selected by {self._selector()}"
+        if entry.file is None:
+            return PatchOutcome(entry.id, Verdict.REMOVED,
+                                f"{why} (its target was not installed: nothing to revert)", True)
+        path = Path(entry.file)
+        for attempt in (1, 2):
+            content, error = self.read(path)
+            location = self.env.modules.get(entry.module)
+            ledger = self.record.files.get(entry.file)
+            facts = FileFacts(
+                entry.file, content, self.env.version_of(entry.distribution) or "unknown",
+                location.record_sha256 if location is not None and location.file == path
+                else None, ledger.original_sha256 if ledger else None, read_error=error)
+            plan = plan_remove_blocks((entry.id,), facts)
+            try:
+                if plan.new_content is not None:
+                    plan = self.write(plan, path, entry.distribution, facts)
+                break
+            except TargetChanged as exc:
+                self.forget(path)
+                if attempt == 2:
+                    plan = Plan(Verdict.ERROR, f"{exc} (twice; retried once)")
+        shown = path if self.contents.get(str(path)) is not None else None
+        if plan.verdict is Verdict.REVERTED:
+            return PatchOutcome(entry.id, Verdict.REMOVED, f"{why}; {plan.reason}", True, shown)
+        if plan.verdict is Verdict.NOT_APPLIED:
+            return PatchOutcome(entry.id, Verdict.REMOVED,
+                                f"{why} (its block was not in the file any more)", True, shown)
+        self.unremoved.add(entry.id)  # stays recorded: the next apply tries again
+        return PatchOutcome(
+            entry.id, plan.verdict, f"no longer selected by {self._selector()}, but its block "
+            f"could not be removed: {plan.reason}", False, shown,
+            next_step=(f"restore {path} (reinstall {entry.distribution}), or run: python -m "
+                       f"hatch_vllm_patch revert --python {self.env.python} --patch "
+                       f"{entry.id}"))
 
     def _record_hash(self, path: Path) -> str | None:
         for patch in self.patches:
@@ -597,19 +731,28 @@ class _Session:
         previous = self.record.selection
         partial = self.request.command_line_selection
         ids = {p.id for p in self.patches}
-        kept = tuple(p for p in previous.patches if p.id not in ids) if previous and partial else ()
         if self.operation == "revert":
+            kept = tuple(p for p in previous.patches if p.id not in ids) \
+                if previous and partial else ()
             return previous._replace(patches=kept) if previous and partial else None
         by_id = {o.patch_id: o for o in outcomes}
-        entries = [self.selected(patch, by_id[patch.id]) for patch in self.patches]
+        entries = tuple(self.selected(patch, by_id[patch.id]) for patch in self.patches)
+        before = previous.patches if previous else ()
+        merged, removed = merge_selection(before, self.origin, entries, self.converge)
+        merged = (*merged, *(e for e in removed if e.id in self.unremoved))
         config = self.config
         if config is None and previous is not None:
-            return previous._replace(patches=(*kept, *entries))
+            return previous._replace(patches=merged)
+        dirs = [str(d) for d in (config.patch_dirs if config else ())]
+        # The patch folders of the entries kept for other selectors (the guard loads them).
+        folders = {os.path.dirname(e.folder) for e in merged if e.folder}
+        dirs += [d for d in (previous.patch_dirs if previous else ())
+                 if d in folders and d not in dirs]
         return SelectionRecord(
-            patches=(*kept, *entries),
+            patches=merged,
             guard=config.guard if config and config.guard else DEFAULT_GUARD,
             project=str(config.project_dir) if config else None,
-            patch_dirs=tuple(str(d) for d in (config.patch_dirs if config else ())),
+            patch_dirs=tuple(dirs),
         )
 
     def selected(self, patch: Patch, outcome: PatchOutcome) -> SelectedPatch:
@@ -699,8 +842,10 @@ def _how_to_select(request: Request, catalog: Catalog, config: Config | None) ->
         return []
     where = config.source if config else (request.project_dir or Path.cwd()) / "pyproject.toml"
     listed = ", ".join(f'"{pid}"' for pid in extra)
-    return [f"--patch selects for this run only; to keep {', '.join(extra)} selected, add it to "
-            f"[tool.vllm-patch] in {where}: patches = [{listed}]"]
+    return [f"--patch adds {', '.join(extra)} to this environment, and an apply from the project "
+            "keeps it there (listed as not-selected by verify and status; `vllm-patch revert "
+            f"--patch ID` removes it); to make it the project's, add it to [tool.vllm-patch] in "
+            f"{where}: patches = [{listed}]"]
 
 
 def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: FileFacts

@@ -6,9 +6,13 @@ It holds two things, written together under the environment's lock by ``apply`` 
     the ledger: for each file we patched, the sha256 of its original bytes (the guard of files
     that have no RECORD hash, such as editable checkouts) and of what we wrote;
 ``selection``
-    what the last ``apply`` selected and found, per patch: the target file and the sha256 it had
-    afterwards, the block digest, the verdict; plus the guard mode and the project's own patch
-    folders. The guard that runs in every vLLM process checks the files against it.
+    what the applies selected and found, per patch: the target file and the sha256 it had
+    afterwards, the block digest, the verdict, and who selected it (``selected_by``: the
+    pyproject.toml of each project whose apply selected it, :data:`COMMAND_LINE` for ``apply
+    --patch``, or ``carried by <distribution>`` for a wheel-carried selection; a record of an
+    earlier release has no such field: its patches are the recorded project's); plus the guard
+    mode and the patch folders of the projects. The guard that runs in every vLLM process
+    checks the files against it. :func:`merge_selection` is the rule of what an apply keeps.
 ``edits``
     the files ``vllm-patch edit`` opened for editing, with the sha256 of their pristine bytes
     (kept beside the record, in ``.hatch-vllm-patch-edits/``; they are also what ``edit``
@@ -144,6 +148,7 @@ class SelectedPatch(_Value):
         "file_sha256",
         "block_sha256",
         "folder",
+        "selected_by",
     )
     __slots__ = _fields
     _defaults: ClassVar[dict[str, Any]] = {
@@ -151,6 +156,7 @@ class SelectedPatch(_Value):
         "file_sha256": None,
         "block_sha256": None,
         "folder": None,
+        "selected_by": (),
     }
 
     id: str
@@ -163,12 +169,15 @@ class SelectedPatch(_Value):
     block_sha256: str | None  # the block in the file, else the one apply selected (the guard
     # heals to this block only)
     folder: str | None  # the patch folder (built-in catalog or the project's)
+    # Who selected it: a project's pyproject.toml, COMMAND_LINE, "carried by <distribution>";
+    # empty: not known (never removed by convergence).
+    selected_by: tuple[str, ...]
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "distribution": self.distribution, "module": self.module,
                 "verdict": self.verdict, "ok": self.ok, "file": self.file,
                 "file_sha256": self.file_sha256, "block_sha256": self.block_sha256,
-                "folder": self.folder}
+                "folder": self.folder, "selected_by": list(self.selected_by)}
 
 
 class Selection(_Value):
@@ -214,6 +223,47 @@ class EditSession(_Value):
         if self.opened is not None:
             data["opened"] = dict(zip(("inode", "size", "mtime_ns"), self.opened, strict=True))
         return data
+
+
+COMMAND_LINE = "command line"  # selected_by of ``apply --patch/--architecture/--model``
+
+
+def merge_selection(previous: tuple[SelectedPatch, ...], origin: str,
+                    entries: tuple[SelectedPatch, ...], converge: bool
+                    ) -> tuple[tuple[SelectedPatch, ...], tuple[SelectedPatch, ...]]:
+    """What an apply by ``origin`` (a project's pyproject.toml, :data:`COMMAND_LINE`, a
+    carrier) leaves as the selection, and which previous entries it removes; pure.
+
+    ``entries`` are this apply's (their ``selected_by`` is filled in here): an entry some
+    selection had before keeps its selectors and gains ``origin`` — except from the command
+    line, which takes over only patches nobody selected (re-applying a project's patch with
+    ``--patch``, or a guard's heal, does not make it the command line's). With ``converge``
+    (an apply of a whole configuration), a previous entry that ``origin`` selected and does not
+    select now loses ``origin``; one left with no selector is returned as removed (the caller
+    reverts its block). Entries of other selectors, and of none known, are kept as they are."""
+    before = {p.id: p for p in previous}
+    mine = set()
+    new = []
+    for entry in entries:
+        mine.add(entry.id)
+        had = before[entry.id].selected_by if entry.id in before else ()
+        if origin == COMMAND_LINE:
+            selectors = had or (origin,)
+        else:
+            selectors = (*had, origin) if origin not in had else had
+        new.append(entry._replace(selected_by=selectors))
+    kept, removed = [], []
+    for entry in previous:
+        if entry.id in mine:
+            continue
+        if converge and origin in entry.selected_by:
+            rest = tuple(s for s in entry.selected_by if s != origin)
+            if not rest:
+                removed.append(entry)
+                continue
+            entry = entry._replace(selected_by=rest)
+        kept.append(entry)
+    return (*kept, *new), tuple(removed)
 
 
 UNSURE = "unsure"  # edit_state without the installed facts: only a full check can tell
@@ -468,6 +518,9 @@ def _selection(raw: object, roots: tuple[str, ...] = ()) -> Selection:
         raise RecordDamaged('"selection".patch_dirs is not a list of paths')
     if not isinstance(patches, list):
         raise RecordDamaged('"selection".patches is not a list')
+    project = _text(raw.get("project"), '"selection".project', optional=True)
+    # A record of an earlier release does not say who selected what: the recorded project.
+    default_by = (os.path.join(project, "pyproject.toml"),) if project else ()
     selected = []
     for i, p in enumerate(patches):
         where = f'"selection".patches[{i}]'
@@ -484,6 +537,14 @@ def _selection(raw: object, roots: tuple[str, ...] = ()) -> Selection:
             block_sha256=_digest(p.get("block_sha256"), f"{where}.block_sha256",
                                  optional=True),
             folder=_text(p.get("folder"), f"{where}.folder", optional=True),
+            selected_by=_selectors(p.get("selected_by"), f"{where}.selected_by", default_by),
         ))
-    return Selection(tuple(selected), guard, _text(raw.get("project"), '"selection".project',
-                                                   optional=True), tuple(dirs))
+    return Selection(tuple(selected), guard, project, tuple(dirs))
+
+
+def _selectors(value: object, where: str, default: tuple[str, ...]) -> tuple[str, ...]:
+    if value is None:
+        return default
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise RecordDamaged(f"{where} is not a list of selectors")
+    return tuple(value)
