@@ -340,3 +340,169 @@ def test_edit_refuses_a_module_of_no_distribution(demo_venv: Path, tmp_path: Pat
     site = site_packages(demo_venv.parent.parent)
     assert not (site / ".hatch-vllm-patch.json").exists()
     assert not (site / ".hatch-vllm-patch-edits").exists()
+
+
+# --- convergence: the environment follows the configuration -----------------------------------
+
+OTHER_BLOCK = textwrap.dedent('''\
+    if "_hvp_other_original" not in globals():
+        _hvp_other_original = other
+
+    def other():
+        return "patched"
+    ''')
+
+
+def pair_catalog(root: Path) -> Path:
+    """The demo catalog plus ``demo-other``, a second patch of demo_pkg.core (``other``)."""
+    from hatch_vllm_patch.engine import symbol_digest
+
+    write_demo_catalog(root)
+    folder = root / "demo-other"
+    folder.mkdir()
+    (folder / "patch.toml").write_text(textwrap.dedent(f"""\
+        id = "demo-other"
+        summary = "Patch demo_pkg.core.other"
+        description = "Test patch."
+        links = ["https://example.invalid/demo/2"]
+        removal = "Never."
+
+        [target]
+        distribution = "demo-pkg"
+        module = "demo_pkg.core"
+        symbol = "other"
+
+        [applies]
+        shapes = ["{symbol_digest(DEMO_SOURCE, 'other')}"]
+        """))
+    (folder / "block.py").write_text(OTHER_BLOCK)
+    return root
+
+
+def project(root: Path, table: str) -> Path:
+    root.mkdir(exist_ok=True)
+    (root / "pyproject.toml").write_text(f"[project]\nname = '{root.name}'\n\n[tool.vllm-patch]\n"
+                                         f"{table}\n")
+    return root
+
+
+def run_in(where: Path, catalog: Path, python: Path, *args: str) -> dict[str, object]:
+    proc = cli(*args, "--python", str(python), "--json", cwd=where, catalog=catalog)
+    data = json.loads(proc.stdout)
+    data["exit"] = proc.returncode
+    return data
+
+
+def verdicts(data: dict[str, object]) -> dict[str, str]:
+    patches = data["patches"]
+    assert isinstance(patches, list)
+    return {str(p["id"]): str(p["verdict"]) for p in patches}
+
+
+def recorded(python: Path) -> dict[str, list[str]]:
+    """The record's selection: patch id -> who selected it."""
+    data = json.loads((site_packages(python.parent.parent) / ".hatch-vllm-patch.json")
+                      .read_text())
+    return {p["id"]: p["selected_by"] for p in (data["selection"] or {}).get("patches", [])}
+
+
+def blocks(python: Path) -> set[str]:
+    from hatch_vllm_patch.markers import parse_file
+
+    return {b.patch_id for b in parse_file(core_file(python).read_bytes()).blocks}
+
+
+def test_apply_reverts_what_the_configuration_no_longer_selects(
+        tmp_path: Path, demo_venv: Path, demo_catalog: Path) -> None:
+    """A project that selected demo-fix, then serves only another architecture: apply reverts
+    the block (the file is RECORD's again), says `removed: no longer selected`, and the record
+    (the guard's selection) no longer names it; a second apply has nothing to do."""
+    a = project(tmp_path / "a", 'patches = ["demo-fix"]')
+    first = run_in(a, demo_catalog, demo_venv, "apply")
+    assert verdicts(first) == {"demo-fix": "applied"} and first["exit"] == 0
+    assert recorded(demo_venv) == {"demo-fix": [str(a / "pyproject.toml")]}
+    project(a, "[tool.vllm-patch.architectures.LlamaForCausalLM]")
+    proc = cli("apply", "--python", str(demo_venv), cwd=a, catalog=demo_catalog)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "removed: no longer selected by [tool.vllm-patch] in" in proc.stdout
+    assert "what it selected before is removed" in proc.stdout
+    assert sha(core_file(demo_venv)) == core_record(demo_venv)
+    assert recorded(demo_venv) == {}
+    again = run_in(a, demo_catalog, demo_venv, "apply")
+    assert verdicts(again) == {} and again["exit"] == 0
+    assert any("nothing to do" in str(n) for n in again["notes"])  # type: ignore[attr-defined]
+    assert run_in(a, demo_catalog, demo_venv, "verify")["exit"] == 0
+
+
+def test_another_projects_block_stays_and_is_not_selected(tmp_path: Path, demo_venv: Path
+                                                          ) -> None:
+    """Two projects share one environment: A's apply never removes B's block; verify and status
+    from A list it as not-selected (exit 0), verify --strict exits 1; when A drops its own patch,
+    only A's block goes."""
+    catalog = pair_catalog(tmp_path / "catalog")
+    a = project(tmp_path / "a", 'patches = ["demo-fix"]')
+    b = project(tmp_path / "b", 'patches = ["demo-other"]')
+    assert run_in(a, catalog, demo_venv, "apply")["exit"] == 0
+    assert verdicts(run_in(b, catalog, demo_venv, "apply")) == {
+        "demo-other": "applied", "demo-fix": "not-selected"}
+    assert recorded(demo_venv) == {"demo-fix": [str(a / "pyproject.toml")],
+                                   "demo-other": [str(b / "pyproject.toml")]}
+    assert blocks(demo_venv) == {"demo-fix", "demo-other"}
+    for command, code in (("verify", 0), ("status", 0)):
+        data = run_in(a, catalog, demo_venv, command)
+        assert verdicts(data) == {"demo-fix": "applied", "demo-other": "not-selected"}
+        assert data["exit"] == code, data
+    strict = run_in(a, catalog, demo_venv, "verify", "--strict")
+    assert strict["exit"] == 1 and verdicts(strict)["demo-other"] == "not-selected"
+    project(a, "patches = []")
+    dropped = run_in(a, catalog, demo_venv, "apply")
+    assert verdicts(dropped) == {"demo-fix": "removed", "demo-other": "not-selected"}
+    assert dropped["exit"] == 0 and blocks(demo_venv) == {"demo-other"}
+    assert recorded(demo_venv) == {"demo-other": [str(b / "pyproject.toml")]}
+    assert run_in(b, catalog, demo_venv, "verify", "--strict")["exit"] == 0
+
+
+def test_a_patch_moved_to_another_project_stays_until_neither_selects_it(
+        tmp_path: Path, demo_venv: Path, demo_catalog: Path) -> None:
+    """demo-fix selected by A, then by B too; A drops it: it stays (B's); B drops it: removed."""
+    a = project(tmp_path / "a", 'patches = ["demo-fix"]')
+    b = project(tmp_path / "b", 'patches = ["demo-fix"]')
+    run_in(a, demo_catalog, demo_venv, "apply")
+    assert verdicts(run_in(b, demo_catalog, demo_venv, "apply")) == {"demo-fix": "already-applied"}
+    assert recorded(demo_venv) == {"demo-fix": [str(a / "pyproject.toml"),
+                                                str(b / "pyproject.toml")]}
+    project(a, "patches = []")
+    kept = run_in(a, demo_catalog, demo_venv, "apply")
+    assert verdicts(kept) == {"demo-fix": "not-selected"} and kept["exit"] == 0
+    assert blocks(demo_venv) == {"demo-fix"}
+    assert recorded(demo_venv) == {"demo-fix": [str(b / "pyproject.toml")]}
+    project(b, "patches = []")
+    assert verdicts(run_in(b, demo_catalog, demo_venv, "apply")) == {"demo-fix": "removed"}
+    assert sha(core_file(demo_venv)) == core_record(demo_venv) and recorded(demo_venv) == {}
+
+
+def test_a_command_line_addition_stays_and_is_listed(tmp_path: Path, demo_venv: Path) -> None:
+    """`apply --patch` of a patch the project does not select: the project's next apply keeps
+    it (recorded for the command line), verify and status list it as not-selected (exit 0),
+    verify --strict exits 1; `revert --patch` removes it."""
+    catalog = pair_catalog(tmp_path / "catalog")
+    a = project(tmp_path / "a", 'patches = ["demo-fix"]')
+    run_in(a, catalog, demo_venv, "apply")
+    added = run_in(a, catalog, demo_venv, "apply", "--patch", "demo-other")
+    assert verdicts(added) == {"demo-other": "applied", "demo-fix": "not-selected"}
+    assert any("an apply from the project keeps it" in str(n)
+               for n in added["notes"])  # type: ignore[attr-defined]
+    assert recorded(demo_venv) == {"demo-fix": [str(a / "pyproject.toml")],
+                                   "demo-other": ["command line"]}
+    again = run_in(a, catalog, demo_venv, "apply")
+    assert verdicts(again) == {"demo-fix": "already-applied", "demo-other": "not-selected"}
+    assert blocks(demo_venv) == {"demo-fix", "demo-other"}
+    assert run_in(a, catalog, demo_venv, "verify")["exit"] == 0
+    assert run_in(a, catalog, demo_venv, "status")["exit"] == 0
+    assert run_in(a, catalog, demo_venv, "verify", "--strict")["exit"] == 1
+    project(a, "patches = []")  # the project drops its own: the addition still stays
+    assert verdicts(run_in(a, catalog, demo_venv, "apply")) == {
+        "demo-fix": "removed", "demo-other": "not-selected"}
+    assert blocks(demo_venv) == {"demo-other"}
+    assert run_in(a, catalog, demo_venv, "revert", "--patch", "demo-other")["exit"] == 0
+    assert sha(core_file(demo_venv)) == core_record(demo_venv) and recorded(demo_venv) == {}

@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 
 from hatch_vllm_patch.record import (
+    COMMAND_LINE,
     EditSession,
     EnvironmentRecord,
     FileEntry,
     RecordDamaged,
     SelectedPatch,
     Selection,
+    merge_selection,
     parse_record,
     read_record,
 )
@@ -106,3 +108,60 @@ def test_digests_and_session_identity_are_validated() -> None:
     good = EditSession("m", "vllm", "1", "d" * 64, (), (5, 10, 99))
     parsed = parse_record(EnvironmentRecord(edits={"/y.py": good}).render())
     assert parsed.edits["/y.py"].opened == (5, 10, 99)
+
+
+A, B = "/a/pyproject.toml", "/b/pyproject.toml"
+
+
+def entry(pid: str, *selected_by: str) -> SelectedPatch:
+    return SelectedPatch(pid, "vllm", "vllm.m", "applied", True, selected_by=selected_by)
+
+
+def ids(entries: tuple[SelectedPatch, ...]) -> dict[str, tuple[str, ...]]:
+    return {e.id: e.selected_by for e in entries}
+
+
+@pytest.mark.parametrize("previous, origin, now, converge, kept, removed", [
+    # the project dropped a patch: removed; another project's and the command line's stay
+    ([("x", A), ("y", B), ("z", COMMAND_LINE)], A, [], True,
+     {"y": (B,), "z": (COMMAND_LINE,)}, ["x"]),
+    # a patch both projects selected: A drops it, B keeps it
+    ([("x", A, B)], A, [], True, {"x": (B,)}, []),
+    # a patch moved from A to B: B's apply adds itself, A's apply then leaves it to B
+    ([("x", A)], B, ["x"], True, {"x": (A, B)}, []),
+    ([("x", A, B)], A, ["w"], True, {"x": (B,), "w": (A,)}, []),
+    # still selected: kept, with its selectors
+    ([("x", A)], A, ["x"], True, {"x": (A,)}, []),
+    # a command-line apply removes nothing, and takes over only what nobody selected
+    ([("x", A)], COMMAND_LINE, ["x", "y"], False, {"x": (A,), "y": (COMMAND_LINE,)}, []),
+    # not converging (a partial apply): nothing is removed
+    ([("x", A)], A, [], False, {"x": (A,)}, []),
+    # an entry whose selector is not known (no field, no project) is never removed
+    ([("x",)], A, [], True, {"x": ()}, []),
+])
+def test_merge_selection(previous: list[tuple[str, ...]], origin: str, now: list[str],
+                         converge: bool, kept: dict[str, tuple[str, ...]],
+                         removed: list[str]) -> None:
+    """What an apply keeps of the recorded selection, and what it removes, by who selected it."""
+    before = tuple(entry(pid, *by) for pid, *by in previous)
+    merged, gone = merge_selection(before, origin, tuple(entry(p) for p in now), converge)
+    assert ids(merged) == kept
+    assert [e.id for e in gone] == removed
+
+
+def test_selected_by_round_trips_and_old_records_are_the_projects() -> None:
+    """selected_by is written and read back; an entry without it (an earlier release) belongs
+    to the recorded project's pyproject.toml, or to nobody known when there is no project."""
+    record = EnvironmentRecord({}, SELECTION._replace(patches=(
+        SELECTION.patches[0]._replace(selected_by=(A, COMMAND_LINE)),)))
+    assert parse_record(record.render()).selection.patches[0].selected_by == (A, COMMAND_LINE)
+    data = json.loads(EnvironmentRecord({}, SELECTION).render())
+    del data["selection"]["patches"][0]["selected_by"]
+    old = parse_record(json.dumps(data).encode()).selection
+    assert old is not None and old.patches[0].selected_by == ("/project/pyproject.toml",)
+    data["selection"]["project"] = None
+    old = parse_record(json.dumps(data).encode()).selection
+    assert old is not None and old.patches[0].selected_by == ()
+    data["selection"]["patches"][0]["selected_by"] = "/a"
+    with pytest.raises(RecordDamaged, match="is not a list of selectors"):
+        parse_record(json.dumps(data).encode())
