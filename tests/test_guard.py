@@ -613,3 +613,42 @@ def test_reinstall_during_an_edit_stops_error_and_heals_apply_in_vllm(
         assert "ERROR patched: None" in out and "patches in place" not in out
         assert "APPLY went on" in out and f"APPLY patched: {PATCH}" in out, out
         assert json.loads((sp / RECORD).read_text())["edits"] == {}
+
+
+def test_after_convergence_the_guard_demands_what_is_selected(guarded: Path, tmp_path: Path,
+                                                              demo_wheels: dict[str, Path]
+                                                              ) -> None:
+    """A drops its patch: apply removes it; then B applies its own patch (B's patch folder) and
+    A applies again: B's entry and folder stay recorded, and after a reinstall the guard
+    demands and heals B's patch only, never the removed one."""
+    from test_operations import OTHER_BLOCK, pair_catalog, project
+
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    own = pair_catalog(tmp_path / "both") / "demo-other"
+    b = project(tmp_path / "b", 'patch-dir = "vllm-patches"\npatches = ["demo-other"]')
+    (b / "vllm-patches").mkdir()
+    os.rename(own, b / "vllm-patches" / "demo-other")
+    a = project(tmp_path / "a", 'patches = ["demo-fix"]')
+
+    def apply(where: Path) -> str:
+        done = cli_in(guarded, "apply", catalog=catalog, cwd=where)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    apply(a)
+    project(a, "patches = []")
+    assert "removed: no longer selected" in apply(a)
+    apply(b)
+    assert "demo-other: present but not selected" in apply(a)
+    selection = json.loads((site_packages(guarded.parent.parent) / RECORD).read_text())[
+        "selection"]
+    assert [p["id"] for p in selection["patches"]] == ["demo-other"]
+    assert selection["patch_dirs"] == [str((b / "vllm-patches").resolve())]
+    reinstall_demo(guarded, demo_wheels["1.0.0"])
+    stopped = vllm_like(guarded, tmp_path, catalog=catalog)
+    assert stopped.returncode == 1 and "demo-other: missing" in stopped.stderr, stopped.stderr
+    assert "demo-fix" not in stopped.stderr
+    healed = vllm_like(guarded, tmp_path, mode="apply", catalog=catalog)
+    assert "healed (demo-other)" in healed.stdout, healed.stdout + healed.stderr
+    core = (site_packages(guarded.parent.parent) / "demo_pkg" / "core.py").read_text()
+    assert OTHER_BLOCK.splitlines()[-1].strip() in core and "_hvp_demo_original" not in core
