@@ -506,3 +506,88 @@ def test_a_command_line_addition_stays_and_is_listed(tmp_path: Path, demo_venv: 
     assert blocks(demo_venv) == {"demo-other"}
     assert run_in(a, catalog, demo_venv, "revert", "--patch", "demo-other")["exit"] == 0
     assert sha(core_file(demo_venv)) == core_record(demo_venv) and recorded(demo_venv) == {}
+
+
+KV = "kv-cache-page-unification"
+KV_FILE = "vllm/v1/core/kv_cache_utils.py"
+ZAMBA = "zamba2-spec-conv-state"
+ZAMBA_FILE = "vllm/model_executor/models/zamba2.py"
+SPLIT = "mamba-split-external-kv"
+SPLIT_FILE = "vllm/v1/core/sched/scheduler.py"
+
+
+@pytest.mark.slow
+def test_convergence_on_vllm_0_20_2(tmp_path: Path) -> None:
+    """On vLLM 0.20.2's real files: an architecture removed, the table changed to Llama only, a
+    model replaced, a patch moved to another project, an `apply --patch` addition — after each
+    apply the files carry exactly what the configurations select (the rest RECORD's bytes)."""
+    from venvs import release_venv
+
+    python = release_venv(tmp_path / "venv", "vllm", "0.20.2")
+    sp = site_packages(tmp_path / "venv")
+
+    def pristine(relative: str) -> bool:
+        return sha(sp / relative) == record_sha256(sp, "vllm", relative)
+
+    def run_cli(where: Path, *args: str) -> dict[str, object]:
+        proc = cli(*args, "--python", str(python), "--json", cwd=where)
+        data = json.loads(proc.stdout)
+        data["exit"] = proc.returncode
+        return data
+
+    def apply_real(where: Path, *args: str) -> dict[str, str]:
+        data = run_cli(where, "apply", *args)
+        assert data["exit"] == 0, data
+        return verdicts(data)
+
+    arch = "[tool.vllm-patch.architectures.{}]"
+    a = project(tmp_path / "a", "\n".join([arch.format("Qwen3NextForCausalLM"),
+                                           arch.format("Zamba2ForCausalLM")]))
+    first = apply_real(a)
+    assert first[KV] == "applied" and first[ZAMBA] == "applied", first
+    # an architecture removed: its patch goes, the other stays
+    project(a, arch.format("Qwen3NextForCausalLM"))
+    dropped = apply_real(a)
+    assert dropped[ZAMBA] == "removed" and dropped[KV] == "already-applied", dropped
+    assert pristine(ZAMBA_FILE) and not pristine(KV_FILE)
+    # the table changed to serve Llama only: the issue's trial
+    project(a, arch.format("LlamaForCausalLM"))
+    proc = cli("apply", "--python", str(python), cwd=a)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{KV}: removed: no longer selected" in proc.stdout, proc.stdout
+    assert pristine(KV_FILE) and not recorded(python)
+    # a model replaced: Qwen3-Next's config, then Llama's
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"}))
+    project(a, f'models = ["{model}"]')
+    assert apply_real(a)[KV] == "applied"
+    (model / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    assert apply_real(a)[KV] == "removed" and pristine(KV_FILE)
+    # two projects share the environment; a patch moves from A to B
+    b = project(tmp_path / "b", f'patches = ["{ZAMBA}"]')  # (Zamba2's table selects KV too)
+    project(a, f'patches = ["{KV}"]')
+    apply_real(a)
+    assert apply_real(b)[ZAMBA] == "applied"
+    project(a, "patches = []")  # A's change leaves B's block alone
+    assert apply_real(a) == {ZAMBA: "not-selected", KV: "removed"}
+    assert not pristine(ZAMBA_FILE) and pristine(KV_FILE)
+    project(a, f'patches = ["{KV}"]')
+    apply_real(a)
+    project(b, f'patches = ["{ZAMBA}", "{KV}"]')
+    apply_real(b)
+    project(a, "patches = []")  # moved to B: it stays
+    assert apply_real(a) == {ZAMBA: "not-selected", KV: "not-selected"}
+    assert not pristine(KV_FILE)
+    assert recorded(python)[KV] == [str(b / "pyproject.toml")]
+    # an apply --patch addition stays through the project's apply, and is listed
+    assert apply_real(a, "--patch", SPLIT)[SPLIT] == "applied"
+    assert apply_real(a)[SPLIT] == "not-selected" and not pristine(SPLIT_FILE)
+    for command, code in (("verify", 0), ("status", 0), ("verify --strict", 1)):
+        data = run_cli(b, *command.split())  # (status in A, which selects none: all)
+        assert verdicts(data)[SPLIT] == "not-selected" and data["exit"] == code, (command, data)
+    project(b, "patches = []")
+    assert apply_real(b) == {ZAMBA: "removed", KV: "removed", SPLIT: "not-selected"}
+    assert pristine(KV_FILE) and pristine(ZAMBA_FILE) and not pristine(SPLIT_FILE)
