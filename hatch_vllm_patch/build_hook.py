@@ -81,10 +81,18 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
             )
         for note in selection.notes:
             self.app.display_info(f"{PREFIX} note: {note}")
+        editable = self.target_name == "wheel" and version == "editable"
         if not selection.patches:
-            self.app.display_info(f"{PREFIX} [tool.vllm-patch] selects no patch; nothing to do")
+            # An editable build (a `uv sync`) still converges: what the project's earlier apply
+            # recorded and the table no longer selects is reverted.
+            report = self._apply(root, config, selection, quiet=True) if editable else None
+            if report is None or not report.outcomes:
+                self.app.display_info(f"{PREFIX} [tool.vllm-patch] selects no patch; nothing "
+                                      "to do")
+                return
+            self._tell(report, root, selection, strict)
             return
-        if not (self.target_name == "wheel" and version == "editable"):
+        if not editable:
             kind = "an sdist" if self.target_name == "sdist" else f"a {version} {self.target_name}"
             carried = ""
             if self.target_name == "wheel":
@@ -120,8 +128,10 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
             shutil.rmtree(carry, ignore_errors=True)
             self._carry_dir = None
 
-    def _apply(self, root: Path, config: Config, selection: Selection) -> Report | None:
-        """Apply the selection; None (after saying why in one line) when there is no target."""
+    def _apply(self, root: Path, config: Config, selection: Selection, quiet: bool = False
+               ) -> Report | None:
+        """Apply the selection; None (after saying why in one line, unless ``quiet``: nothing
+        is selected) when there is no target."""
         from .errors import InterpreterNotFoundError, TargetEnvironmentError
         from .operations import Request, run
 
@@ -133,11 +143,15 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
                                             on_wait=lambda m: self.app.display_info(
                                                 f"{PREFIX} {m}")))
         except InterpreterNotFoundError as exc:
+            if quiet:
+                return None
             self.app.display_info(
                 f"{PREFIX} nothing is patched ({_ids(selection)}): {exc}; "
                 f"{_when_missing(True, root)}"
             )
         except TargetEnvironmentError as exc:
+            if quiet:
+                return None
             self.app.display_warning(f"{PREFIX} nothing is patched ({_ids(selection)}): {exc}")
         return None
 
@@ -153,7 +167,8 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
         refused = [o for o in present if not o.ok]
         done = [o for o in present if o.ok]
         if done:
-            summary = "; ".join(f"{o.patch_id} {o.verdict.value}" for o in done)
+            summary = "; ".join(f"{o.patch_id} {o.verdict.value}" + (
+                ": no longer selected" if o.verdict is Verdict.REMOVED else "") for o in done)
             versions = ", ".join(f"{name} {info.version}"
                                  for name, info in env.distributions.items() if info)
             self.app.display_info(f"{PREFIX} {summary} — {versions} in {where}")

@@ -313,3 +313,21 @@ def test_pip_editable_install_patches_the_environment_pip_installs_into(tmp_path
     assert "this build ran before the install finished" in output  # pip installs deps later
     report = hatch_vllm_patch.verify(project, python=str(python))
     assert report.ok, report
+
+
+def test_editable_build_reverts_what_the_configuration_no_longer_selects(
+        demo_project: tuple[Path, dict[str, str]]) -> None:
+    """The hook converges like `apply` (the same code): after the table stops selecting
+    demo-fix, the next editable build (a `uv sync`) removes its block and says so."""
+    project, env = demo_project
+    module = site_packages(project / ".venv") / "demo_pkg" / "core.py"
+    pristine = module.read_bytes()
+    code, output = hatchling_build(project, "editable", env=env)
+    assert code == 0 and "demo-fix applied" in output, output
+    (project / "pyproject.toml").write_text(PYPROJECT.format(
+        hook="", vllm_patch="[tool.vllm-patch.architectures.LlamaForCausalLM]\n",
+        repo=REPO.as_posix()))
+    code, output = hatchling_build(project, "editable", env=env)
+    assert code == 0, output
+    assert "demo-fix removed: no longer selected" in output, output
+    assert module.read_bytes() == pristine
