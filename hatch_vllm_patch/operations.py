@@ -592,7 +592,13 @@ class _Session:
         """The blocks in ``files`` of patches this run does not select, which the catalog knows
         or the record names: ``not-selected``, fine but for ``verify --strict``."""
         selection = self.record.selection
-        recorded = {e.id: e for e in (selection.patches if selection else ())}
+        # A patch this catalog does not know counts only when it is another project's own
+        # (its folder among the recorded projects' patch folders); else it is unknown-patch.
+        dirs = selection.patch_dirs if selection else ()
+        recorded = {e.id: e for e in (selection.patches if selection else ())
+                    if e.id in self.catalog or (
+                        e.folder and e.selected_by and self.origin not in e.selected_by
+                        and os.path.dirname(e.folder) in dirs)}
         ids = {p.id for p in self.patches} | reported
         strict = self.operation == "verify" and self.request.strict
         outcomes = []
