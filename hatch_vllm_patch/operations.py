@@ -52,6 +52,7 @@ from .files import (
 )
 from .markers import MarkerError, parse_file, sha256_hex
 from .record import (
+    CARRIED,
     COMMAND_LINE,
     DEFAULT_GUARD,
     EnvironmentRecord,
@@ -148,21 +149,26 @@ def resolve(request: Request, config_problems: list[str] | None = None, carried:
     return catalog, config, selection, choice
 
 
-def _origin(request: Request, config: Config | None, env: TargetEnvironment) -> str:
+def _origin(request: Request, config: Config | None, env: TargetEnvironment
+            ) -> tuple[str, dict[str, tuple[str, ...]]]:
     """Who this run selects for, as the record's ``selected_by`` names it: the project's
-    pyproject.toml, the carrier distributions of a wheel-carried selection, or the command
-    line."""
+    pyproject.toml, the command line, or the carried selections (then also each carried
+    patch's ``carried by <distribution>`` selectors)."""
     if request.command_line_selection or config is None:
-        return COMMAND_LINE
+        return COMMAND_LINE, {}
     from .carried import SELECTION_FILE, find_carried
 
     if config.source.name == SELECTION_FILE:
+        carriers: dict[str, tuple[str, ...]] = {}
         try:
-            names = sorted({c.distribution for c in find_carried(env.purelib)})
+            for carried in find_carried(env.purelib):
+                for entry in carried.patches:
+                    carriers[entry.id] = (*carriers.get(entry.id, ()),
+                                          f"{CARRIED}{carried.distribution}")
         except (OSError, ValueError):
-            names = []
-        return f"carried by {', '.join(names) or config.source}"
-    return str(config.source)
+            pass
+        return CARRIED, carriers
+    return str(config.source), {}
 
 
 def _purelib(choice: InterpreterChoice) -> Path:
@@ -212,7 +218,7 @@ def run(operation: str, request: Request) -> Report:
     recorded = read_record(env.purelib).record  # unlocked: which edits to ask about
     extra = [ModuleQuery(s.distribution, s.module, module_relative_path(s.module))
              for s in recorded.edits.values() if s.module not in env.modules]
-    origin = _origin(request, config, env)
+    origin, carriers = _origin(request, config, env)
     converge = operation == "apply" and origin != COMMAND_LINE
     if converge and recorded.selection is not None:  # what a convergence may revert
         extra += [ModuleQuery(e.distribution, e.module, module_relative_path(e.module))
@@ -252,7 +258,7 @@ def run(operation: str, request: Request) -> Report:
     if operation == "apply" and request.patches:
         notes += _how_to_select(request, catalog, config)
     session = _Session(operation, request, catalog, config, env, tuple(patches), why)
-    session.origin, session.converge = origin, converge
+    session.origin, session.converge, session.carriers = origin, converge, carriers
     outcomes, errors = session.carry_out()
     notes += session.notes
     if not patches:
@@ -285,6 +291,7 @@ class _Session:
         self.stale: dict[str, str] = {}  # file -> why its edit session is over
         self.ended: list[str] = []  # pristine copies to drop once the record says so
         self.origin = COMMAND_LINE  # who selects (record.merge_selection), set by run()
+        self.carriers: dict[str, tuple[str, ...]] = {}  # carried patch -> "carried by <dist>"
         self.converge = False  # apply of a whole configuration: revert what it dropped
         self.unremoved: set[str] = set()  # dropped patches whose block could not be removed
 
@@ -631,6 +638,8 @@ class _Session:
             return "the command line"
         if self.config is not None and self.origin == str(self.config.source):
             return f"[tool.vllm-patch] in {self.config.source}"
+        if self.origin == CARRIED:
+            return "the selections the installed wheels carry"
         return self.origin
 
     # --- convergence: what the configuration no longer selects ------------------------------
@@ -783,7 +792,8 @@ class _Session:
             ok=outcome.ok,
             file=str(path) if content is not None else None,
             file_sha256=sha256_hex(content) if content is not None else None,
-            block_sha256=block, folder=str(patch.folder))
+            block_sha256=block, folder=str(patch.folder),
+            selected_by=self.carriers.get(patch.id, ()))
 
 
 def edit_states(env: TargetEnvironment, record: EnvironmentRecord) -> dict[str, str | None]:

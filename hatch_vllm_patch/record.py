@@ -9,7 +9,7 @@ It holds two things, written together under the environment's lock by ``apply`` 
     what the applies selected and found, per patch: the target file and the sha256 it had
     afterwards, the block digest, the verdict, and who selected it (``selected_by``: the
     pyproject.toml of each project whose apply selected it, :data:`COMMAND_LINE` for ``apply
-    --patch``, or ``carried by <distribution>`` for a wheel-carried selection; a record of an
+    --patch``, ``carried by <distribution>`` for each wheel that carries it; a record of an
     earlier release has no such field: its patches are the recorded project's); plus the guard
     mode and the patch folders of the projects. The guard that runs in every vLLM process
     checks the files against it. :func:`merge_selection` is the rule of what an apply keeps.
@@ -226,38 +226,48 @@ class EditSession(_Value):
 
 
 COMMAND_LINE = "command line"  # selected_by of ``apply --patch/--architecture/--model``
+CARRIED = "carried by "  # + a distribution: selected_by of a wheel-carried selection; also
+# the origin of an apply of the carried selections (it owns every "carried by ..." selector)
+
+
+def _owns(origin: str, selector: str) -> bool:
+    return selector == origin or (origin == CARRIED and selector.startswith(CARRIED))
 
 
 def merge_selection(previous: tuple[SelectedPatch, ...], origin: str,
                     entries: tuple[SelectedPatch, ...], converge: bool
                     ) -> tuple[tuple[SelectedPatch, ...], tuple[SelectedPatch, ...]]:
-    """What an apply by ``origin`` (a project's pyproject.toml, :data:`COMMAND_LINE`, a
-    carrier) leaves as the selection, and which previous entries it removes; pure.
+    """What an apply by ``origin`` (a project's pyproject.toml, :data:`COMMAND_LINE`,
+    :data:`CARRIED`) leaves as the selection, and which previous entries it removes; pure.
 
-    ``entries`` are this apply's (their ``selected_by`` is filled in here): an entry some
-    selection had before keeps its selectors and gains ``origin`` — except from the command
-    line, which takes over only patches nobody selected (re-applying a project's patch with
-    ``--patch``, or a guard's heal, does not make it the command line's). With ``converge``
-    (an apply of a whole configuration), a previous entry that ``origin`` selected and does not
-    select now loses ``origin``; one left with no selector is returned as removed (the caller
-    reverts its block). Entries of other selectors, and of none known, are kept as they are."""
+    ``entries`` are this apply's; their ``selected_by`` is filled in here (``origin``), unless
+    they bring their own (the carrier distributions of each carried patch). An entry some
+    selection had before keeps its other selectors — except from the command line, which takes
+    over only patches nobody selected (re-applying a project's patch with ``--patch``, or a
+    guard's heal, does not make it the command line's). With ``converge`` (an apply of a whole
+    configuration), a previous entry loses the selectors ``origin`` owns and does not name now;
+    one left with no selector is returned as removed (the caller reverts its block). Entries of
+    other selectors, and of none known, are kept as they are. Selectors keep their order, so
+    an apply with nothing to do leaves the selection equal."""
     before = {p.id: p for p in previous}
     mine = set()
     new = []
     for entry in entries:
         mine.add(entry.id)
         had = before[entry.id].selected_by if entry.id in before else ()
+        own = entry.selected_by or (origin,)
         if origin == COMMAND_LINE:
-            selectors = had or (origin,)
+            selectors = had or own
         else:
-            selectors = (*had, origin) if origin not in had else had
+            selectors = (*(s for s in had if not _owns(origin, s) or s in own),
+                         *(s for s in own if s not in had))
         new.append(entry._replace(selected_by=selectors))
     kept, removed = [], []
     for entry in previous:
         if entry.id in mine:
             continue
-        if converge and origin in entry.selected_by:
-            rest = tuple(s for s in entry.selected_by if s != origin)
+        if converge and any(_owns(origin, s) for s in entry.selected_by):
+            rest = tuple(s for s in entry.selected_by if not _owns(origin, s))
             if not rest:
                 removed.append(entry)
                 continue

@@ -314,3 +314,29 @@ def test_ray_second_node_heals_from_the_wheel(tmp_path: Path, project_wheel: Pat
     assert result["patch"] == KV_PATCH
     assert set(result["pages"].values()) == {1081344}, result["pages"]
     assert f"# >>> hatch-vllm-patch: {KV_PATCH}" in target.read_text()
+
+
+def test_apply_of_the_carried_selections_follows_the_installed_wheels(
+        tmp_path: Path, demo_wheels: dict[str, Path], project_wheel: Path,
+        service_wheels: dict[str, Path]) -> None:
+    """The record names each carried patch's carrier; once svc-b is uninstalled, apply with no
+    project removes its patch (no longer selected) and keeps svc-a's."""
+    python = installed(tmp_path, demo_wheels, project_wheel, service_wheels["svc-a"],
+                       service_wheels["svc-b"])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+
+    def apply() -> dict[str, str]:
+        done = run([str(python), "-m", "hatch_vllm_patch", "apply", "--json"], cwd=empty,
+                   check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return {o["id"]: o["verdict"] for o in json.loads(done.stdout)["patches"]}
+
+    assert apply() == {"demo-fix": "applied", "demo-other": "applied"}
+    record = json.loads((site_packages(python.parent.parent) / RECORD).read_text())
+    assert {p["id"]: p["selected_by"] for p in record["selection"]["patches"]} == {
+        "demo-fix": ["carried by svc-a"], "demo-other": ["carried by svc-b"]}
+    run([UV, "pip", "uninstall", "--quiet", "--python", str(python), "svc-b"])
+    assert apply() == {"demo-fix": "already-applied", "demo-other": "removed"}
+    core = (site_packages(python.parent.parent) / "demo_pkg" / "core.py").read_text()
+    assert "hatch-vllm-patch: demo-other" not in core and "hatch-vllm-patch: demo-fix" in core

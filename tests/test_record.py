@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from hatch_vllm_patch.record import (
+    CARRIED,
     COMMAND_LINE,
     EditSession,
     EnvironmentRecord,
@@ -147,6 +148,19 @@ def test_merge_selection(previous: list[tuple[str, ...]], origin: str, now: list
     merged, gone = merge_selection(before, origin, tuple(entry(p) for p in now), converge)
     assert ids(merged) == kept
     assert [e.id for e in gone] == removed
+
+
+def test_merge_selection_of_carried_selections() -> None:
+    """An apply of the carried selections owns every `carried by` selector: a patch whose
+    carrier is gone is removed, one carried by another wheel now changes carrier, a project's
+    patch is kept; re-applying the same leaves the selection equal."""
+    a, b, c = (f"{CARRIED}svc-{n}" for n in "abc")
+    before = (entry("x", a), entry("y", b), entry("z", A), entry("w", b, A))
+    merged, gone = merge_selection(before, CARRIED, (entry("x", c),), True)
+    assert ids(merged) == {"z": (A,), "w": (A,), "x": (c,)}
+    assert [e.id for e in gone] == ["y"]
+    again, none = merge_selection(merged, CARRIED, (entry("x", c),), True)
+    assert again == merged and none == ()
 
 
 def test_selected_by_round_trips_and_old_records_are_the_projects() -> None:
