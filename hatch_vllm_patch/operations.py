@@ -153,8 +153,9 @@ def _origin(request: Request, config: Config | None, env: TargetEnvironment
             ) -> tuple[str, dict[str, tuple[str, ...]]]:
     """Who this run selects for, as the record's ``selected_by`` names it: the project's
     pyproject.toml, the command line, or the carried selections (then also each carried
-    patch's ``carried by <distribution>`` selectors)."""
-    if request.command_line_selection or config is None:
+    patch's ``carried by <distribution>`` selectors). A configuration given with the request
+    (the build hook's, the guard's: its heal names the patches) is the origin also then."""
+    if config is None or (request.command_line_selection and request.config is None):
         return COMMAND_LINE, {}
     from .carried import SELECTION_FILE, find_carried
 
@@ -219,7 +220,8 @@ def run(operation: str, request: Request) -> Report:
     extra = [ModuleQuery(s.distribution, s.module, module_relative_path(s.module))
              for s in recorded.edits.values() if s.module not in env.modules]
     origin, carriers = _origin(request, config, env)
-    converge = operation == "apply" and origin != COMMAND_LINE
+    converge = (operation == "apply" and origin != COMMAND_LINE
+                and not request.command_line_selection)
     if converge and recorded.selection is not None:  # what a convergence may revert
         extra += [ModuleQuery(e.distribution, e.module, module_relative_path(e.module))
                   for e in recorded.selection.patches if e.module not in env.modules

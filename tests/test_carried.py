@@ -121,7 +121,8 @@ def test_guard_heals_from_the_carried_selection(tmp_path: Path, demo_wheels: dic
                                                 project_wheel: Path,
                                                 service_wheels: dict[str, Path]) -> None:
     """Installed from wheels with no apply step, the first vLLM process (started from /)
-    heals to the carried block in apply mode and records it; the next finds it in place."""
+    heals to the carried block in apply mode and records it (for its carrier); the next finds
+    it in place."""
     python = installed(tmp_path, demo_wheels, project_wheel, service_wheels["svc-a"])
     healed = vllm_like(python, Path("/"), program_dir=tmp_path)
     assert healed.returncode == 0, healed.stdout + healed.stderr
@@ -129,6 +130,8 @@ def test_guard_heals_from_the_carried_selection(tmp_path: Path, demo_wheels: dic
     assert "carried by svc-a 1.0" in healed.stdout
     record = json.loads((site_packages(python.parent.parent) / RECORD).read_text())
     assert record["selection"]["guard"] == "apply"
+    # the heal records the carrier, not the command line (a later apply may remove it)
+    assert [p["selected_by"] for p in record["selection"]["patches"]] == [["carried by svc-a"]]
     again = vllm_like(python, Path("/"), program_dir=tmp_path)
     assert "patches in place (demo-fix)" in again.stdout and "patched: True" in again.stdout
 
