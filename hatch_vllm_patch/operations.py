@@ -295,7 +295,8 @@ class _Session:
         self.origin = COMMAND_LINE  # who selects (record.merge_selection), set by run()
         self.carriers: dict[str, tuple[str, ...]] = {}  # carried patch -> "carried by <dist>"
         self.converge = False  # apply of a whole configuration: revert what it dropped
-        self.unremoved: set[str] = set()  # dropped patches whose block could not be removed
+        # (id, file) of dropped patches whose block could not be removed: they stay recorded
+        self.unremoved: set[tuple[str, str | None]] = set()
 
     # --- where ------------------------------------------------------------------------------
 
@@ -685,7 +686,7 @@ class _Session:
         if plan.verdict is Verdict.NOT_APPLIED:
             return PatchOutcome(entry.id, Verdict.REMOVED,
                                 f"{why} (its block was not in the file any more)", True, shown)
-        self.unremoved.add(entry.id)  # stays recorded: the next apply tries again
+        self.unremoved.add((entry.id, entry.file))  # stays recorded: the next apply retries
         return PatchOutcome(
             entry.id, plan.verdict, f"no longer selected by {self._selector()}, but its block "
             f"could not be removed: {plan.reason}", False, shown,
@@ -756,7 +757,7 @@ class _Session:
         entries = tuple(self.selected(patch, by_id[patch.id]) for patch in self.patches)
         before = previous.patches if previous else ()
         merged, removed = merge_selection(before, self.origin, entries, self.converge)
-        merged = (*merged, *(e for e in removed if e.id in self.unremoved))
+        merged = (*merged, *(e for e in removed if (e.id, e.file) in self.unremoved))
         config = self.config
         if config is None and previous is not None:
             return previous._replace(patches=merged)
