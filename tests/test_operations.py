@@ -591,3 +591,22 @@ def test_convergence_on_vllm_0_20_2(tmp_path: Path) -> None:
     project(b, "patches = []")
     assert apply_real(b) == {ZAMBA: "removed", KV: "removed", SPLIT: "not-selected"}
     assert pristine(KV_FILE) and pristine(ZAMBA_FILE) and not pristine(SPLIT_FILE)
+
+
+def test_a_dropped_patch_whose_block_was_edited_is_refused_and_stays_recorded(
+        tmp_path: Path, demo_venv: Path, demo_catalog: Path) -> None:
+    """Convergence never forces: a dropped patch whose block was edited by hand is `modified`
+    (exit 1, the file untouched) and stays in the record, so the next apply tries again."""
+    a = project(tmp_path / "a", 'patches = ["demo-fix"]')
+    run_in(a, demo_catalog, demo_venv, "apply")
+    target = core_file(demo_venv)
+    target.write_text(target.read_text().replace("return 0", "return -1"))
+    edited = target.read_bytes()
+    project(a, "patches = []")
+    data = run_in(a, demo_catalog, demo_venv, "apply")
+    assert data["exit"] == 1 and verdicts(data) == {"demo-fix": "modified"}, data
+    patches = data["patches"]
+    assert isinstance(patches, list) and "could not be removed" in patches[0]["reason"]
+    assert "revert" in patches[0]["next_step"]
+    assert target.read_bytes() == edited
+    assert recorded(demo_venv) == {"demo-fix": [str(a / "pyproject.toml")]}
