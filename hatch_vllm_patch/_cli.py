@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from . import __version__
 from .errors import (
@@ -26,6 +26,9 @@ from .errors import (
 )
 from .operations import Request, run
 from .report import PatchOutcome, Report
+
+if TYPE_CHECKING:
+    from .doctor import DoctorReport
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -46,6 +49,9 @@ _AUTHORING = {
     "new": "scaffold a patch folder with a wrapper of MODULE:SYMBOL that calls the original",
     "check": "validate patch folders (default: the project's patch-dir)",
 }
+
+_DOCTOR = ("will MODEL start on the installed vLLM, and which patch does it need? (runs vLLM's "
+           "start-up KV steps in the target environment, on CPU, offline, without weights)")
 
 
 def _parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -85,6 +91,8 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
             p.add_argument("--deep", action="store_true",
                            help="also import the patched modules in the target environment and "
                                 "exercise them (slow: imports vLLM)")
+    if only is None or only == "doctor":
+        _doctor_parser(sub, where)
     for name, text in _AUTHORING.items():
         if only is not None and name != only:
             continue
@@ -209,8 +217,11 @@ def _write(emit: Callable[[], None]) -> None:
 def _main(argv: Sequence[str] | None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in arguments if not a.startswith("-")), None)
-    parser = _parser(command if command in _HELP or command in _AUTHORING else None)
+    parser = _parser(command if command in _HELP or command in _AUTHORING
+                     or command == "doctor" else None)
     args = parser.parse_args(arguments)
+    if args.operation == "doctor":
+        return _doctor(args)
     project = (args.project or Path.cwd()).resolve()
     if args.project is not None and not project.is_dir():
         _error(args, f"--project {args.project}: not a directory")
@@ -313,3 +324,146 @@ def _author(args: argparse.Namespace, request: Request) -> int:
 
     _write(show_checks)
     return EXIT_OK if all(r.ok for r in results) else EXIT_FAILED
+
+
+# --- doctor -------------------------------------------------------------------------------------
+
+
+def _doctor_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
+                   where: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("doctor", parents=[where], help=_DOCTOR, description=_DOCTOR)
+    p.add_argument("--model", required=True, metavar="DIR|HUB_ID",
+                   help="a model directory with config.json, or a hub id in the local Hugging "
+                        "Face cache (HF_HOME / HF_HUB_CACHE); never downloaded")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                   help="as vLLM takes it: auto, fp8, fp8_e4m3, ... (default auto)")
+    p.add_argument("--block-size", type=int, default=None, metavar="TOKENS",
+                   help="attention block size (default: the platform's choice)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="as vLLM takes it, e.g. '{\"method\": \"mtp\", "
+                        "\"num_speculative_tokens\": 2}' or an EAGLE-3 head "
+                        "'{\"method\": \"eagle3\", \"model\": DIR, ...}'")
+    p.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
+                   help="KV-cache memory per rank (bytes, or e.g. 8GiB): maximum concurrency "
+                        "at --max-model-len")
+    p.add_argument("--hf-overrides", default=None, metavar="JSON",
+                   help="as vLLM takes it (default: a fine-tune's unregistered architecture is "
+                        "run as the base architecture its model_type names)")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--platform", choices=("cuda", "cpu"), default="cuda",
+                   help="whose block-size rules: cuda (vLLM's hybrid alignment with "
+                        "FlashAttention's block sizes, the default) or cpu (vLLM's CPU "
+                        "platform and attention backend)")
+    p.add_argument("--json", action="store_true", help="print one machine-readable JSON object")
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from .doctor import DoctorRequest, parse_json_object, parse_memory, run_doctor
+
+    project = (args.project or Path.cwd()).resolve()
+    try:
+        if args.project is not None and not project.is_dir():
+            raise UsageError(f"--project {args.project}: not a directory")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "block_size",
+                     "max_model_len"):
+            value = getattr(args, name)
+            if value is not None and value < 1:
+                raise UsageError(f"--{name.replace('_', '-')} {value}: must be 1 or more")
+        request = DoctorRequest(
+            model=args.model,
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            kv_cache_dtype=args.kv_cache_dtype,
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            speculative_config=(parse_json_object("--speculative-config",
+                                                  args.speculative_config)
+                                if args.speculative_config else None),
+            kv_cache_memory=parse_memory(args.kv_cache_memory) if args.kv_cache_memory
+            else None,
+            platform=args.platform,
+            hf_overrides=(parse_json_object("--hf-overrides", args.hf_overrides)
+                          if args.hf_overrides else None),
+            trust_remote_code=args.trust_remote_code,
+        )
+        _notice("doctor: running vLLM's start-up steps in the target environment "
+                "(imports vLLM: about a minute)")
+        report = run_doctor(request, project_dir=project, python=args.python)
+    except ConfigurationError as exc:
+        _write(partial(_error, args, str(exc), exc.errors))
+        return EXIT_USAGE
+    except (UsageError, InterpreterNotFoundError) as exc:
+        _write(partial(_error, args, str(exc)))
+        return EXIT_USAGE
+    except (TargetEnvironmentError, CatalogError) as exc:
+        _write(partial(_error, args, str(exc)))
+        return EXIT_FAILED
+    if args.json:
+        _write(lambda: print(json.dumps(report.to_json(), indent=2)))
+    else:
+        _write(lambda: _print_doctor(report, sys.stdout))
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def _size(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(value) >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{int(value)} B"
+
+
+def _print_doctor(report: DoctorReport, out: TextIO) -> None:
+    r = report.request
+    draft = json.dumps(dict(r.speculative_config)) if r.speculative_config else "none"
+    print(f"vLLM {report.vllm} in {report.environment.python}; platform path: {r.platform}",
+          file=out)
+    print(f"model: {report.model_dir} as {report.architecture}; TP {r.tensor_parallel_size}, "
+          f"PP {r.pipeline_parallel_size}, KV {r.kv_cache_dtype}, draft {draft}", file=out)
+    installed = report.installed
+    if installed.platform:
+        print(f"platform step: {installed.platform}", file=out)
+    in_place = f" (in place: {', '.join(report.in_place)})" if report.in_place else ""
+    for one in report.runs:
+        label = "as installed" + in_place if one.name == "installed" else f"with {one.name}"
+        steps = " > ".join(s.name for s in one.steps if s.ok)
+        if one.activation_error:
+            print(f"  {label}: the patch could not be activated: {one.activation_error}",
+                  file=out)
+        elif one.starts:
+            print(f"  {label}: STARTS  ({steps})", file=out)
+        else:
+            assert one.failed is not None
+            print(f"  {label}: FAILS at {one.failed.name}: {one.failed.error}", file=out)
+    costs = [(("as installed" if one.name == "installed" else one.name), one.cost)
+             for one in report.runs if one.cost is not None]
+    if costs:
+        print("cost per rank:", file=out)
+        for label, cost in costs:
+            pad = ("" if cost.padding_bytes is None else
+                   f", padding {cost.padding_bytes} B ({cost.padding_pct:.2f}%) of state")
+            conc = ("" if cost.max_concurrency is None else
+                    f", max concurrency {cost.max_concurrency:.2f}x for "
+                    f"{_size(r.kv_cache_memory)}")
+            print(f"  {label}: page {cost.page} B{pad}; attention block "
+                  f"{cost.attention_block} tokens; {cost.blocks_per_gib} blocks and "
+                  f"{cost.tokens_per_gib} tokens per GiB{conc}", file=out)
+    if report.neuron_note:
+        print(report.neuron_note, file=out)
+    for budget in report.neuron:
+        if budget.error:
+            print(f"  Neuron {budget.name}: {budget.error}", file=out)
+        else:
+            print(f"  Neuron {budget.name}: {budget.bytes_per_token:.0f} B per token, max "
+                  f"concurrency {budget.max_concurrency}", file=out)
+    for note in report.notes:
+        print(f"note: {note}", file=out)
+    print(f"verdict: {report.verdict}", file=out)
+    if report.config_lines:
+        print("select it in pyproject.toml:", file=out)
+        for line in report.config_lines:
+            print(f"  {line}", file=out)
