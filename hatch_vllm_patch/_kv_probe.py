@@ -50,8 +50,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 GIB = 1 << 30
-STEPS = ("config", "platform", "state shapes", "layer specs", "grouping", "page unification",
-         "kv config")
+STEPS = ("config", "platform", "state shapes", "layer specs", "kv layout", "grouping",
+         "page unification", "kv config")
 
 # Layer kinds by the config fields vLLM's model classes read (hf_text_config).
 _STATE_KINDS = {"linear_attention", "mamba", "conv", "mamba2", "m"}
@@ -163,6 +163,10 @@ def build_config(case: dict[str, Any]) -> Any:
     cache: dict[str, Any] = {"cache_dtype": case.get("kv_cache_dtype") or "auto"}
     if case.get("block_size"):
         cache["block_size"] = case["block_size"]
+    import inspect
+
+    if "swap_space" in inspect.signature(CacheConfig).parameters:
+        cache["swap_space"] = 0  # CPU swap per rank is this host's memory, not the server's
     cache_config = CacheConfig(**cache)
     if case.get("block_size") and hasattr(cache_config, "user_specified_block_size"):
         cache_config.user_specified_block_size = True
@@ -403,6 +407,22 @@ def _kind(spec: Any) -> str:
     return "state" if isinstance(spec, MambaSpec) else "attention"
 
 
+def resolve_layout(config: Any, specs: dict[str, Any], platform: str) -> str | None:
+    """The engine core's KV-cache layout resolution, in releases that have one (0.29: it must
+    run before the KV-cache config), for the attention backend of the platform path."""
+    try:
+        from vllm.v1.attention.backends import utils
+    except ImportError:
+        return None
+    if not hasattr(utils, "resolve_kv_cache_layout"):
+        return None
+    backend = _backend("cuda" if platform == "cuda" else "cpu")
+    names = [layout.name for layout in utils.get_supported_kv_cache_layouts([backend])]
+    layout = utils.resolve_kv_cache_layout(config, [names], list(specs.values()))
+    utils.record_kv_cache_layout(config.cache_config, layout.name)
+    return str(layout.name)
+
+
 def kv_steps(config: Any, stages: list[dict[str, Any]], case: dict[str, Any]
              ) -> dict[str, Any]:
     """Steps 5-6: vLLM's grouping (page unification watched) and KV-cache config."""
@@ -423,6 +443,10 @@ def kv_steps(config: Any, stages: list[dict[str, Any]], case: dict[str, Any]
         except BaseException as exc:
             raise StepFailed("page unification") from exc
 
+    try:
+        out["kv_layout"] = resolve_layout(config, merged, case.get("platform", "cuda"))
+    except BaseException as exc:
+        raise StepFailed("kv layout") from exc
     if unify is not None:
         kcu.unify_kv_cache_spec_page_size = watched
     try:
@@ -493,6 +517,8 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         done("layer specs", {"layers": len(result["layers"]), "stages": len(stages)})
         step = "grouping"
         kv = kv_steps(config, stages, case)
+        if kv.get("kv_layout"):
+            done("kv layout", {"layout": kv["kv_layout"]})
         result["kv"] = kv
         done("grouping", {"groups": len(kv["groups"])})
         if kv["unification_called"]:
@@ -514,6 +540,60 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+# --- the Neuron plugin's runner ---------------------------------------------------------------
+
+NEURON_RUNNER = "vllm_neuron.worker.neuronx_distributed_model_runner"
+NEURON_MAX_MODEL_LEN = 32768
+NEURON_KV_MEMORY = 16 * GIB
+
+
+def neuron_budget(case: dict[str, Any]) -> dict[str, Any]:
+    """The Neuron runner's KV-cache spec and what vLLM budgets for it: the engine config as
+    ``vllm serve`` builds it (the plugin's platform hook runs; vLLM turns the hybrid manager
+    off, as Neuron does not support it), the runner's ``get_kv_cache_spec``, then vLLM's
+    ``get_kv_cache_configs`` for the memory per rank."""
+    import copy
+    import importlib
+
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    max_model_len = case.get("max_model_len") or NEURON_MAX_MODEL_LEN
+    memory = case.get("kv_cache_memory") or NEURON_KV_MEMORY
+    out: dict[str, Any] = {"max_model_len": max_model_len, "kv_cache_memory": memory}
+    try:
+        runner_cls = importlib.import_module(NEURON_RUNNER).NeuronxDistributedModelRunner
+        kwargs: dict[str, Any] = dict(
+            model=case["model"], skip_tokenizer_init=True, load_format="dummy",
+            max_model_len=max_model_len, tensor_parallel_size=case.get("tp", 1),
+            enable_prefix_caching=False, block_size=case.get("block_size") or 16,
+            trust_remote_code=bool(case.get("trust_remote_code")))
+        if case.get("hf_overrides"):
+            kwargs["hf_overrides"] = case["hf_overrides"]
+        try:
+            config = EngineArgs(**kwargs, swap_space=0).create_engine_config()
+        except TypeError:  # releases without swap_space
+            config = EngineArgs(**kwargs).create_engine_config()
+        spec = runner_cls(config, torch.device("cpu")).get_kv_cache_spec()
+    except Exception as exc:
+        out["error"] = _error(exc)
+        return out
+    per_request = sum(layer.max_memory_usage_bytes(config) for layer in spec.values())
+    out.update(layers=len(spec), bytes_per_request=per_request,
+               bytes_per_token=per_request / config.model_config.max_model_len,
+               hybrid_kv_cache_manager_disabled=
+               config.scheduler_config.disable_hybrid_kv_cache_manager)
+    try:
+        (kv_config,) = kcu.get_kv_cache_configs(config, [copy.deepcopy(spec)], [memory])
+    except Exception as exc:
+        out["error"] = _error(exc)
+        return out
+    out["num_blocks"] = kv_config.num_blocks
+    out["max_concurrency"] = kcu.get_max_concurrency_for_kv_cache_config(config, kv_config)
+    return out
+
+
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     import torch
     import vllm
@@ -533,7 +613,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                                                       "steps": [], "failed": None}
                 continue
             try:
-                result = run_case(case)
+                result = run_case(case) if job.get("kv", True) else {"steps": []}
+                if job.get("neuron"):
+                    entry.setdefault("neuron", {})[variant["name"]] = neuron_budget(case)
             finally:
                 snapshot.restore()
             result["seconds"] = round(time.perf_counter() - start, 2)

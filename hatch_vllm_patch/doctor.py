@@ -285,7 +285,8 @@ def case_of(request: DoctorRequest, model_dir: Path, hf_overrides: Mapping[str, 
 
 
 def run_child(python: Path, job: dict[str, Any], *, timeout: float = PROBE_TIMEOUT,
-              workdir: Path | None = None) -> dict[str, Any]:
+              workdir: Path | None = None,
+              extra_env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Run ``_kv_probe.py`` with ``python`` on ``job``; its answer, or TargetEnvironmentError."""
     with tempfile.TemporaryDirectory(prefix="hvp-doctor-", dir=workdir) as tmp:
         job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "answer.json"
@@ -294,7 +295,7 @@ def run_child(python: Path, job: dict[str, Any], *, timeout: float = PROBE_TIMEO
                "HF_DATASETS_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1",
                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
                "HF_MODULES_CACHE": str(Path(tmp) / "hf-modules"),
-               "CUDA_VISIBLE_DEVICES": ""}
+               "CUDA_VISIBLE_DEVICES": "", **(extra_env or {})}
         env.pop("PYTHONHOME", None)
         try:
             proc = run_bounded([str(python), str(PROBE), str(job_file), str(out_file)],
@@ -391,6 +392,22 @@ def judge(runs: Sequence[Run], candidates: Sequence[str]) -> tuple[tuple[str, ..
     return (), f"this fails and no patch here fixes it ({where}); no patch applies here"
 
 
+def judge_neuron(budgets: Sequence[NeuronBudget]) -> tuple[tuple[str, ...], str]:
+    """The patches that change the Neuron runner's KV budget, and how (one line)."""
+    installed = next((b for b in budgets if b.name == INSTALLED), None)
+    if installed is None or installed.bytes_per_token is None:
+        return (), ""
+    changing = [b for b in budgets if b.name not in (INSTALLED, ALL_TOGETHER)
+                and b.bytes_per_token and b.bytes_per_token != installed.bytes_per_token]
+    if not changing:
+        return (), "Neuron: no patch changes the runner's KV budget"
+    before = installed.bytes_per_token
+    parts = [f"{b.name} budgets {before / (b.bytes_per_token or before):.2f}x fewer bytes "
+             f"per token on Neuron (max concurrency {installed.max_concurrency} -> "
+             f"{b.max_concurrency})" for b in changing]
+    return tuple(b.name for b in changing), "; ".join(parts)
+
+
 def config_lines(needed: Sequence[str], architecture: str, model: str,
                  model_is_dir: bool) -> tuple[str, ...]:
     if not needed:
@@ -470,6 +487,10 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
     neuron = tuple(NeuronBudget(name, b.get("bytes_per_token"), b.get("max_concurrency"),
                                 b.get("layers"), _err(b.get("error")))
                    for name, b in (answer["cases"][0].get("neuron") or {}).items())
+    neuron_needed, neuron_verdict = judge_neuron(neuron)
+    if neuron_needed:
+        needed = (*needed, *(p for p in neuron_needed if p not in needed))
+        verdict = f"{verdict}; {neuron_verdict}"
     return DoctorReport(env, answer["vllm"], request, model_dir, architecture, runs,
                         tuple(p.id for p in candidates), in_place, needed, lines, verdict,
                         tuple(notes), neuron, neuron_line(env))
