@@ -420,46 +420,65 @@ def _size(value: float | None) -> str:
 def _print_doctor(report: DoctorReport, out: TextIO) -> None:
     r = report.request
     draft = json.dumps(dict(r.speculative_config)) if r.speculative_config else "none"
-    print(f"vLLM {report.vllm} in {report.environment.python}; platform path: {r.platform}",
-          file=out)
-    print(f"model: {report.model_dir} as {report.architecture}; TP {r.tensor_parallel_size}, "
-          f"PP {r.pipeline_parallel_size}, KV {r.kv_cache_dtype}, draft {draft}", file=out)
     installed = report.installed
-    if installed.platform:
-        print(f"platform step: {installed.platform}", file=out)
-    in_place = f" (in place: {', '.join(report.in_place)})" if report.in_place else ""
-    for one in report.runs:
-        label = "as installed" + in_place if one.name == "installed" else f"with {one.name}"
-        steps = " > ".join(s.name for s in one.steps if s.ok)
+    path = {"cuda": "CUDA", "cpu": "CPU"}[r.platform]
+    print(f"vLLM {report.vllm} ({report.environment.python}), {path} path"
+          + (f": {installed.platform}" if installed.platform else ""), file=out)
+    max_len = installed.max_model_len or r.max_model_len
+    print(f"model: {report.model_dir} as {report.architecture}; TP {r.tensor_parallel_size}, "
+          f"PP {r.pipeline_parallel_size}, KV {r.kv_cache_dtype}, draft {draft}"
+          + (f", max_model_len {max_len}" if max_len else ""), file=out)
+    in_place = f" ({', '.join(report.in_place)} in place)" if report.in_place else ""
+    chain = " > ".join(s.name if s.ok else f"{s.name} FAILED" for s in installed.steps)
+    print(f"as installed{in_place}: {chain}", file=out)
+    if installed.failed is not None:
+        print(f"  {_clip(installed.failed.error)}", file=out)
+    singles_start = any(one.starts for one in report.runs[1:] if len(one.patches) == 1)
+    shown = [one for one in report.runs[1:]
+             if len(one.patches) == 1 or not (installed.starts or singles_start)]
+    for one in shown:
         if one.activation_error:
-            print(f"  {label}: the patch could not be activated: {one.activation_error}",
-                  file=out)
+            result = f"could not be activated: {_clip(one.activation_error)}"
         elif one.starts:
-            print(f"  {label}: STARTS  ({steps})", file=out)
+            result = "starts" if not installed.starts else (
+                "starts, same KV cache" if one.cost == installed.cost
+                and one.state_shapes == installed.state_shapes else "starts, other KV cache")
         else:
             assert one.failed is not None
-            print(f"  {label}: FAILS at {one.failed.name}: {one.failed.error}", file=out)
-    costs = [(("as installed" if one.name == "installed" else one.name), one.cost)
-             for one in report.runs if one.cost is not None]
+            same = (installed.failed is not None and one.failed == installed.failed)
+            result = f"fails at {one.failed.name}" + (
+                " (the same)" if same else f": {_clip(one.failed.error)}")
+        print(f"with {one.name}: {result}", file=out)
+    costs = [("as installed" if one.name == "installed" else f"with {one.name}", one.cost)
+             for one in (installed, *shown) if one.cost is not None
+             and (one.name == "installed" or one.cost != installed.cost)]
     if costs:
-        print("cost per rank:", file=out)
+        header = ["KV cache per rank", "page B", "padding", "block", "blocks/GiB",
+                  "tokens/GiB"] + ([f"max concurrency ({_size(r.kv_cache_memory)})"]
+                                   if r.kv_cache_memory else [])
+        rows = [header]
         for label, cost in costs:
-            pad = ("" if cost.padding_bytes is None else
-                   f", padding {cost.padding_bytes} B ({cost.padding_pct:.2f}%) of state")
-            conc = ("" if cost.max_concurrency is None else
-                    f", max concurrency {cost.max_concurrency:.2f}x for "
-                    f"{_size(r.kv_cache_memory)}")
-            print(f"  {label}: page {cost.page} B{pad}; attention block "
-                  f"{cost.attention_block} tokens; {cost.blocks_per_gib} blocks and "
-                  f"{cost.tokens_per_gib} tokens per GiB{conc}", file=out)
+            pad = ("-" if cost.padding_bytes is None else
+                   f"{cost.padding_bytes} B ({cost.padding_pct:.2f}%)")
+            row = [label, str(cost.page), pad, str(cost.attention_block),
+                   str(cost.blocks_per_gib), str(cost.tokens_per_gib)]
+            if r.kv_cache_memory:
+                row.append("-" if cost.max_concurrency is None
+                           else f"{cost.max_concurrency:.2f}x")
+            rows.append(row)
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        for row in rows:
+            print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
+                  .rstrip(), file=out)
     if report.neuron_note:
         print(report.neuron_note, file=out)
     for budget in report.neuron:
+        label = "as installed" if budget.name == "installed" else f"with {budget.name}"
         if budget.error:
-            print(f"  Neuron {budget.name}: {budget.error}", file=out)
-        else:
-            print(f"  Neuron {budget.name}: {budget.bytes_per_token:.0f} B per token, max "
-                  f"concurrency {budget.max_concurrency}", file=out)
+            print(f"Neuron runner {label}: {_clip(budget.error)}", file=out)
+        elif budget.bytes_per_token is not None:
+            print(f"Neuron runner {label}: {budget.bytes_per_token:.0f} B per token budgeted, "
+                  f"max concurrency {budget.max_concurrency}", file=out)
     for note in report.notes:
         print(f"note: {note}", file=out)
     print(f"verdict: {report.verdict}", file=out)
@@ -467,3 +486,8 @@ def _print_doctor(report: DoctorReport, out: TextIO) -> None:
         print("select it in pyproject.toml:", file=out)
         for line in report.config_lines:
             print(f"  {line}", file=out)
+
+
+def _clip(text: str | None, limit: int = 220) -> str:
+    text = text or ""
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -98,6 +98,7 @@ class Run(NamedTuple):
     state_shapes: tuple[tuple[int, ...], ...] = ()
     platform: str | None = None  # what the platform hook did
     activation_error: str | None = None
+    max_model_len: int | None = None  # as vLLM resolved it
 
     @property
     def starts(self) -> bool:
@@ -109,7 +110,8 @@ class Run(NamedTuple):
                 "failed": self.failed._asdict() if self.failed else None,
                 "cost": self.cost.to_json() if self.cost else None,
                 "state_shapes": [list(s) for s in self.state_shapes],
-                "platform": self.platform, "activation_error": self.activation_error}
+                "platform": self.platform, "activation_error": self.activation_error,
+                "max_model_len": self.max_model_len}
 
 
 class NeuronBudget(NamedTuple):
@@ -354,8 +356,10 @@ def run_of(variant: Mapping[str, Any], raw: Mapping[str, Any]) -> Run:
     elif platform:
         described = platform.get("note") or "no platform hook"
     shapes = tuple(tuple(s) for s in raw.get("facts", {}).get("state_shapes", []))
+    first = (raw.get("steps") or [{}])[0]
+    max_len = (first.get("detail") or {}).get("max_model_len") if first.get("ok") else None
     return Run(variant["name"], tuple(variant["patches"]), steps, failed, cost_of(raw),
-               shapes, described, _err(raw.get("activation_failed")))
+               shapes, described, _err(raw.get("activation_failed")), max_len)
 
 
 def judge(runs: Sequence[Run], candidates: Sequence[str]) -> tuple[tuple[str, ...], str]:
