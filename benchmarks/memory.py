@@ -1,31 +1,34 @@
-"""What the fixes cost and win, in bytes, computed by vLLM's own code.
+"""What the fixes cost and win, in bytes, computed by vLLM's own code through doctor's probe.
 
-Two tables, both from real vLLM wheels on this machine's CPU:
+Both tables come from ``hatch_vllm_patch/_kv_probe.py`` (the in-environment half of
+``vllm-patch doctor``), run by the interpreter of an unpatched environment: every case as
+installed and with the catalog patch's block active in that child process only, so the table and
+the doctor cannot disagree.
 
 1. KV pages of hybrid models on vLLM 0.20.2 (patch kv-cache-page-unification). For each model,
    tensor-parallel size (1, 2, 4, 8), KV-cache dtype (bf16, fp8) and draft (none, the model's
-   MTP layer, an EAGLE-3 head with a bf16 KV cache) one row: the largest recurrent-state page,
-   the attention pages, the page our patched ``get_kv_cache_groups`` gives, the minimum
-   possible page, the page of the seed's LCM approach (a baseline, re-implemented here from its
-   description), and what unpatched vLLM does. Attention layers use vLLM's default block size of
-   16 tokens with no platform alignment, as on the CPU platform of vLLM 0.18-0.20.2; GPU
-   platforms first raise the attention block size until its page covers the state, and then only
-   a draft with other bytes per token reaches page unification.
+   MTP layer, an EAGLE-3 head with a bf16 KV cache) one row per platform path: the CPU path
+   (vLLM's CpuPlatform block-size hook, a no-op on 0.20.2, so the attention block stays at
+   --block-size 16) and the CUDA path (vLLM's hybrid alignment with FlashAttention's block
+   sizes: the attention block grows until its page covers the state, the state page is padded).
+   Per row: the state's bytes, the attention pages, our page, the minimum possible page, the
+   page of the seed's LCM approach (a baseline, re-implemented here from its description), and
+   what unpatched vLLM does. Then the same rows on vLLM 0.29.0 unpatched (upstream's own fix),
+   side by side with ours on 0.20.2: page, padding, tokens per GiB.
 2. The Neuron KV budget on vLLM 0.16.0 (patch neuron-runner-kv-spec) for the Gated DeltaNet
    models: bytes vLLM budgets per token and the resulting maximum concurrency for a fixed KV
-   memory budget, with the runner's spec unpatched and patched, through vLLM's real
+   memory budget, with the runner's spec as installed and with the patch, through vLLM's real
    ``get_kv_cache_configs`` with the hybrid KV-cache manager off, as on Neuron. The runner is
    the stand-in plugin of the tests (tests/fixtures/neuron/per_layer: one FullAttentionSpec per
    decoder layer, the runner shape of the vllm-neuron forks), installed into the environment.
 
     uv run python benchmarks/memory.py [--json FILE] [--workdir DIR] [--keep] [--only kv|neuron]
+                                       [--no-upstream]
 
-It creates (or, with --workdir, reuses) one uv environment per vLLM version, patches it with
-this checkout's CLI (``python -m hatch_vllm_patch apply --python ENV --patch ID``), writes each
-model's config.json, and runs ``memory_probe_kv.py`` / ``memory_probe_neuron.py`` with the
-environment's interpreter; this script only judges and formats. The environments are full vLLM
-installs (about 8 GB each, hardlinked from uv's cache); the run takes a few minutes on 2 cores.
-Exit status 1 when any row could not be computed or our page differs from the minimum.
+It creates (or, with --workdir, reuses) one uv environment per vLLM version (0.29.0 with the CPU
+build of torch 2.13 from /opt/wheels where it lies there), writes each model's config.json, and
+runs the probe with the environment's interpreter; this script only judges and formats. Exit
+status 1 when any row could not be computed or our page differs from the minimum.
 """
 
 from __future__ import annotations
@@ -647,6 +650,8 @@ def kv_rows(answer: dict[str, Any], ours: str | None
             "head_size": facts["head_size"],
             "unpatched_tokens_per_gib": (installed.get("kv") or {}).get("tokens_per_gib")
             if not installed.get("failed") else None,
+            "unpatched_blocks_per_gib": (installed.get("kv") or {}).get("num_blocks_per_gib")
+            if not installed.get("failed") else None,
         }
         seed = seed_lcm_baseline(layers)  # the pages vLLM's unification gets
         row["seed"] = seed
@@ -658,6 +663,8 @@ def kv_rows(answer: dict[str, Any], ours: str | None
             row["ours_is_minimum"] = result == minimum
             row["overhead_pct"], row["overhead_bytes_per_gib"] = overhead(result, state)
             row["ours_tokens_per_gib"] = (patched.get("kv") or {}).get("tokens_per_gib") \
+                if not patched.get("failed") else None
+            row["ours_blocks_per_gib"] = (patched.get("kv") or {}).get("num_blocks_per_gib") \
                 if not patched.get("failed") else None
             row["groups"] = (patched.get("kv") or {}).get("groups")
             if isinstance(result, int) and any(
@@ -680,33 +687,39 @@ def kv_part(workdir: Path, python: Path, *, with_patch: bool = True
     return by_platform, answer, problems
 
 
+NEURON_PATCH = "neuron-runner-kv-spec"
+
+
 def neuron_part(workdir: Path, python: Path) -> tuple[list[dict[str, Any]], dict[str, Any],
                                                        list[str]]:
+    """The Neuron budget from doctor's probe: the stand-in runner of an unpatched environment,
+    as installed and with the catalog's block active in the child."""
+    from hatch_vllm_patch.catalog import load_catalog
+    from hatch_vllm_patch.doctor import run_child, variants
+
     models_dir = workdir / "models-neuron"
-    job = {
-        "tp_sizes": list(NEURON_TP_SIZES),
-        "max_model_len": NEURON_MAX_MODEL_LEN,
-        "kv_memory_per_rank": NEURON_KV_MEMORY_PER_RANK,
-        "models": [
-            {"name": m.name,
-             "dir": write_model(models_dir / m.name, m.neuron_config or m.config)}
-            for m in MODELS if m.gated_deltanet
-        ],
-    }
-    report = run_probe(python, "memory_probe_neuron.py", job, workdir)
+    cases = [{"name": f"{m.name}|{tp}", "tp": tp, "max_model_len": NEURON_MAX_MODEL_LEN,
+              "kv_cache_memory": NEURON_KV_MEMORY_PER_RANK,
+              "model": write_model(models_dir / m.name, m.neuron_config or m.config)}
+             for m in MODELS if m.gated_deltanet for tp in NEURON_TP_SIZES]
+    job = {"cases": cases, "variants": variants([load_catalog()[NEURON_PATCH]]),
+           "kv": False, "neuron": True}
+    start = time.perf_counter()
+    report = run_child(python, job, workdir=workdir)
+    print(f"doctor's probe (Neuron) in {python}: {time.perf_counter() - start:.0f} s", flush=True)
     problems: list[str] = []
     rows: list[dict[str, Any]] = []
     for case in report["cases"]:
-        label = f"Neuron {case['model']} TP{case['tp']}"
-        errors = [case.get("error"), *(case.get(part, {}).get("error")
-                                        for part in ("unpatched", "patched"))]
+        model, tp = case["case"].split("|")
+        label = f"Neuron {model} TP{tp}"
+        before, after = case["neuron"]["installed"], case["neuron"][NEURON_PATCH]
+        errors = [before.get("error"), after.get("error")]
         if any(errors):
-            problems.append(f"{label}: " + "; ".join(e for e in errors if e))
+            problems.append(f"{label}: " + "; ".join(str(e) for e in errors if e))
             continue
-        before, after = case["unpatched"], case["patched"]
         rows.append({
-            "model": case["model"],
-            "tp": case["tp"],
+            "model": model,
+            "tp": int(tp),
             "bytes_per_token_unpatched": before["bytes_per_token"],
             "bytes_per_token_patched": after["bytes_per_token"],
             "ratio": before["bytes_per_token"] / after["bytes_per_token"],
@@ -714,9 +727,7 @@ def neuron_part(workdir: Path, python: Path) -> tuple[list[dict[str, Any]], dict
             "max_concurrency_patched": after["max_concurrency"],
             "layers_unpatched": before["layers"],
             "layers_patched": after["layers"],
-            "kv_heads_per_rank": case["num_kv_heads_per_rank"],
-            "head_size": case["head_size"],
-            "hybrid_kv_cache_manager_disabled": case["hybrid_kv_cache_manager_disabled"],
+            "hybrid_kv_cache_manager_disabled": before["hybrid_kv_cache_manager_disabled"],
         })
     return rows, report, problems
 
@@ -850,24 +861,38 @@ def upstream_rows(ours: list[dict[str, Any]], upstream: list[dict[str, Any]]
             "ours": row["ours"], "ours_padding": (row["ours"] - state
                                                   if isinstance(row["ours"], int) else None),
             "ours_tokens_per_gib": row.get("ours_tokens_per_gib"),
+            "ours_blocks_per_gib": row.get("ours_blocks_per_gib"),
+            "patch_acts": not isinstance(row["unpatched"], int),
             "upstream": up, "upstream_padding": (up - other["state_page"]
                                                  if isinstance(up, int) else None),
             "upstream_attention_block": other["attention_block"],
             "upstream_tokens_per_gib": other.get("unpatched_tokens_per_gib"),
+            "upstream_blocks_per_gib": other.get("unpatched_blocks_per_gib"),
         })
     return out
 
 
 def _compare(rows: list[dict[str, Any]]) -> str:
-    both = [r for r in rows if r["ours_tokens_per_gib"] and r["upstream_tokens_per_gib"]]
-    ours_less = [r for r in both if r["ours_padding"] < r["upstream_padding"]]
-    up_less = [r for r in both if r["ours_padding"] > r["upstream_padding"]]
-    ratios = sorted(r["upstream_tokens_per_gib"] / r["ours_tokens_per_gib"] for r in both)
-    median = ratios[len(ratios) // 2] if ratios else None
-    return (f"{len(both)} rows: ours pads less on {len(ours_less)}, upstream pads less on "
-            f"{len(up_less)}, equal on {len(both) - len(ours_less) - len(up_less)}; upstream's "
-            f"tokens per GiB / ours: median {median:.2f}x, min {ratios[0]:.2f}x, max "
-            f"{ratios[-1]:.2f}x" if ratios else "no comparable rows")
+    """Where our patch acts (0.20.2 refuses) and where it does not (0.20.2 starts: our page is
+    vLLM 0.20.2's own, so a difference there is the release's other changes)."""
+    parts = []
+    for acts, label in ((True, "where 0.20.2 refuses (our patch acts)"),
+                        (False, "where 0.20.2 starts (ours = 0.20.2's own result)")):
+        both = [r for r in rows if r["patch_acts"] is acts and r["ours_blocks_per_gib"]
+                and r["upstream_blocks_per_gib"]]
+        if not both:
+            continue
+        ours_less = sum(r["ours_padding"] < r["upstream_padding"] for r in both)
+        up_less = sum(r["ours_padding"] > r["upstream_padding"] for r in both)
+        ratios = sorted(r["upstream_blocks_per_gib"] / r["ours_blocks_per_gib"] for r in both)
+        extra = sorted(r["upstream_padding"] - r["ours_padding"] for r in both)
+        parts.append(
+            f"{label}, {len(both)} rows: ours pads less on {ours_less}, upstream on {up_less}, "
+            f"equal on {len(both) - ours_less - up_less}; upstream's padding minus ours per "
+            f"page: median {extra[len(extra) // 2]} B, max {extra[-1]} B, min {extra[0]} B; "
+            f"upstream's blocks per GiB / ours: median {ratios[len(ratios) // 2]:.2f}x, "
+            f"min {ratios[0]:.2f}x, max {ratios[-1]:.2f}x")
+    return "\n".join(parts) or "no comparable rows"
 
 
 def print_upstream(rows: list[dict[str, Any]], platform: str) -> None:
@@ -875,11 +900,12 @@ def print_upstream(rows: list[dict[str, Any]], platform: str) -> None:
           f"{PATH_NAMES[platform]} ==")
     print(_compare(rows))
     print(table(
-        ["model", "TP", "KV", "draft", "state", "ours page", "ours pad", "ours tok/GiB",
-         f"{UPSTREAM_VLLM} page", "pad", "tok/GiB"],
+        ["model", "TP", "KV", "draft", "state", "ours page", "ours pad", "blocks/GiB",
+         "tok/GiB", f"{UPSTREAM_VLLM} page", "pad", "blocks/GiB", "tok/GiB"],
         [[r["model"], r["tp"], r["kv_dtype"], r["draft"], r["state_page"], r["ours"],
-          r["ours_padding"], r["ours_tokens_per_gib"], r["upstream"], r["upstream_padding"],
-          r["upstream_tokens_per_gib"]] for r in rows]))
+          r["ours_padding"], r["ours_blocks_per_gib"], r["ours_tokens_per_gib"], r["upstream"],
+          r["upstream_padding"], r["upstream_blocks_per_gib"], r["upstream_tokens_per_gib"]]
+         for r in rows]))
 
 
 def print_models(report: dict[str, Any] | None,
@@ -984,14 +1010,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         def neuron() -> None:
             python = ensure_env(workdir / f"vllm-{NEURON_VLLM}",
-                                [f"vllm=={NEURON_VLLM}", str(NEURON_STANDIN)],
-                                ["neuron-runner-kv-spec"])
+                                [f"vllm=={NEURON_VLLM}", str(NEURON_STANDIN)], [])
             rows, report, found = neuron_part(workdir, python)
             problems.extend(found)
             output["neuron_vllm"] = report["vllm"]
             output["neuron_budget"] = {"max_model_len": NEURON_MAX_MODEL_LEN,
                                        "kv_memory_per_rank": NEURON_KV_MEMORY_PER_RANK,
-                                       "runner": report["runner_file"]}
+                                       "runner": str(NEURON_STANDIN)}
             output["neuron"] = rows
             print_neuron(rows, report)
 

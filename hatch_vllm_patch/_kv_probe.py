@@ -315,8 +315,7 @@ def layer_specs(config: Any, case: dict[str, Any], shapes: tuple[Any, ...],
     prefix = names.get("prefix", "model.layers")
     text_type = getattr(model_config.hf_text_config, "model_type", "")
     kinds = layer_kinds(config) if shapes else [["attention"]] * int(
-        model_config.get_num_layers(config.parallel_config) * config.parallel_config
-        .pipeline_parallel_size)
+        model_config.hf_text_config.num_hidden_layers)
     num_spec = spec_config.num_speculative_tokens if spec_config else 0
     state = None
     if shapes:

@@ -108,8 +108,10 @@ def test_example_finetune_on_the_cpu_path(vllm_0202: Path) -> None:
     # one page in each of 10 layers
     assert cost["blocks_per_gib"] == GIB // (page * 10)
     blocks = 8 * GIB // (page * 10)
-    per_request = -(-32768 // cost["attention_block"]) + 3  # attention blocks + 1 per state group
-    assert cost["max_concurrency"] == pytest.approx(blocks / per_request, rel=0.02)
+    # a request of 32768 tokens: its attention blocks, and 2 blocks in each of the 3 state
+    # groups (prefix caching is on by default, so vLLM keeps states in its "align" mode)
+    per_request = -(-32768 // cost["attention_block"]) + 3 * 2
+    assert cost["max_concurrency"] == pytest.approx(blocks / per_request)
 
 
 def test_cuda_path_aligns_and_a_draft_changes_the_answer(vllm_0202: Path,
@@ -202,3 +204,57 @@ def test_benchmark_rows_equal_doctors(vllm_0202: Path, tmp_path: Path) -> None:
             assert row["state_page"] == ours["cost"]["state_bytes"]
             checked += 1
     assert checked == 3
+
+
+def test_patched_environment(vllm_0202: Path, tmp_path: Path) -> None:
+    """With kv-cache-page-unification applied on disk, the installed code starts where the
+    unpatched one failed, the patch is named as in place and no longer tried, and the cost is
+    the one doctor gave for it active in the child."""
+    from conftest import pristine_environment
+
+    args = ("--model", str(FINETUNE), "--tensor-parallel-size", "2", "--platform", "cpu",
+            "--block-size", "16")
+    _, before = doctor(vllm_0202, *args)
+    with pristine_environment(vllm_0202):
+        subprocess.run([sys.executable, "-m", "hatch_vllm_patch", "apply", "--python",
+                        str(vllm_0202), "--patch", "kv-cache-page-unification"], check=True,
+                       capture_output=True, env=scrubbed_environ(), cwd=tmp_path)
+        code, after = doctor(vllm_0202, *args)
+    assert code == 0 and after["verdict"] == "starts as installed: nothing needed"
+    assert "kv-cache-page-unification" in after["in_place"]
+    assert "kv-cache-page-unification" not in after["candidates"]
+    assert run_named(after, "installed")["cost"] == \
+        run_named(before, "kv-cache-page-unification")["cost"]
+
+
+@pytest.fixture(scope="session")
+def vllm_fixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """vLLM 0.29.0 (upstream's own fix), with the CPU torch it pins where /opt/wheels has it."""
+    return vllm_venv(tmp_path_factory.mktemp("doctor-0.29.0") / "venv", "0.29.0",
+                     torch="2.13.0")
+
+
+def test_fixed_release(vllm_fixed: Path, tmp_path: Path) -> None:
+    """On vLLM 0.29.0 the catalog patch is not needed and not tried; Qwen3-Next at TP 2 with
+    block 16 starts on the CPU path, where 0.29's CpuPlatform hook now aligns the attention
+    block (to a multiple of 32 tokens whose page covers the state) and pads the state page."""
+    memory = load_benchmark()
+    model = memory.write_model(tmp_path / "qwen3-next",
+                               next(m for m in memory.MODELS if m.name.startswith("Qwen3-Next"))
+                               .config)
+    code, data = doctor(vllm_fixed, "--model", model, "--tensor-parallel-size", "2",
+                        "--platform", "cpu", "--block-size", "16")
+    assert code == 0 and data["vllm"] == "0.29.0"
+    assert "kv-cache-page-unification" not in data["candidates"]
+    installed = run_named(data, "installed")
+    assert "CpuPlatform.update_block_size_for_backend" in installed["platform"]
+    assert "kv layout" in [s["name"] for s in installed["steps"]]
+    cost = installed["cost"]
+    per_token = (2 // 2) * 256 * 2 * 2
+    # Qwen3-Next keeps its SSM state in bf16 (no mamba_ssm_dtype in its config.json)
+    state = 3 * ((2 * 16 * 128 + 32 * 128) // 2) * 2 + (32 // 2) * 128 * 128 * 2
+    assert cost["state_bytes"] == state
+    assert cost["attention_block"] % 32 == 0
+    assert cost["attention_block"] * per_token >= state > (cost["attention_block"] - 32) \
+        * per_token
+    assert cost["page"] == cost["attention_block"] * per_token
