@@ -485,9 +485,6 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
     raw = answer["cases"][0]["variants"]
     runs = tuple(run_of(v, raw[v["name"]]) for v in job_variants)
     needed, verdict = judge(runs, [p.id for p in candidates])
-    info = read_model(model_dir, "--model")
-    architecture = (overrides.get("architectures") or info.architectures or ["?"])[0]
-    lines = config_lines(needed, architecture, request.model, model_is_dir)
     neuron = tuple(NeuronBudget(name, b.get("bytes_per_token"), b.get("max_concurrency"),
                                 b.get("layers"), _err(b.get("error")))
                    for name, b in (answer["cases"][0].get("neuron") or {}).items())
@@ -495,6 +492,12 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
     if neuron_needed:
         needed = (*needed, *(p for p in neuron_needed if p not in needed))
         verdict = f"{verdict}; {neuron_verdict}"
+    if neuron:
+        notes.append("the vllm-neuron plugin is vLLM's platform here: its config hook ran in "
+                     "the config step; the block-size step is the one of --platform")
+    info = read_model(model_dir, "--model")
+    architecture = (overrides.get("architectures") or info.architectures or ["?"])[0]
+    lines = config_lines(needed, architecture, request.model, model_is_dir)
     return DoctorReport(env, answer["vllm"], request, model_dir, architecture, runs,
                         tuple(p.id for p in candidates), in_place, needed, lines, verdict,
                         tuple(notes), neuron, neuron_line(env))

@@ -258,3 +258,40 @@ def test_fixed_release(vllm_fixed: Path, tmp_path: Path) -> None:
     assert cost["attention_block"] * per_token >= state > (cost["attention_block"] - 32) \
         * per_token
     assert cost["page"] == cost["attention_block"] * per_token
+
+
+@pytest.fixture(scope="session")
+def vllm_neuron(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """vLLM 0.16.0 with the tests' stand-in Neuron plugin (one FullAttentionSpec per layer)."""
+    from venvs import create_venv
+
+    return create_venv(tmp_path_factory.mktemp("doctor-neuron") / "venv", "vllm==0.16.0",
+                       str(REPO / "tests" / "fixtures" / "neuron" / "per_layer"),
+                       link_mode="hardlink")
+
+
+def test_neuron_budget(vllm_neuron: Path, tmp_path: Path) -> None:
+    """Where vllm-neuron is installed doctor asks its runner for the KV spec, as installed and
+    with each patch active: neuron-runner-kv-spec budgets a quarter of the bytes per token
+    (the Gated DeltaNet layers no longer count as attention), and it is selected."""
+    memory = load_benchmark()
+    qwen = next(m for m in memory.MODELS if m.name == "Qwen3.6-35B-A3B")
+    model = memory.write_model(tmp_path / "qwen3.6", qwen.neuron_config)
+    _, data = doctor(vllm_neuron, "--model", model, "--tensor-parallel-size", "8")
+    budgets = {b["name"]: b for b in data["neuron"]}
+    before, after = budgets["installed"], budgets["neuron-runner-kv-spec"]
+    # 40 layers (10 full attention) x 1 KV head per rank x 256 x K and V x bf16
+    assert before["bytes_per_token"] == 40 * 1 * 256 * 2 * 2
+    assert after["bytes_per_token"] == 10 * 1 * 256 * 2 * 2
+    assert budgets["kv-cache-page-unification"]["bytes_per_token"] == before["bytes_per_token"]
+    assert "neuron-runner-kv-spec" in data["needed"]
+    assert any("neuron-runner-kv-spec" in line for line in data["config_lines"])
+    assert "4.00x fewer bytes per token on Neuron" in data["verdict"]
+    assert data["neuron_note"] is None
+
+
+def test_no_neuron_plugin_one_line(vllm_0202: Path) -> None:
+    """Where vllm-neuron is not installed doctor says so in one line and budgets nothing."""
+    _, data = doctor(vllm_0202, "--model", str(FAMILIES / "llama-3.1-8b"))
+    assert data["neuron"] == []
+    assert data["neuron_note"].startswith("Neuron: the vllm-neuron plugin is not installed")
