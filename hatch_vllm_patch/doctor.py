@@ -512,10 +512,19 @@ def run_doctor(request: DoctorRequest, *, project_dir: Path | None, python: str 
     from .selection import registered_architectures
 
     base = Request(project_dir=project_dir, python=python)
-    catalog, _, _, choice = resolve(base)
+    catalog, config, selection, choice = resolve(base)
     status = run("status", base._replace(patches=tuple(catalog)))
+    if status.environment.version_of("vllm") is None:
+        raise TargetEnvironmentError(
+            f"vllm is not installed in {status.environment.python} ({choice.reason}): doctor "
+            "runs the installed vLLM's own code; pass --python for the environment that serves")
     verdicts = {o.patch_id: o.verdict for o in status.outcomes if o.patch_id in catalog}
     registry = inspect_environment(choice, [_REGISTRY]).modules[_REGISTRY.module].file
     report = diagnose(request, status.environment, catalog, verdicts,
                       registered_architectures(registry), timeout=timeout)
-    return report._replace(notes=(*status.notes, *report.notes))
+    notes = [*status.notes, *report.notes]
+    selected = {p.id for p in selection.patches}
+    if config is not None and report.needed and set(report.needed) <= selected:
+        notes.append(f"[tool.vllm-patch] in {config.source} already selects "
+                     f"{', '.join(report.needed)}: `vllm-patch apply` puts it in place")
+    return report._replace(notes=tuple(notes))

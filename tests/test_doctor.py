@@ -239,3 +239,11 @@ def test_layer_kinds_of_a_model_without_layout() -> None:
     """A config with no hybrid layout is an error naming its class."""
     with pytest.raises(ValueError, match="no layer_types"):
         _kv_probe.layer_kinds(_config(model_type="x", num_hidden_layers=2))
+
+
+def test_environment_without_vllm_exits_1() -> None:
+    """An environment without vLLM is named, with the next step, and exits 1."""
+    code, out, err = cli("doctor", "--model", str(FINETUNE), "--python", sys.executable)
+    assert code == 1
+    assert "vllm is not installed in" in err and "pass --python" in err
+    assert "Traceback" not in out + err
