@@ -511,6 +511,9 @@ def run_doctor(request: DoctorRequest, *, project_dir: Path | None, python: str 
     from .operations import _REGISTRY, Request, resolve, run
     from .selection import registered_architectures
 
+    resolve_model(request.model)  # usage errors first, before the environment is asked
+    if request.platform not in PLATFORMS:
+        raise UsageError(f"--platform {request.platform}: expected one of {', '.join(PLATFORMS)}")
     base = Request(project_dir=project_dir, python=python)
     catalog, config, selection, choice = resolve(base)
     status = run("status", base._replace(patches=tuple(catalog)))
