@@ -1040,9 +1040,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problems:
         print("\nPROBLEMS:\n" + "\n".join(f"- {p}" for p in problems))
         return 1
-    kv_rows = output.get("kv", [])
-    if kv_rows:
-        print(f"\nours = minimum on all {len(kv_rows)} KV rows")
+    for path, kv_rows in output.get("kv_paths", {}).items():
+        print(f"ours = minimum on all {len(kv_rows)} KV rows of the {path.upper()} path")
     return 0
 
 
