@@ -247,3 +247,39 @@ def test_environment_without_vllm_exits_1() -> None:
     assert code == 1
     assert "vllm is not installed in" in err and "pass --python" in err
     assert "Traceback" not in out + err
+
+
+def test_human_output_reads_in_ten_seconds() -> None:
+    """The printed report: the platform step, the installed chain with vLLM's error, one line
+    per patch (the same failure said once), the cost table, the verdict and the lines."""
+    from hatch_vllm_patch._cli import _print_doctor
+    from hatch_vllm_patch.doctor import DoctorReport, DoctorRequest
+    from hatch_vllm_patch.environment import TargetEnvironment
+
+    env = TargetEnvironment(Path("/venv/bin/python"), "given with --python", "/venv/bin/python",
+                            "/venv", "3.11.7", Path("/venv/lib/python3.11/site-packages"))
+    failed = Step("page unification", False, "NotImplementedError: not divisible")
+    installed = Run(INSTALLED, (), (Step("config", True), failed), failed, None,
+                    platform="CpuPlatform.update_block_size_for_backend: 16 -> 16 tokens",
+                    max_model_len=32768)
+    fixed = Run("kv", ("kv",), (Step("config", True), Step("page unification", True)), None,
+                Cost(1081344, 1073152, 1056, 99, 85369, 20.89, ()))
+    same = Run("other", ("other",), installed.steps, failed, None)
+    report = DoctorReport(env, "0.20.2", DoctorRequest(model="m", platform="cpu",
+                                                       kv_cache_memory=8 << 30),
+                          Path("/models/m"), "Arch", (installed, same, fixed), ("other", "kv"),
+                          (), ("kv",), config_lines(("kv",), "Arch", "m", True),
+                          "does not start as installed (page unification); kv fixes it",
+                          neuron_note="Neuron: the vllm-neuron plugin is not installed here")
+    out = io.StringIO()
+    _print_doctor(report, out)
+    text = out.getvalue()
+    assert text.splitlines()[0] == ("vLLM 0.20.2 (/venv/bin/python), CPU path: "
+                                    "CpuPlatform.update_block_size_for_backend: 16 -> 16 tokens")
+    assert "as installed: config > page unification FAILED\n  NotImplementedError: not " \
+        "divisible\n" in text
+    assert "with other: fails at page unification (the same)\n" in text
+    assert "with kv: starts\n" in text
+    assert "8192 B (0.76%)" in text and "20.89x" in text and "max_model_len 32768" in text
+    assert text.rstrip().endswith('[tool.vllm-patch.architectures.Arch]\n  patches = ["kv"]')
+    assert len(text.splitlines()) <= 16
