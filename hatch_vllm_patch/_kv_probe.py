@@ -68,6 +68,10 @@ _MAMBA_ENUM_NAMES = {"gdn_attention": "GDN_ATTN", "mamba2": "MAMBA2", "mamba1": 
                      "short_conv": "SHORT_CONV", "linear_attention": "LINEAR"}
 
 
+# Speculative methods without a draft model: no draft attention layer, only the tokens.
+_NO_DRAFT_LAYER = {"ngram", "ngram_gpu", "suffix"}
+
+
 class StepFailed(Exception):
     """A start-up step raised: ``step`` names it, ``__cause__`` is vLLM's exception."""
 
@@ -371,7 +375,9 @@ def layer_specs(config: Any, case: dict[str, Any], shapes: tuple[Any, ...],
         "num_speculative_tokens": num_spec,
         "draft_page": None,
     }
-    if spec_config is not None:
+    if spec_config is not None and spec_config.method not in _NO_DRAFT_LAYER:
+        # a draft model (MTP, EAGLE, a small model) brings its own attention layer; n-gram and
+        # suffix drafts have none, only the speculative tokens
         draft = case.get("speculative_config") or {}
         draft_cache_dtype = draft.get("kv_cache_dtype") or cache.cache_dtype
         draft_model = spec_config.draft_model_config or model_config

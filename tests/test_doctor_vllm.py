@@ -295,3 +295,37 @@ def test_no_neuron_plugin_one_line(vllm_0202: Path) -> None:
     _, data = doctor(vllm_0202, "--model", str(FAMILIES / "llama-3.1-8b"))
     assert data["neuron"] == []
     assert data["neuron_note"].startswith("Neuron: the vllm-neuron plugin is not installed")
+
+
+def test_speculative_tokens_without_a_draft_model(vllm_0202: Path) -> None:
+    """An n-gram draft adds no attention layer, only speculative tokens; doctor reports the
+    state shapes vLLM 0.20.2 really builds: Falcon-H1's conv state keeps kernel - 1 = 3 rows
+    (its shape function passes no speculative tokens in this release), where the calculator
+    gives 3 + 2 — what a patch for it would change."""
+    ngram = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    _, data = doctor(vllm_0202, "--model", str(FAMILIES / "falcon-h1-7b"),
+                     "--tensor-parallel-size", "2", "--speculative-config", ngram)
+    installed = run_named(data, "installed")
+    assert installed["starts"]
+    # conv: d_ssm / TP + 2 x groups x d_state / TP, with its 1 group repeated on each of 2 ranks
+    assert installed["state_shapes"][0] == [3, 6144 // 2 + 2 * 2 * 256 // 2]
+    assert installed["state_shapes"][1] == [24 // 2, 256, 256]
+
+
+@pytest.fixture(scope="session")
+def vllm_0221(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A full vllm==0.22.1 that nothing patches."""
+    return vllm_venv(tmp_path_factory.mktemp("doctor-0.22.1") / "venv", "0.22.1")
+
+
+def test_each_release_its_own_platform_code(vllm_0221: Path) -> None:
+    """doctor runs the installed release's own hooks: on vLLM 0.22.1 the CPU platform aligns
+    hybrid block sizes (0.20.2's hook does nothing), so the fine-tune at TP 2 with block 16
+    starts on the CPU path as installed, with the page of the CUDA path."""
+    code, data = doctor(vllm_0221, "--model", str(FINETUNE), "--tensor-parallel-size", "2",
+                        "--platform", "cpu", "--block-size", "16")
+    assert code == 0 and data["vllm"] == "0.22.1"
+    installed = run_named(data, "installed")
+    assert "CpuPlatform.update_block_size_for_backend" in installed["platform"]
+    assert installed["cost"]["page"] == 1081344 and installed["cost"]["attention_block"] == 1056
+    assert "kv-cache-page-unification" in data["candidates"]  # 0.22.1 has the old function
