@@ -73,11 +73,17 @@ def test_cli_usage_errors_exit_2(args: list[str], message: str) -> None:
 
 
 def test_cli_usage_error_as_json() -> None:
-    """With --json the usage error is one JSON object."""
+    """With --json the usage error is one JSON object, in the schema of the other commands."""
+    import jsonschema
+
+    schema = json.loads((Path(__file__).parents[1] / "hatch_vllm_patch" / "schema"
+                         / "output.schema.json").read_text())
     code, out, _ = cli("doctor", "--model", "no/such-model-here", "--json")
     assert code == 2
     data = json.loads(out)
-    assert data["ok"] is False and "not in the local Hugging Face cache" in data["error"]
+    jsonschema.validate(data, schema)
+    assert (data["operation"], data["exit_code"], data["ok"]) == ("doctor", 2, False)
+    assert "not in the local Hugging Face cache" in data["errors"][0]
 
 
 def test_hub_id_from_the_local_cache(tmp_path: Path) -> None:

@@ -43,7 +43,10 @@ def doctor(python: Path, *args: str, project: Path | None = None) -> tuple[int, 
     proc = subprocess.run(cmd, capture_output=True, text=True, env=scrubbed_environ(),
                           cwd=REPO, timeout=900, check=False)
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
-    return proc.returncode, json.loads(proc.stdout)
+    doc = json.loads(proc.stdout)  # the commands' one schema; the diagnosis under "result"
+    assert (doc["schema"], doc["operation"], doc["exit_code"]) == (1, "doctor", proc.returncode)
+    assert doc["result"]["ok"] is doc["ok"]
+    return proc.returncode, doc["result"]
 
 
 def run_named(data: dict[str, Any], name: str) -> dict[str, Any]:
