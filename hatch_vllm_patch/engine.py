@@ -56,6 +56,8 @@ __all__ = [
     "plan_revert",
     "plan_verify",
     "render_block",
+    "scope_classes",
+    "scope_defs",
     "sha256_hex",
     "shape_key",
     "symbol_digest",
@@ -125,21 +127,33 @@ def locate_function(source: str, symbol: str) -> tuple[FunctionNode | None, str]
 
 def locate_in(tree: ast.Module, symbol: str) -> tuple[FunctionNode | None, str]:
     """:func:`locate_function` in an already parsed module."""
-    import ast
-
     scope: list[ast.stmt] = tree.body
     *classes, name = symbol.split(".")
     for class_name in classes:
-        found = [n for n in scope if isinstance(n, ast.ClassDef) and n.name == class_name]
-        if not found:
+        found = scope_classes(scope).get(class_name)
+        if found is None:
             return None, f"no module-level class {class_name}"
-        scope = found[-1].body
-    defs = [n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and n.name == name]
-    if not defs:
+        scope = found.body
+    node = scope_defs(scope).get(name)
+    if node is None:
         owner = f"{classes[-1]} defines no method" if classes else "no module-level function"
         return None, f"{owner} {name}"
-    return defs[-1], ""
+    return node, ""
+
+
+def scope_defs(body: list[ast.stmt]) -> dict[str, FunctionNode]:
+    """The ``def``s of one scope (a module's or a class's body) by name, the last binding
+    winning: the one walker that both locating a target and diffing an edit use."""
+    import ast
+
+    return {n.name: n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def scope_classes(body: list[ast.stmt]) -> dict[str, ast.ClassDef]:
+    """The classes of one scope by name, the last binding winning."""
+    import ast
+
+    return {n.name: n for n in body if isinstance(n, ast.ClassDef)}
 
 
 def node_source(source: str, node: FunctionNode) -> str:

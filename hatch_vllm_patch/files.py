@@ -98,6 +98,14 @@ def drop_bytecode(module_file: Path, pycache_prefix: str | None = None) -> list[
     return removed
 
 
+def replace_module_file(path: Path, data: bytes, pycache_prefix: str | None = None) -> None:
+    """The one way a module file is written: leftovers of killed runs removed, ``data``
+    written atomically (a new inode: uv's cache never sees it), the stale bytecode dropped."""
+    remove_stale_temps(path.parent)
+    write_atomic(path, data)
+    drop_bytecode(path, pycache_prefix)
+
+
 def lock_timeout(environ: dict[str, str] | None = None) -> float:
     """``$HATCH_VLLM_PATCH_LOCK_TIMEOUT`` seconds (default 60)."""
     raw = (environ if environ is not None else os.environ).get(LOCK_TIMEOUT_ENV, "")

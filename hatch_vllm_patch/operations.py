@@ -39,15 +39,17 @@ from .environment import (
     run_bounded,
 )
 from .errors import CatalogError, ConfigurationError, TargetEnvironmentError, UsageError
-from .files import drop_bytecode, locked, remove_stale_temps, write_atomic
+from .files import locked, replace_module_file
 from .markers import MarkerError, parse_file, sha256_hex
 from .record import (
     DEFAULT_GUARD,
+    RECORD_NAME,
     EnvironmentRecord,
     FileEntry,
     RecordRead,
     SelectedPatch,
     read_record,
+    save_record,
 )
 from .record import Selection as SelectionRecord
 from .report import PatchOutcome, Report
@@ -321,14 +323,12 @@ class _Session:
     def write(self, plan: Plan, path: Path, distribution: str, facts: FileFacts) -> Plan:
         assert plan.new_content is not None and facts.content is not None
         try:
-            remove_stale_temps(path.parent)
-            write_atomic(path, plan.new_content)
+            replace_module_file(path, plan.new_content, self.env.pycache_prefix)
         except OSError as exc:
             return Plan(Verdict.ERROR, f"could not write {path}: {exc.strerror or exc}; "
                                        "the file was left as it was")
         self.wrote_targets = True
         self.contents[str(path)] = plan.new_content
-        drop_bytecode(path, self.env.pycache_prefix)
         self.reconcile(path, distribution)
         return plan
 
@@ -421,10 +421,9 @@ class _Session:
             return []
         if not self.wrote_targets and not all(o.ok for o in outcomes):
             return []  # a refusal or a failure that wrote nothing leaves the record alone too
-        path = self.env.purelib / ".hatch-vllm-patch.json"
+        path = self.env.purelib / RECORD_NAME
         try:
-            remove_stale_temps(self.env.purelib)
-            write_atomic(path, new.render())
+            save_record(self.env.purelib, new)
         except OSError as exc:
             problem = f"could not save the environment's record {path}: {exc.strerror or exc}"
             if not self.wrote_targets:

@@ -204,6 +204,30 @@ def pristine_copy(directory: Path, digest: str) -> Path:
     return directory / EDITS_DIR / f"{digest}.py"
 
 
+def keep_pristine(directory: Path, data: bytes, digest: str) -> Path:
+    """Keep ``data`` (whose sha256 is ``digest``) as the pristine copy of a file under edit."""
+    from .files import remove_stale_temps, write_atomic
+
+    copy = pristine_copy(directory, digest)
+    copy.parent.mkdir(exist_ok=True)
+    remove_stale_temps(copy.parent)
+    write_atomic(copy, data)
+    return copy
+
+
+def drop_pristine(directory: Path, digest: str) -> None:
+    """Forget the pristine copy with ``digest`` (the edit ended)."""
+    pristine_copy(directory, digest).unlink(missing_ok=True)
+
+
+def save_record(directory: Path, record: EnvironmentRecord) -> None:
+    """Write ``record`` as ``<directory>/.hatch-vllm-patch.json``, atomically (OSError as is)."""
+    from .files import remove_stale_temps, write_atomic
+
+    remove_stale_temps(directory)
+    write_atomic(directory / RECORD_NAME, record.render())
+
+
 class EnvironmentRecord(_Value):
     """The parsed record; empty when there is none."""
 

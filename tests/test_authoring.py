@@ -21,7 +21,7 @@ from venvs import UV, create_venv, record_sha256, release_venv, run, site_packag
 from hatch_vllm_patch.authoring import (
     InexpressibleEdit,
     captured_references,
-    render_block,
+    render_rebinding_block,
     symbol_changes,
 )
 
@@ -133,7 +133,8 @@ def test_block_behaves_like_the_edited_source_in_the_class() -> None:
     edited = edited_source(*EDITS)
     changes = symbol_changes(MODULE_SOURCE, edited, "demo")
     assert sorted(c.symbol for c in changes) == sorted(EDITS)
-    patched = run_block(MODULE_SOURCE, render_block("demo-fix", "demo", "demo 1.0", changes))
+    patched = run_block(MODULE_SOURCE,
+                        render_rebinding_block("demo-fix", "demo", "demo 1.0", changes))
     expected: dict[str, Any] = {"__name__": "demo"}
     exec(compile(edited, "demo.py", "exec"), expected)
     for ns in (patched, expected):
@@ -150,7 +151,7 @@ def test_block_run_twice_is_the_same() -> None:
     """Re-running a created block (apply mode in a process that imported the module) redefines
     the same code: the behaviour is unchanged, nothing is wrapped twice."""
     edited = edited_source("Child.greet", "compute")
-    block = render_block("demo-fix", "demo", "demo 1.0",
+    block = render_rebinding_block("demo-fix", "demo", "demo 1.0",
                          symbol_changes(MODULE_SOURCE, edited, "demo"))
     namespace = run_block(MODULE_SOURCE, block)
     exec(compile(block, "block.py", "exec"), namespace)
@@ -167,7 +168,7 @@ def test_added_method_and_function_are_rebound() -> None:
     ) + "\n\ndef extra():\n    return 'extra'\n"
     changes = symbol_changes(MODULE_SOURCE, edited, "demo")
     assert [(c.symbol, c.added) for c in changes] == [("extra", True), ("Child.helper", True)]
-    namespace = run_block(MODULE_SOURCE, render_block("demo-fix", "demo", "v", changes))
+    namespace = run_block(MODULE_SOURCE, render_rebinding_block("demo-fix", "demo", "v", changes))
     assert namespace["Child"]().helper() == 42 and namespace["extra"]() == "extra"
     assert namespace["Child"].helper.__doc__ == "Added:\n  a line at column 2."
 

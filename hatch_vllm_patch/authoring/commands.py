@@ -1,0 +1,337 @@
+"""The authoring commands and their effects: ``edit`` opens an installed module for editing,
+``create`` turns the edit into a patch folder and applies it, ``new`` scaffolds a wrapper.
+
+The pure steps they run are in the modules beside this one (symbol diff, rendering); the
+record of the environment is read and written through :mod:`hatch_vllm_patch.record`, module
+files through :func:`hatch_vllm_patch.files.replace_module_file`.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from ..catalog import ABSENT, load_patch_folders, module_relative_path
+from ..config import DEFAULT_PATCH_DIR
+from ..engine import locate_in, node_source
+from ..environment import InterpreterChoice, ModuleQuery, TargetEnvironment, inspect_environment
+from ..errors import CatalogError, TargetEnvironmentError, UsageError
+from ..files import locked, replace_module_file
+from ..markers import MarkerError, parse_file, sha256_hex
+from ..operations import Request, resolve, run
+from ..record import (
+    EditSession,
+    drop_pristine,
+    keep_pristine,
+    pristine_copy,
+    read_record,
+    save_record,
+)
+from ..report import Report
+from .render import PLACEHOLDER, render_manifest, render_rebinding_block, render_wrapper_block
+from .symbols import SymbolChange, captured_references, symbol_changes
+
+_ID = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+$")
+
+
+# --- the patch folder ---------------------------------------------------------------------------
+
+def write_patch_folder(patch_dir: Path, patch_id: str, files: dict[str, str]) -> Path:
+    """Create ``patch_dir/patch_id`` with ``files`` at once: written in a temporary folder
+    beside it, then renamed; an existing folder is never overwritten."""
+    patch_dir.mkdir(parents=True, exist_ok=True)
+    final = patch_dir / patch_id
+    if final.exists():
+        raise UsageError(f"{final} already exists: choose another id, or remove that folder")
+    staging = Path(tempfile.mkdtemp(prefix=f".{patch_id}.", suffix=".hvp-tmp", dir=patch_dir))
+    try:
+        for name, text in files.items():
+            (staging / name).write_text(text, encoding="utf-8")
+        os.rename(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return final
+
+
+class _NewPatch(NamedTuple):
+    folder: Path  # the project's patch folder the new patch goes to
+    project: Path
+    configured: bool  # the project's [tool.vllm-patch] finds that folder (apply, hook, guard)
+    choice: InterpreterChoice
+
+
+def _check_new_id(patch_id: str, request: Request) -> _NewPatch:
+    """Where a new patch goes; UsageError when the id is not usable (not kebab-case, or already
+    a patch of the catalog or of the project)."""
+    if not _ID.match(patch_id):
+        raise UsageError(f"{patch_id!r}: a patch id is kebab-case (lowercase letters, digits and "
+                         "single hyphens), e.g. clearer-kv-memory-error")
+    catalog, config, _, choice = resolve(request)
+    if patch_id in catalog:
+        raise UsageError(f"{patch_id!r} is already a patch ({catalog[patch_id].folder}); "
+                         "choose another id")
+    project = request.project_dir or Path.cwd()
+    if config is not None and config.patch_dirs:
+        return _NewPatch(config.patch_dirs[0], project, True, choice)
+    # The default folder counts once it exists, but only for a project with the table.
+    return _NewPatch(project / DEFAULT_PATCH_DIR, project, config is not None, choice)
+
+
+def _module_of(env: TargetEnvironment, module: str) -> tuple[Path, str, str]:
+    location = env.modules[module]
+    if location.file is None:
+        raise UsageError(f"{module}: no such module file in {env.python} ({env.reason}); "
+                         "give a module of an installed distribution, e.g. "
+                         "vllm.v1.core.kv_cache_utils")
+    distribution = location.distribution or "unknown"
+    return location.file, distribution, env.version_of(distribution) or "unknown"
+
+
+def _inspect(request: Request, module: str, choice: InterpreterChoice | None = None
+             ) -> TargetEnvironment:
+    if not _MODULE.match(module):
+        raise UsageError(f"{module!r} is not a dotted module path inside a package "
+                         "(e.g. vllm.v1.core.kv_cache_utils)")
+    if choice is None:
+        choice = resolve(request)[3]
+    return inspect_environment(choice, [ModuleQuery("", module, module_relative_path(module))],
+                               in_process=request.in_process)
+
+
+# --- edit ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EditResult:
+    file: Path
+    module: str
+    version: str
+    removed: tuple[str, ...] = ()
+    already: bool = False
+    discarded: bool = False
+    notes: tuple[str, ...] = ()
+
+
+def edit(request: Request, module: str, *, discard: bool = False) -> EditResult:
+    """Make ``module``'s installed file safe to edit in place (or, with ``discard``, put its
+    pristine bytes back and end the edit)."""
+    env = _inspect(request, module)
+    path, distribution, version = _module_of(env, module)
+    location = env.modules[module]
+    _writable(env.purelib, path.parent)
+    with locked([env.purelib, path.parent], exclusive=True, on_wait=request.on_wait):
+        state = read_record(env.purelib)
+        if not state.usable:
+            raise TargetEnvironmentError(f"the environment's record {state.path} "
+                                         f"{state.problem}; move it away and run again")
+        record = state.record
+        session = record.edits.get(str(path))
+        if discard:
+            if session is None:
+                raise UsageError(f"{path} is not open for editing")
+            pristine = _pristine(env, path, session)
+            replace_module_file(path, pristine, env.pycache_prefix)
+            save_record(env.purelib, record.with_edit(str(path), None))
+            drop_pristine(env.purelib, session.pristine_sha256)
+            return EditResult(path, module, version, session.removed, discarded=True)
+        if session is not None:
+            return EditResult(path, module, session.version, session.removed, already=True)
+        content = path.read_bytes()
+        try:
+            parsed = parse_file(content)
+        except MarkerError as exc:
+            raise UsageError(f"{path}: our markers were edited by hand ({exc}); restore the "
+                             "file first") from None
+        notes = []
+        entry = record.files.get(str(path))
+        expected = location.record_sha256 or (entry.original_sha256 if entry and parsed.blocks
+                                              else None)
+        if expected is not None and sha256_hex(parsed.original) != expected:
+            raise UsageError(
+                f"{path} differs from what {distribution} {version} installed (sha256 "
+                f"{sha256_hex(parsed.original)[:12]}, RECORD {expected[:12]}): an edit must "
+                f"start from the pristine file; restore it (uv pip install --reinstall --no-deps "
+                f"{distribution}=={version}), then run edit again")
+        if expected is None:
+            notes.append(f"{path} has no RECORD hash (an editable checkout?): its current text "
+                         "is taken as the pristine one")
+        digest = sha256_hex(parsed.original)
+        keep_pristine(env.purelib, parsed.original, digest)
+        # a new inode, without our blocks
+        replace_module_file(path, parsed.original, env.pycache_prefix)
+        removed = tuple(b.patch_id for b in parsed.blocks)
+        record = record.with_file(str(path), None).with_edit(str(path), EditSession(
+            module, distribution, version, digest, removed))
+        save_record(env.purelib, record)
+    return EditResult(path, module, version, removed, notes=tuple(notes))
+
+
+def _writable(*folders: Path) -> None:
+    """Refuse before the first write, not half-way: an edit session is a module and the record
+    written together."""
+    for folder in folders:
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise TargetEnvironmentError(f"{folder} is not writable by this user: run as the "
+                                         "environment's owner, or edit in an environment you "
+                                         "own")
+
+
+def _pristine(env: TargetEnvironment, path: Path, session: EditSession) -> bytes:
+    copy = pristine_copy(env.purelib, session.pristine_sha256)
+    try:
+        data = copy.read_bytes()
+    except OSError as exc:
+        raise TargetEnvironmentError(
+            f"the pristine copy of {path} ({copy}) cannot be read ({exc.strerror or exc}); "
+            f"restore the file by reinstalling {session.distribution}=={session.version}"
+        ) from None
+    if sha256_hex(data) != session.pristine_sha256:
+        raise TargetEnvironmentError(f"the pristine copy {copy} was changed; restore the file by "
+                                     f"reinstalling {session.distribution}=={session.version}")
+    return data
+
+
+# --- create -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CreateResult:
+    folder: Path
+    module: str
+    changes: tuple[SymbolChange, ...]
+    warnings: tuple[str, ...]
+    diff: str
+    report: Report | None
+    notes: tuple[str, ...] = field(default=())
+
+
+def create(request: Request, patch_id: str, *, module: str | None = None,
+           summary: str | None = None, why: str | None = None, removal: str | None = None,
+           fixed_in: str | None = None, ask: Callable[[str], str] | None = None) -> CreateResult:
+    """Turn the edit of one module into ``<patch-dir>/<patch_id>/``, restore the pristine file
+    and apply the new patch through the engine. ``ask`` prompts for the texts not given (only
+    on a terminal; never otherwise)."""
+    new_patch = _check_new_id(patch_id, request)
+    patch_dir, project = new_patch.folder, new_patch.project
+    env = inspect_environment(new_patch.choice, [], in_process=request.in_process)
+    state = read_record(env.purelib)
+    sessions = dict(state.record.edits) if state.usable else {}
+    if module is not None:
+        sessions = {p: s for p, s in sessions.items() if s.module == module}
+    if not sessions:
+        what = f"{module} is" if module else "no module is"
+        raise UsageError(f"{what} open for editing in {env.python}: run `vllm-patch edit "
+                         "MODULE`, change the code, then create")
+    if len(sessions) > 1:
+        names = ", ".join(sorted(s.module for s in sessions.values()))
+        raise UsageError(f"several modules are open for editing ({names}): a patch has one "
+                         f"target module, so run `vllm-patch create ID --module MODULE` once per "
+                         "module, each with its own id")
+    [(name, session)] = sessions.items()
+    path = Path(name)
+    _writable(env.purelib, path.parent)
+    pristine = _pristine(env, path, session)
+    edited = path.read_bytes()
+    if b"# >>> hatch-vllm-patch: " in edited:
+        raise UsageError(f"{path} carries a block of ours again (was apply run during the "
+                         "edit?): remove it from the file, then run create again")
+    try:
+        pristine_text, edited_text = pristine.decode("utf-8"), edited.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not UTF-8 text") from None
+    changes = symbol_changes(pristine_text, edited_text, session.module)
+    if not changes:
+        raise UsageError(f"no function or method of {session.module} differs from the installed "
+                         f"one ({path}); edit it first")
+    warnings = captured_references(pristine_text, changes)
+    block = render_rebinding_block(patch_id, session.module,
+                         f"{session.distribution} {session.version}", changes)
+    compile(block, f"{patch_id}/block.py", "exec")
+    texts = {"summary": summary, "why": why, "removal": removal}
+    prompts = {"summary": "summary (one line: what it changes)",
+               "why": "why (the bug, and why this fix)",
+               "removal": "remove when (e.g. the vLLM release that fixes it)"}
+    for key, value in list(texts.items()):
+        if not value and ask is not None:
+            texts[key] = ask(prompts[key]).strip() or None
+    manifest = render_manifest(
+        patch_id, distribution=session.distribution, module=session.module,
+        version=session.version,
+        shapes={c.symbol: c.pristine_digest or ABSENT for c in changes},
+        summary=texts["summary"] or f"{PLACEHOLDER}: what {patch_id} changes in {session.module}",
+        why=texts["why"] or f"{PLACEHOLDER}: the bug it fixes, and why this way.",
+        removal=texts["removal"] or f"{PLACEHOLDER}: when to delete it (the release that fixes "
+                                    "it upstream).",
+        fixed_in=fixed_in, made_by="create")
+    folder = write_patch_folder(patch_dir, patch_id, {"patch.toml": manifest, "block.py": block})
+    try:
+        load_patch_folders(patch_dir)  # the folder must load as the engine will load it
+    except CatalogError as exc:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise UsageError(f"the generated patch does not load (a bug; please report): {exc}"
+                         ) from None
+    diff = "".join(difflib.unified_diff(
+        pristine_text.splitlines(keepends=True), edited_text.splitlines(keepends=True),
+        fromfile=f"a/{session.module} ({session.version})", tofile=f"b/{session.module} (edited)"))
+    with locked([env.purelib, path.parent], exclusive=True, on_wait=request.on_wait):
+        replace_module_file(path, pristine, env.pycache_prefix)
+        record = read_record(env.purelib).record
+        save_record(env.purelib, record.with_edit(name, None))
+        drop_pristine(env.purelib, session.pristine_sha256)
+    notes = []
+    extra = () if new_patch.configured else (patch_dir,)
+    if extra:
+        notes.append(f"{project / 'pyproject.toml'} has no [tool.vllm-patch] table: add one, "
+                     f"with patches = [\"{patch_id}\"], so that apply, the build hook and the "
+                     "guard find and keep the patch")
+    report = run("apply", Request(project_dir=project, python=request.python,
+                                  patches=(patch_id, *session.removed), extra_patch_dirs=extra,
+                                  in_process=request.in_process, on_wait=request.on_wait))
+    return CreateResult(folder, session.module, tuple(changes), tuple(warnings), diff, report,
+                        tuple(notes))
+
+
+# --- new: a wrapper scaffold --------------------------------------------------------------------
+
+def new(request: Request, patch_id: str, target: str) -> Path:
+    """``<patch-dir>/<patch_id>/`` with a wrapper of ``MODULE:SYMBOL`` that calls the original
+    (kept as ``__wrapped__``), and the installed symbol's shape."""
+    module, sep, symbol = target.partition(":")
+    if not sep or not symbol:
+        raise UsageError(f"--target {target!r}: expected MODULE:SYMBOL, e.g. "
+                         "vllm.v1.core.kv_cache_utils:get_kv_cache_groups")
+    new_patch = _check_new_id(patch_id, request)
+    env = _inspect(request, module, new_patch.choice)
+    path, distribution, version = _module_of(env, module)
+    source = parse_file(path.read_bytes()).original.decode("utf-8")
+    node, missing = locate_in(ast.parse(source), symbol)
+    if node is None:
+        raise UsageError(f"{module}: {missing}")
+    decorators = {ast.unparse(d) for d in node.decorator_list}
+    kind = ("staticmethod" if "staticmethod" in decorators else
+            "classmethod" if "classmethod" in decorators else "plain")
+    if decorators - {"staticmethod", "classmethod"}:
+        raise UsageError(f"{module}:{symbol} is decorated ({', '.join(sorted(decorators))}): a "
+                         "wrapper would wrap the decorator's result; use `vllm-patch edit` and "
+                         "`create` instead")
+    block = render_wrapper_block(patch_id, module, symbol, kind,
+                           isinstance(node, ast.AsyncFunctionDef))
+    manifest = render_manifest(
+        patch_id, distribution=distribution, module=module, version=version,
+        shapes={symbol: sha256_hex(node_source(source, node).encode("utf-8"))},
+        summary=f"{PLACEHOLDER}: what {patch_id} changes in {module}.{symbol}",
+        why=f"{PLACEHOLDER}: the bug it fixes, and why this way.",
+        removal=f"{PLACEHOLDER}: when to delete it (the release that fixes it upstream).",
+        fixed_in=None, made_by="new")
+    return write_patch_folder(new_patch.folder, patch_id,
+                              {"patch.toml": manifest, "block.py": block})
+
+
