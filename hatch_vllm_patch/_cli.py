@@ -278,7 +278,7 @@ def _author(args: argparse.Namespace, request: Request) -> int:
             names = ", ".join(f"{c.symbol}{' (added)' if c.added else ''}" for c in made.changes)
             print(f"created {made.folder}: redefines {names}", file=out)
             for warning in made.warnings:
-                print(f"warning: {made.module}: {warning}", file=out)
+                print(f"warning: {warning}", file=out)
             for note in made.notes:
                 print(f"note: {note}", file=out)
             if made.report is not None:

@@ -19,7 +19,7 @@ import errno
 import os
 import stat
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from .errors import TargetEnvironmentError
@@ -104,6 +104,24 @@ def replace_module_file(path: Path, data: bytes, pycache_prefix: str | None = No
     remove_stale_temps(path.parent)
     write_atomic(path, data)
     drop_bytecode(path, pycache_prefix)
+
+
+def replace_module_files(writes: Sequence[tuple[Path, bytes, bytes]],
+                         pycache_prefix: str | None = None) -> None:
+    """Write several module files as one change: ``writes`` is (path, new bytes, bytes now).
+    When a write fails, the files written before it get their bytes back and the OSError is
+    raised (its ``filename`` names the file): all of them change, or none."""
+    done: list[tuple[Path, bytes]] = []
+    for path, new, old in writes:
+        try:
+            replace_module_file(path, new, pycache_prefix)
+        except OSError as exc:
+            for written, before in reversed(done):
+                replace_module_file(written, before, pycache_prefix)
+            if exc.filename is None:
+                exc.filename = str(path)
+            raise
+        done.append((path, old))
 
 
 def lock_timeout(environ: dict[str, str] | None = None) -> float:

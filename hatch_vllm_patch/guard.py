@@ -80,13 +80,14 @@ def _check(logger: logging.Logger, override: str | None, started: float) -> None
         if mode == "off":
             return
         editing = set(state.record.edits)
+        selected = tuple(dict.fromkeys(p.id for p in selection.patches))  # one per target
         changed = _changed_since_apply(state, editing)
         if changed is None:
-            ids = ", ".join(p.id for p in selection.patches) or "none selected"
+            ids = ", ".join(selected) or "none selected"
             logger.info("hatch-vllm-patch: patches in place (%s) [guard %s, %.1f ms]%s", ids,
                         mode, (time.perf_counter() - started) * 1000, _editing(editing))
             return
-        _full_check(logger, mode, started, patches=tuple(p.id for p in selection.patches),
+        _full_check(logger, mode, started, patches=selected,
                     patch_dirs=tuple(Path(d) for d in selection.patch_dirs),
                     project=Path(selection.project) if selection.project else None,
                     why=changed)

@@ -27,6 +27,7 @@ from .engine import (
     plan_apply,
     plan_remove_blocks,
     plan_revert,
+    plan_together,
     plan_verify,
     shape_key,
 )
@@ -39,7 +40,7 @@ from .environment import (
     run_bounded,
 )
 from .errors import CatalogError, ConfigurationError, TargetEnvironmentError, UsageError
-from .files import locked, replace_module_file
+from .files import locked, replace_module_file, replace_module_files
 from .markers import MarkerError, parse_file, sha256_hex
 from .record import (
     DEFAULT_GUARD,
@@ -120,8 +121,9 @@ def run(operation: str, request: Request) -> Report:
     if not patches and operation in {"revert", "status"}:
         patches = catalog.patches  # revert/status everything we know by default
         why = {p.id: ("all catalog patches",) for p in patches}
-    queries = {p.target.module: ModuleQuery(p.target.distribution, p.target.module,
-                                            p.target.relative_path) for p in patches}
+    queries = {m.target.module: ModuleQuery(m.target.distribution, m.target.module,
+                                            m.target.relative_path)
+               for p in patches for m in p.parts}
     for p in patches:  # where a fixed release keeps the symbol now (fixed-shapes)
         for module in p.fixed_modules:
             queries.setdefault(module, ModuleQuery(p.target.distribution, module,
@@ -169,6 +171,7 @@ class _Session:
         self.record = self.initial = EnvironmentRecord()
         self.contents: dict[str, bytes | None] = {}  # path -> bytes as last read or written
         self.known: dict[tuple[str, str], str] = {}  # (path, patch id) -> a "known" shape key
+        self.outcomes: dict[tuple[str, str], PatchOutcome] = {}  # (patch id, module) -> outcome
         self.wrote_targets = False
 
     # --- where ------------------------------------------------------------------------------
@@ -183,7 +186,8 @@ class _Session:
 
     def lock_dirs(self, record: EnvironmentRecord) -> set[str]:
         dirs = {str(self.env.purelib)}
-        paths = [self.target_path(p) for p in self.patches] + [Path(f) for f in record.files]
+        paths = [self.target_path(m) for p in self.patches for m in p.parts]
+        paths += [Path(f) for f in record.files]
         for path in paths:
             if path.parent.is_dir():
                 dirs.add(os.path.realpath(path.parent))
@@ -216,7 +220,7 @@ class _Session:
             self.notes.append(f"the environment's record {state.path} {state.problem}; "
                               "treating it as no history")
         self.record = self.initial = state.record
-        outcomes = [self.one(patch) for patch in self.patches]
+        outcomes = [o for patch in self.patches for o in self.one(patch)]
         outcomes += self.foreign_blocks()
         errors = self.save_record(outcomes)
         return outcomes, errors
@@ -260,22 +264,66 @@ class _Session:
         self.contents[str(path)] = content
         return content, None
 
-    def one(self, patch: Patch) -> PatchOutcome:
-        facts = self.facts(patch)
-        path = Path(facts.path)
+    def one(self, patch: Patch) -> list[PatchOutcome]:
+        """The outcomes of ``patch``, one per target module, with one verdict: a patch over
+        several modules is planned in all of them first, and written to all or to none."""
+        members = patch.parts
+        facts = [self.facts(m) for m in members]
+        plans = [self.plan(m, f) for m, f in zip(members, facts, strict=True)]
+        fine = [self.fine(m, plan) for m, plan in zip(members, plans, strict=True)]
+        if len(members) > 1:
+            plans = plan_together([(m.target.module, plan, ok) for m, plan, ok
+                                   in zip(members, plans, fine, strict=True)])
+        if self.operation in _WRITES:
+            plans = self.write_all(members, plans, facts)
+        outcomes = [self.finish(m, plan, f)
+                    for m, plan, f in zip(members, plans, facts, strict=True)]
+        cause = next((o for o, ok in zip(outcomes, fine, strict=True) if not ok), None)
+        if cause is not None:  # the next step is the one of the target that decided
+            outcomes = [o._replace(next_step=cause.next_step) if not o.ok else o
+                        for o in outcomes]
+        for m, outcome in zip(members, outcomes, strict=True):
+            self.outcomes[(patch.id, m.target.module)] = outcome
+        return outcomes
+
+    def plan(self, patch: Patch, facts: FileFacts) -> Plan:
         op = self.operation
         if op == "revert":
-            plan = plan_revert(patch, facts)
-        elif op in {"apply", "diff"}:
-            plan = plan_apply(patch, facts)
-        else:
-            plan = plan_verify(patch, facts)
+            return plan_revert(patch, facts)
+        if op in {"apply", "diff"}:
+            return plan_apply(patch, facts)
+        return plan_verify(patch, facts)
+
+    def fine(self, patch: Patch, plan: Plan) -> bool:
+        return plan.verdict in _FINE[self.operation] or (
+            plan.verdict is Verdict.NOT_INSTALLED and patch.target.optional)
+
+    def write_all(self, members: tuple[Patch, ...], plans: list[Plan], facts: list[FileFacts]
+                  ) -> list[Plan]:
+        """Write every planned file of one patch, or (when one write fails) none of them."""
+        writes = [(Path(f.path), plan.new_content, f.content or b"")
+                  for plan, f in zip(plans, facts, strict=True) if plan.new_content is not None]
+        if not writes:
+            return plans
+        try:
+            replace_module_files(writes, self.env.pycache_prefix)
+        except OSError as exc:
+            where = f" {exc.filename}" if exc.filename else ""
+            several = " (every file of the patch was left as it was)" if len(members) > 1 else ""
+            return [Plan(Verdict.ERROR, f"could not write{where}: {exc.strerror or exc}; the "
+                                        f"file was left as it was{several}") for _ in plans]
+        self.wrote_targets = True
+        for path, new, _ in writes:
+            self.contents[str(path)] = new
+        return plans
+
+    def finish(self, patch: Patch, plan: Plan, facts: FileFacts) -> PatchOutcome:
+        path = Path(facts.path)
+        op = self.operation
         diff = None
         if op == "diff" and plan.new_content is not None and facts.content is not None:
             diff = _unified_diff(path, self.env, facts.content, plan.new_content)
             plan = plan._replace(reason=f"would apply: {plan.reason}")
-        elif op in _WRITES and plan.new_content is not None:
-            plan = self.write(plan, path, patch.target.distribution, facts)
         if op == "apply" and plan.verdict in {Verdict.APPLIED, Verdict.ALREADY_APPLIED}:
             content = self.contents.get(str(path))
             if content is not None:  # remember the "known" for verify
@@ -356,7 +404,8 @@ class _Session:
     def foreign_blocks(self) -> list[PatchOutcome]:
         """Every block of ours, in the files we look at, whose patch the catalog does not know:
         named with a verdict; ``revert`` of everything removes them."""
-        files = {str(self.target_path(p)) for p in self.patches} | set(self.record.files)
+        files = {str(self.target_path(m)) for p in self.patches for m in p.parts}
+        files |= set(self.record.files)
         revert_all = self.operation == "revert" and not self.request.command_line_selection
         outcomes = []
         for name in sorted(files):
@@ -398,7 +447,7 @@ class _Session:
         return outcomes
 
     def _record_hash(self, path: Path) -> str | None:
-        for patch in self.patches:
+        for patch in (m for p in self.patches for m in p.parts):
             location = self.env.modules.get(patch.target.module)
             if location is not None and location.file == path:
                 return location.record_sha256
@@ -448,8 +497,8 @@ class _Session:
         kept = tuple(p for p in previous.patches if p.id not in ids) if previous and partial else ()
         if self.operation == "revert":
             return previous._replace(patches=kept) if previous and partial else None
-        by_id = {o.patch_id: o for o in outcomes}
-        entries = [self.selected(patch, by_id[patch.id]) for patch in self.patches]
+        entries = [self.selected(m, self.outcomes[(patch.id, m.target.module)])
+                   for patch in self.patches for m in patch.parts]
         config = self.config
         if config is None and previous is not None:
             return previous._replace(patches=(*kept, *entries))

@@ -175,7 +175,12 @@ def test_added_method_and_function_are_rebound() -> None:
 
 @pytest.mark.parametrize("edit, problem", [
     (("REGISTRY = {}", "REGISTRY = {'x': 1}"), "module level: statement at line 5 changed"),
-    (("import functools\n", "import functools\nimport os\n"), "statement at line 4 added"),
+    (("import functools\n", "import functools\nimport os as REGISTRY\n"),
+     "statement at line 4 added (import os as REGISTRY): REGISTRY is already defined"),
+    (('    kind = "child"', '    kind = "child"\n    extra = 1'),
+     "class Child: statement at line 40 added"),
+    (("REGISTRY = {}\n", "REGISTRY = {}\nREGISTRY['x'] = 1\n"),
+     "module level: statement at line 6 added"),
     (('    kind = "child"', '    kind = "other"'), "class Child: statement at line 39 changed"),
     (("def handler(x):", "def handle(x):"), "handler was removed or renamed"),
     (("    def secret(self):\n        return self.__secret\n\n", ""),
@@ -192,6 +197,39 @@ def test_changes_a_rebinding_cannot_carry_are_refused(edit: tuple[str, str],
         symbol_changes(MODULE_SOURCE, edited, "demo")
     assert any(problem in p for p in info.value.problems), info.value.problems
     assert "nothing was written" in str(info.value)
+
+
+def test_added_imports_names_and_classes_are_carried_in_order() -> None:
+    """An import, a new constant and a new class the edit adds go into the block before the
+    functions that use them, in the edited file's order; they are not rebound symbols."""
+    edited = edited_source().replace("import functools\n", "import functools\nimport os\n")
+    edited = edited.replace("REGISTRY = {}\n", "REGISTRY = {}\nLIMIT = 3\n\n\nclass Box:\n"
+                            "    size = LIMIT\n")
+    edited = edited.replace('        raise NotImplementedError("empty")',
+                            '        return Box.size + len(os.sep)')
+    changes = symbol_changes(MODULE_SOURCE, edited, "demo")
+    assert [(c.symbol, c.binds) for c in changes] == [
+        ("os", ("os",)), ("LIMIT", ("LIMIT",)), ("Box", ("Box",)), ("compute", ())]
+    namespace = run_block(MODULE_SOURCE, render_rebinding_block("demo-fix", "demo", "v", changes))
+    assert namespace["compute"]([]) == 4 and namespace["LIMIT"] == 3
+
+
+def test_unresolved_names_are_named_with_their_line() -> None:
+    """A name a block's function reads that neither the module, the block nor the builtins
+    define is found (with its line); module globals, block names and builtins are not."""
+    from hatch_vllm_patch.authoring.symbols import unresolved_names
+
+    block = textwrap.dedent("""\
+        import os as _hvp_os
+
+
+        def compute(values):
+            if not values:
+                loggr.info("empty")
+            return max(REGISTRY or values, key=len) if _hvp_os.sep else functools.reduce(values)
+        """)
+    assert unresolved_names(block, MODULE_SOURCE) == [(6, "loggr")]
+    assert unresolved_names(block.replace("loggr", "Child"), MODULE_SOURCE) == []
 
 
 def test_captured_references_are_warned_with_their_line() -> None:
@@ -266,7 +304,7 @@ def test_edit_create_cycle(session: tuple[Path, Path, Path]) -> None:
     assert "created" in made.stdout and "redefines compute, Child.greet" in made.stdout
     assert "warning: demo_pkg.core: line 25 captures compute" in made.stdout
     folder = project / "vllm-patches" / "demo-fix"
-    assert sorted(p.name for p in folder.iterdir()) == ["block.py", "patch.toml"]
+    assert sorted(p.name for p in folder.iterdir()) == ["base", "block.py", "patch.toml"]
     content = target.read_bytes()
     assert content.startswith(MODULE_SOURCE.encode())
     assert hashlib.sha256(MODULE_SOURCE.encode()).hexdigest() == record_sha256(

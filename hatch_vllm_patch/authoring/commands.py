@@ -9,7 +9,6 @@ files through :func:`hatch_vllm_patch.files.replace_module_file`.
 from __future__ import annotations
 
 import ast
-import difflib
 import os
 import re
 import shutil
@@ -19,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from ..catalog import ABSENT, load_patch_folders, module_relative_path
+from ..catalog import load_patch_folders, module_relative_path
 from ..config import DEFAULT_PATCH_DIR
 from ..engine import locate_in, node_source
 from ..environment import InterpreterChoice, ModuleQuery, TargetEnvironment, inspect_environment
@@ -36,8 +35,9 @@ from ..record import (
     save_record,
 )
 from ..report import Report
-from .render import PLACEHOLDER, render_manifest, render_rebinding_block, render_wrapper_block
-from .symbols import SymbolChange, captured_references, symbol_changes
+from .draft import Draft, ModuleChange, draft_patch
+from .render import PLACEHOLDER, ManifestTarget, render_manifest, render_wrapper_block
+from .symbols import SymbolChange
 
 _ID = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+$")
@@ -55,6 +55,7 @@ def write_patch_folder(patch_dir: Path, patch_id: str, files: dict[str, str]) ->
     staging = Path(tempfile.mkdtemp(prefix=f".{patch_id}.", suffix=".hvp-tmp", dir=patch_dir))
     try:
         for name, text in files.items():
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
             (staging / name).write_text(text, encoding="utf-8")
         os.rename(staging, final)
     except BaseException:
@@ -205,7 +206,7 @@ def _pristine(env: TargetEnvironment, path: Path, session: EditSession) -> bytes
 @dataclass(frozen=True)
 class CreateResult:
     folder: Path
-    module: str
+    module: str  # the target modules, comma-separated
     changes: tuple[SymbolChange, ...]
     warnings: tuple[str, ...]
     diff: str
@@ -213,14 +214,33 @@ class CreateResult:
     notes: tuple[str, ...] = field(default=())
 
 
+_PROMPTS = {"summary": "summary (one line: what it changes)",
+            "why": "why (the bug, and why this fix)",
+            "removal": "remove when (e.g. the vLLM release that fixes it)"}
+
+
+def _texts(patch_id: str, modules: str, ask: Callable[[str], str] | None,
+           **given: str | None) -> dict[str, str]:
+    texts = dict(given)
+    for key, value in list(texts.items()):
+        if not value and ask is not None:
+            texts[key] = ask(_PROMPTS[key]).strip() or None
+    return {
+        "summary": texts["summary"] or f"{PLACEHOLDER}: what {patch_id} changes in {modules}",
+        "why": texts["why"] or f"{PLACEHOLDER}: the bug it fixes, and why this way.",
+        "removal": texts["removal"] or f"{PLACEHOLDER}: when to delete it (the release that "
+                                       "fixes it upstream).",
+    }
+
+
 def create(request: Request, patch_id: str, *, module: str | None = None,
            summary: str | None = None, why: str | None = None, removal: str | None = None,
            fixed_in: str | None = None, ask: Callable[[str], str] | None = None) -> CreateResult:
-    """Turn the edit of one module into ``<patch-dir>/<patch_id>/``, restore the pristine file
-    and apply the new patch through the engine. ``ask`` prompts for the texts not given (only
-    on a terminal; never otherwise)."""
+    """Turn the edit of the modules open for editing (or of ``module``) into one patch,
+    ``<patch-dir>/<patch_id>/``, restore the pristine files and apply the new patch through
+    the engine. ``ask`` prompts for the texts not given (only on a terminal; never
+    otherwise)."""
     new_patch = _check_new_id(patch_id, request)
-    patch_dir, project = new_patch.folder, new_patch.project
     env = inspect_environment(new_patch.choice, [], in_process=request.in_process)
     state = read_record(env.purelib)
     sessions = dict(state.record.edits) if state.usable else {}
@@ -230,73 +250,70 @@ def create(request: Request, patch_id: str, *, module: str | None = None,
         what = f"{module} is" if module else "no module is"
         raise UsageError(f"{what} open for editing in {env.python}: run `vllm-patch edit "
                          "MODULE`, change the code, then create")
-    if len(sessions) > 1:
-        names = ", ".join(sorted(s.module for s in sessions.values()))
-        raise UsageError(f"several modules are open for editing ({names}): a patch has one "
-                         f"target module, so run `vllm-patch create ID --module MODULE` once per "
-                         "module, each with its own id")
-    [(name, session)] = sessions.items()
-    path = Path(name)
-    _writable(env.purelib, path.parent)
-    pristine = _pristine(env, path, session)
-    edited = path.read_bytes()
-    if b"# >>> hatch-vllm-patch: " in edited:
-        raise UsageError(f"{path} carries a block of ours again (was apply run during the "
-                         "edit?): remove it from the file, then run create again")
+    opened: list[tuple[str, EditSession, bytes]] = []
+    changes: list[ModuleChange] = []
+    for name, session in sorted(sessions.items(), key=lambda i: i[1].module):
+        path = Path(name)
+        _writable(env.purelib, path.parent)
+        pristine = _pristine(env, path, session)
+        edited = path.read_bytes()
+        if b"# >>> hatch-vllm-patch: " in edited:
+            raise UsageError(f"{path} carries a block of ours again (was apply run during the "
+                             "edit?): remove it from the file, then run create again")
+        try:
+            pristine_text, edited_text = pristine.decode("utf-8"), edited.decode("utf-8")
+        except UnicodeDecodeError:
+            raise UsageError(f"{path} is not UTF-8 text") from None
+        opened.append((name, session, pristine))
+        changes.append(ModuleChange(session.module, session.distribution, session.version,
+                                    path, pristine_text, edited_text))
+    if len(changes) == 1 and changes[0].pristine == changes[0].changed:
+        raise UsageError(f"no function or method of {changes[0].module} differs from the "
+                         f"installed one ({changes[0].path}); edit it first")
+    texts = _texts(patch_id, ", ".join(c.module for c in changes), ask, summary=summary,
+                   why=why, removal=removal)
+    draft = draft_patch(patch_id, changes, summary=texts["summary"], why=texts["why"],
+                        removal=texts["removal"], fixed_in=fixed_in, made_by="create")
+    folder = _write_draft(new_patch, patch_id, draft)
+    with locked([env.purelib, *{Path(n).parent for n, _, _ in opened}], exclusive=True,
+                on_wait=request.on_wait):
+        record = read_record(env.purelib).record
+        for name, _, pristine in opened:
+            replace_module_file(Path(name), pristine, env.pycache_prefix)
+            record = record.with_edit(name, None)
+        save_record(env.purelib, record)
+        for _, session, _ in opened:
+            drop_pristine(env.purelib, session.pristine_sha256)
+    removed = tuple(dict.fromkeys(r for _, s, _ in opened for r in s.removed))
+    return _apply_new(request, new_patch, folder, draft, removed)
+
+
+def _write_draft(new_patch: _NewPatch, patch_id: str, draft: Draft) -> Path:
+    """The draft as ``<patch-dir>/<patch_id>/``, which must load as the engine will load it."""
+    folder = write_patch_folder(new_patch.folder, patch_id, draft.files)
     try:
-        pristine_text, edited_text = pristine.decode("utf-8"), edited.decode("utf-8")
-    except UnicodeDecodeError:
-        raise UsageError(f"{path} is not UTF-8 text") from None
-    changes = symbol_changes(pristine_text, edited_text, session.module)
-    if not changes:
-        raise UsageError(f"no function or method of {session.module} differs from the installed "
-                         f"one ({path}); edit it first")
-    warnings = captured_references(pristine_text, changes)
-    block = render_rebinding_block(patch_id, session.module,
-                         f"{session.distribution} {session.version}", changes)
-    compile(block, f"{patch_id}/block.py", "exec")
-    texts = {"summary": summary, "why": why, "removal": removal}
-    prompts = {"summary": "summary (one line: what it changes)",
-               "why": "why (the bug, and why this fix)",
-               "removal": "remove when (e.g. the vLLM release that fixes it)"}
-    for key, value in list(texts.items()):
-        if not value and ask is not None:
-            texts[key] = ask(prompts[key]).strip() or None
-    manifest = render_manifest(
-        patch_id, distribution=session.distribution, module=session.module,
-        version=session.version,
-        shapes={c.symbol: c.pristine_digest or ABSENT for c in changes},
-        summary=texts["summary"] or f"{PLACEHOLDER}: what {patch_id} changes in {session.module}",
-        why=texts["why"] or f"{PLACEHOLDER}: the bug it fixes, and why this way.",
-        removal=texts["removal"] or f"{PLACEHOLDER}: when to delete it (the release that fixes "
-                                    "it upstream).",
-        fixed_in=fixed_in, made_by="create")
-    folder = write_patch_folder(patch_dir, patch_id, {"patch.toml": manifest, "block.py": block})
-    try:
-        load_patch_folders(patch_dir)  # the folder must load as the engine will load it
+        load_patch_folders(new_patch.folder)
     except CatalogError as exc:
         shutil.rmtree(folder, ignore_errors=True)
         raise UsageError(f"the generated patch does not load (a bug; please report): {exc}"
                          ) from None
-    diff = "".join(difflib.unified_diff(
-        pristine_text.splitlines(keepends=True), edited_text.splitlines(keepends=True),
-        fromfile=f"a/{session.module} ({session.version})", tofile=f"b/{session.module} (edited)"))
-    with locked([env.purelib, path.parent], exclusive=True, on_wait=request.on_wait):
-        replace_module_file(path, pristine, env.pycache_prefix)
-        record = read_record(env.purelib).record
-        save_record(env.purelib, record.with_edit(name, None))
-        drop_pristine(env.purelib, session.pristine_sha256)
-    notes = []
-    extra = () if new_patch.configured else (patch_dir,)
+    return folder
+
+
+def _apply_new(request: Request, new_patch: _NewPatch, folder: Path, draft: Draft,
+               also: tuple[str, ...] = ()) -> CreateResult:
+    notes = list(draft.notes)
+    extra = () if new_patch.configured else (new_patch.folder,)
     if extra:
-        notes.append(f"{project / 'pyproject.toml'} has no [tool.vllm-patch] table: add one, "
-                     f"with patches = [\"{patch_id}\"], so that apply, the build hook and the "
-                     "guard find and keep the patch")
-    report = run("apply", Request(project_dir=project, python=request.python,
-                                  patches=(patch_id, *session.removed), extra_patch_dirs=extra,
+        notes.append(f"{new_patch.project / 'pyproject.toml'} has no [tool.vllm-patch] table: "
+                     f"add one, with patches = [\"{folder.name}\"], so that apply, the build "
+                     "hook and the guard find and keep the patch")
+    report = run("apply", Request(project_dir=new_patch.project, python=request.python,
+                                  patches=(folder.name, *also), extra_patch_dirs=extra,
                                   in_process=request.in_process, on_wait=request.on_wait))
-    return CreateResult(folder, session.module, tuple(changes), tuple(warnings), diff, report,
-                        tuple(notes))
+    return CreateResult(folder, ", ".join(m for m, _ in draft.changes),
+                        tuple(c for _, ch in draft.changes for c in ch), draft.warnings,
+                        draft.diff, report, tuple(notes))
 
 
 # --- new: a wrapper scaffold --------------------------------------------------------------------
@@ -325,8 +342,8 @@ def new(request: Request, patch_id: str, target: str) -> Path:
     block = render_wrapper_block(patch_id, module, symbol, kind,
                            isinstance(node, ast.AsyncFunctionDef))
     manifest = render_manifest(
-        patch_id, distribution=distribution, module=module, version=version,
-        shapes={symbol: sha256_hex(node_source(source, node).encode("utf-8"))},
+        patch_id, targets=[ManifestTarget(distribution, module, version, {
+            symbol: [sha256_hex(node_source(source, node).encode("utf-8"))]})],
         summary=f"{PLACEHOLDER}: what {patch_id} changes in {module}.{symbol}",
         why=f"{PLACEHOLDER}: the bug it fixes, and why this way.",
         removal=f"{PLACEHOLDER}: when to delete it (the release that fixes it upstream).",

@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import textwrap
 import tokenize
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from ..catalog import ABSENT
 from .symbols import SymbolChange
@@ -29,6 +31,17 @@ def _indent_code(source: str, extra: str) -> str:
                    for i, line in enumerate(lines))
 
 
+def _dedent_code(source: str, extra: str) -> str:
+    """The inverse of :func:`_indent_code`: ``extra`` taken off every line that starts code."""
+    inside: set[int] = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.end[0] > token.start[0]:
+            inside.update(range(token.start[0] + 1, token.end[0] + 1))
+    lines = source.splitlines(keepends=True)
+    return "".join(line[len(extra):] if (i + 1 not in inside and line.startswith(extra))
+                   else line for i, line in enumerate(lines))
+
+
 def render_rebinding_block(patch_id: str, module: str, version: str,
                            changes: list[SymbolChange]) -> str:
     """The block that defines exactly the changed and added symbols and rebinds them.
@@ -47,9 +60,10 @@ def render_rebinding_block(patch_id: str, module: str, version: str,
         # It redefines: {names}.
         """)
     parts = [head]
-    for change in changes:
-        if change.owner is None:
-            parts.append("\n\n" + change.source.rstrip("\n") + "\n")
+    # Module-level statements and functions in the edited file's order (an added constant may
+    # hold an added function, a decorator may use an added import).
+    for change in sorted((c for c in changes if c.owner is None), key=lambda c: c.line):
+        parts.append("\n\n" + change.source.rstrip("\n") + "\n")
     owners: dict[str, list[SymbolChange]] = {}
     for change in changes:
         if change.owner is not None:
@@ -103,11 +117,25 @@ def _toml_text(value: str) -> str:
     return _toml_string(textwrap.fill(value, 96))
 
 
-def render_manifest(patch_id: str, *, distribution: str, module: str, version: str,
-                    shapes: dict[str, str], summary: str, why: str, removal: str,
-                    fixed_in: str | None, made_by: str) -> str:
-    symbols = list(shapes)
-    lines = [f"# Made by `vllm-patch {made_by}` on {distribution} {version}."]
+class ManifestTarget(NamedTuple):
+    """One target of a manifest: where, the known digests of each symbol it replaces (or
+    ``absent``), the module-level names it adds, and (several targets) its block's file."""
+
+    distribution: str
+    module: str
+    version: str
+    shapes: Mapping[str, Sequence[str]]
+    adds: tuple[str, ...] = ()
+    block: str | None = None
+
+
+def render_manifest(patch_id: str, *, targets: Sequence[ManifestTarget], summary: str,
+                    why: str, removal: str, fixed_in: str | None, made_by: str,
+                    links: Sequence[str] = (), architectures: Sequence[str] = (),
+                    fixed_shapes: Sequence[str] = ()) -> str:
+    """``patch.toml``: ``[target]`` for one target, ``[[targets]]`` for several."""
+    made_on = ", ".join(dict.fromkeys(f"{t.distribution} {t.version}" for t in targets))
+    lines = [f"# Made by `vllm-patch {made_by}` on {made_on}."]
     if any(text.startswith(PLACEHOLDER) for text in (summary, why, removal)):
         lines.append("# Fill in the TODOs: they are what `vllm-patch status` shows to whoever "
                      "meets this patch next.")
@@ -115,37 +143,60 @@ def render_manifest(patch_id: str, *, distribution: str, module: str, version: s
         f"id = {_toml_string(patch_id)}",
         f"summary = {_toml_string(summary)}",
         f"description = {_toml_text(why)}",
-        "links = []",
+        f"links = [{', '.join(_toml_string(link) for link in links)}]",
         f"removal = {_toml_text(removal)}",
         "# Select it in [tool.vllm-patch] patches = [...] (every model), or list the",
         "# architectures it is for here.",
-        "architectures = []",
-        "",
-        "[target]",
-        f"distribution = {_toml_string(distribution)}",
-        f"module = {_toml_string(module)}",
+        f"architectures = [{', '.join(_toml_string(a) for a in architectures)}]",
     ]
-    if len(symbols) == 1:
-        lines.append(f"symbol = {_toml_string(symbols[0])}")
-    else:
-        lines.append("symbols = [" + ", ".join(_toml_string(s) for s in symbols) + "]")
-    lines += [f"version = {_toml_string(version)}  # made on this version", "", "[applies]"]
+    several = len(targets) > 1
+    applies = ["[applies]"]
     if fixed_in:
-        lines.append(f"fixed-in = {_toml_string(fixed_in)}")
+        applies.append(f"fixed-in = {_toml_string(fixed_in)}")
     else:
-        lines.append('# fixed-in = "X.Y.Z"  # the first release that has the fix: not-needed there')
-    if len(symbols) == 1:
-        lines.append(f"shapes = [{_toml_string(shapes[symbols[0]])}]  # sha256 of the "
-                     "installed code it replaces")
-    else:
-        lines += ["", "[applies.shapes]  # sha256 of the installed code each one replaces "
-                      f"({ABSENT!r}: added by the patch)"]
-        lines += [f"{_toml_string(s)} = [{_toml_string(d)}]" for s, d in shapes.items()]
+        applies.append('# fixed-in = "X.Y.Z"  # the first release that has the fix: '
+                       "not-needed there")
+    if fixed_shapes:
+        applies.append("fixed-shapes = [" + ", ".join(map(_toml_string, fixed_shapes)) + "]")
+    for target in targets:
+        symbols = list(target.shapes)
+        lines += ["", "[[targets]]" if several else "[target]",
+                  f"distribution = {_toml_string(target.distribution)}",
+                  f"module = {_toml_string(target.module)}"]
+        if len(symbols) == 1:
+            lines.append(f"symbol = {_toml_string(symbols[0])}")
+        else:
+            lines.append("symbols = [" + ", ".join(_toml_string(s) for s in symbols) + "]")
+        if target.adds:
+            lines.append("adds = [" + ", ".join(map(_toml_string, target.adds))
+                         + "]  # module-level names the block adds")
+        lines.append(f"version = {_toml_string(target.version)}  # made on this version")
+        if several:
+            lines.append(f"block = {_toml_string(target.block or target.module + '.py')}")
+        shape_lines = _shape_lines(target.shapes, "targets.shapes" if several else
+                                   "applies.shapes")
+        if several:
+            lines += shape_lines
+        else:
+            applies += shape_lines
+    lines += ["", *applies]
     return "\n".join(lines) + "\n"
 
 
+def _shape_lines(shapes: Mapping[str, Sequence[str]], table: str) -> list[str]:
+    def digests(symbol: str) -> str:
+        return "[" + ", ".join(_toml_string(d) for d in shapes[symbol]) + "]"
 
-def render_wrapper_block(patch_id: str, module: str, symbol: str, kind: str, is_async: bool) -> str:
+    symbols = list(shapes)
+    if len(symbols) == 1:
+        return [f"shapes = {digests(symbols[0])}  # sha256 of the installed code it replaces"]
+    return ["", f"[{table}]  # sha256 of the installed code each one replaces "
+                f"({ABSENT!r}: added by the patch)",
+            *(f"{_toml_string(s)} = {digests(s)}" for s in symbols)]
+
+
+def render_wrapper_block(patch_id: str, module: str, symbol: str, kind: str,
+                         is_async: bool) -> str:
     snake = _snake(patch_id)
     owner, _, name = symbol.rpartition(".")
     current = f"_hvp_{snake}_current"
