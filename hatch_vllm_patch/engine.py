@@ -82,6 +82,7 @@ class Verdict(str, enum.Enum):
     STALE = "stale"
     UNKNOWN_SHAPE = "unknown-shape"
     MODIFIED = "modified"
+    EDITING = "editing"  # the file is open for editing (`vllm-patch edit`): not ours to judge
     UNKNOWN_PATCH = "unknown-patch"  # a block of ours whose patch this catalog does not know
     BLOCKED = "blocked"  # refused: such a block sits in the target file
     ERROR = "error"

@@ -288,6 +288,12 @@ class _Session:
 
     def plan(self, patch: Patch, facts: FileFacts) -> Plan:
         op = self.operation
+        session = self.record.edits.get(facts.path)
+        if session is not None:  # the user's work in progress: never written, never "modified"
+            return Plan(Verdict.EDITING, f"{patch.target.module} is open for editing "
+                                         f"(`vllm-patch edit`, from {session.distribution} "
+                                         f"{session.version}); nothing of {patch.id} is checked "
+                                         "or written until the edit ends")
         if op == "revert":
             return plan_revert(patch, facts)
         if op in {"apply", "diff"}:
@@ -330,10 +336,6 @@ class _Session:
                 self.known[(str(path), patch.id)] = shape_key(patch, parse_file(content).original)
         if op in _WRITES and plan.verdict not in {Verdict.MODIFIED, Verdict.ERROR}:
             self.reconcile(path, patch.target.distribution)
-        if plan.verdict is Verdict.MODIFIED and str(path) in self.record.edits:
-            plan = plan._replace(reason=f"{plan.reason}; it is open for editing (`vllm-patch "
-                                        "edit`): finish with `vllm-patch create ID`, or end it "
-                                        "with `vllm-patch edit MODULE --discard`")
         return self.outcome(patch, plan, facts, diff)
 
     def reconcile(self, path: Path, distribution: str) -> None:
@@ -537,6 +539,10 @@ def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: Fi
     version = env.version_of(target)
     if verdict is Verdict.MISSING or verdict is Verdict.STALE:
         return f"run: python -m hatch_vllm_patch apply --python {python} --patch {patch.id}"
+    if verdict is Verdict.EDITING:
+        return (f"finish the edit with `vllm-patch create ID` (or `vllm-patch update "
+                f"{patch.id} --continue` after a conflicting update), or end it with "
+                f"`vllm-patch edit {patch.target.module} --discard`")
     if verdict is Verdict.MODIFIED:
         info = env.distributions.get(target)
         if facts.record_sha256 is None or (info is not None and info.editable):

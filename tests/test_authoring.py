@@ -92,6 +92,23 @@ MODULE_SOURCE = textwrap.dedent('''\
             return "co"
     ''')
 
+EXTRA_SOURCE = textwrap.dedent('''\
+    """A second module, for patches over several modules."""
+
+    import logging
+
+    logger = logging.getLogger(__name__)
+
+
+    def limit():
+        return 10
+
+
+    def describe(values):
+        logger.debug("describing")
+        return f"{len(values)} of {limit()}"
+    ''')
+
 EDITS = {
     "compute": ('        raise NotImplementedError("empty")', "        return 0"),
     "Child.greet": ('return "child of " + super().greet()',
@@ -258,10 +275,28 @@ def demo_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (project / "demo_pkg").mkdir()
     (project / "demo_pkg" / "__init__.py").write_text("")
     (project / "demo_pkg" / "core.py").write_text(MODULE_SOURCE)
+    (project / "demo_pkg" / "extra.py").write_text(EXTRA_SOURCE)
     (project / "pyproject.toml").write_text(
         '[build-system]\nrequires = ["hatchling"]\nbuild-backend = "hatchling.build"\n'
         '[project]\nname = "demo-pkg"\nversion = "1.0.0"\n')
     out = tmp_path_factory.mktemp("demo-wheel")
+    run([UV, "build", "--wheel", "--quiet", "--out-dir", str(out), str(project)])
+    return next(out.glob("*.whl"))
+
+
+@pytest.fixture(scope="module")
+def demo_wheel_changed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """demo-pkg 1.1.0: core as in 1.0.0, ``extra.limit`` changed."""
+    project = tmp_path_factory.mktemp("demo-src-1.1")
+    (project / "demo_pkg").mkdir()
+    (project / "demo_pkg" / "__init__.py").write_text("")
+    (project / "demo_pkg" / "core.py").write_text(MODULE_SOURCE)
+    (project / "demo_pkg" / "extra.py").write_text(EXTRA_SOURCE.replace("return 10",
+                                                                        "return 10 + 0"))
+    (project / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["hatchling"]\nbuild-backend = "hatchling.build"\n'
+        '[project]\nname = "demo-pkg"\nversion = "1.1.0"\n')
+    out = tmp_path_factory.mktemp("demo-wheel-1.1")
     run([UV, "build", "--wheel", "--quiet", "--out-dir", str(out), str(project)])
     return next(out.glob("*.whl"))
 
@@ -392,6 +427,87 @@ def test_create_usage_errors(session: tuple[Path, Path, Path]) -> None:
         proc = vp(*args, "--python", str(python), cwd=project, stdin="")
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert not (project / "vllm-patches").exists()
+
+
+def test_two_modules_make_one_patch_applied_and_reverted_together(
+        session: tuple[Path, Path, Path], demo_wheel_changed: Path, tmp_path: Path) -> None:
+    """Two modules open for editing become one patch ([[targets]]); apply writes both, verify
+    passes, an open edit is `editing` (exit 1, never a reinstall); revert restores both; when
+    one module has a shape the patch does not know, apply writes to neither."""
+    python, project, core = session
+    extra = core.parent / "extra.py"
+    for module in ("demo_pkg.core", "demo_pkg.extra"):
+        assert vp("edit", module, "--python", str(python), cwd=project).returncode == 0
+    core.write_text(edited_source("compute"))
+    extra.write_text(EXTRA_SOURCE.replace("return 10", "return 20"))
+    made = vp("create", "two-fix", "--python", str(python), cwd=project, stdin="")
+    assert made.returncode == 0, made.stdout + made.stderr
+    folder = project / "vllm-patches" / "two-fix"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "base", "demo_pkg.core.py", "demo_pkg.extra.py", "patch.toml"]
+    assert (folder / "patch.toml").read_text().count("[[targets]]") == 2
+    assert "# >>> hatch-vllm-patch: two-fix" in core.read_text()
+    assert "# >>> hatch-vllm-patch: two-fix" in extra.read_text()
+    (project / "pyproject.toml").write_text(
+        '[project]\nname = "serve"\nversion = "0"\n\n[tool.vllm-patch]\npatches = ["two-fix"]\n')
+    verified = vp("verify", "--python", str(python), cwd=project)
+    assert verified.returncode == 0, verified.stdout
+    assert verified.stdout.count("two-fix") >= 2
+    behaviour = run([str(python), "-c", "import demo_pkg.core as c, demo_pkg.extra as e; "
+                     "print(c.compute([]), e.describe([1]))"])
+    assert behaviour.stdout.split() == ["0", "1", "of", "20"]
+
+    assert vp("edit", "demo_pkg.extra", "--python", str(python), cwd=project).returncode == 0
+    editing = vp("verify", "--python", str(python), cwd=project)
+    assert editing.returncode == 1 and "editing" in editing.stdout, editing.stdout
+    assert "--reinstall" not in editing.stdout and "edit demo_pkg.extra --discard" in \
+        editing.stdout
+    assert vp("edit", "demo_pkg.extra", "--discard", "--python", str(python),
+              cwd=project).returncode == 0
+
+    reverted = vp("revert", "--python", str(python), cwd=project)
+    assert reverted.returncode == 0, reverted.stdout
+    assert core.read_text() == MODULE_SOURCE and extra.read_text() == EXTRA_SOURCE
+
+    os.unlink(extra)  # a hand edit of the second module
+    extra.write_text(EXTRA_SOURCE.replace("return 10", "return 11"))
+    refused = vp("apply", "--python", str(python), cwd=project)
+    assert refused.returncode == 1, refused.stdout
+    assert "modified  two-fix: modified in demo_pkg.extra, another target of this patch" in \
+        refused.stdout and "nothing written to any of its modules" in refused.stdout
+    assert core.read_text() == MODULE_SOURCE
+
+    newer = create_venv(tmp_path / "newer", str(demo_wheel_changed))  # extra.limit changed
+    newer_core = site_packages(tmp_path / "newer") / "demo_pkg" / "core.py"
+    unknown = vp("apply", "--python", str(newer), cwd=project)
+    assert unknown.returncode == 1, unknown.stdout
+    assert unknown.stdout.count("unknown-shape  two-fix") == 2, unknown.stdout
+    assert newer_core.read_text() == MODULE_SOURCE
+    assert "hatch-vllm-patch" not in (newer_core.parent / "extra.py").read_text()
+
+
+def test_create_refuses_a_typo_and_check_names_its_line(
+        session: tuple[Path, Path, Path], tmp_path: Path) -> None:
+    """A misspelt global (`loggr`) in an edited function is refused by create, naming the
+    line, nothing written; a block carrying one fails `check` with its line."""
+    python, project, core = session
+    extra = core.parent / "extra.py"
+    vp("edit", "demo_pkg.extra", "--python", str(python), cwd=project)
+    typo = EXTRA_SOURCE.replace('logger.debug("describing")', 'loggr.debug("describing")')
+    extra.write_text(typo)
+    refused = vp("create", "typo-fix", "--python", str(python), cwd=project, stdin="")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "line 13 reads 'loggr'" in refused.stderr, refused.stderr
+    assert not (project / "vllm-patches" / "typo-fix").exists()
+    assert extra.read_text() == typo
+    extra.write_text(EXTRA_SOURCE.replace("return 10", "return 12"))
+    made = vp("create", "good-fix", "--python", str(python), cwd=project, stdin="")
+    assert made.returncode == 0, made.stdout + made.stderr
+    block = project / "vllm-patches" / "good-fix" / "block.py"
+    block.write_text("def limit():\n    return loggr.level\n")  # a hand-written block
+    checked = vp("check", "--python", str(python), cwd=project)
+    assert checked.returncode == 1, checked.stdout
+    assert f"{block}:2: reads 'loggr'" in checked.stdout, checked.stdout
 
 
 def test_project_patch_with_a_built_in_id_is_a_configuration_error(tmp_path: Path) -> None:

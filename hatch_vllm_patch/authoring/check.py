@@ -17,6 +17,7 @@ from ..errors import CatalogError, UsageError, VllmPatchError
 from ..markers import MarkerError, parse_file
 from ..operations import Request, resolve
 from .render import PLACEHOLDER
+from .symbols import unresolved_names
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,9 @@ def check(request: Request, folders: list[Path]) -> list[FolderCheck]:
     try:  # the target is optional for check: the folders are checked regardless
         _, _, _, choice = resolve(request)
         env = inspect_environment(choice, [
-            ModuleQuery(p.target.distribution, p.target.module, p.target.relative_path)
-            for _, p, _ in loaded if p is not None], in_process=request.in_process)
+            ModuleQuery(m.target.distribution, m.target.module, m.target.relative_path)
+            for _, p, _ in loaded if p is not None for m in p.parts],
+            in_process=request.in_process)
     except VllmPatchError:
         env = None
     return [FolderCheck(folder, tuple(problem.splitlines()), (), ()) if patch is None
@@ -81,8 +83,6 @@ def check(request: Request, folders: list[Path]) -> list[FolderCheck]:
 
 
 def _check_one(patch: Patch, env: TargetEnvironment | None) -> FolderCheck:
-    from ..engine import classify_shape
-
     folder = patch.folder
     errors: list[str] = []
     warnings: list[str] = []
@@ -92,12 +92,17 @@ def _check_one(patch: Patch, env: TargetEnvironment | None) -> FolderCheck:
                        ("removal", patch.removal)):
         if value.startswith(PLACEHOLDER):
             warnings.append(f"{manifest}: {key} is still a placeholder")
-    try:
-        compile(patch.block, str(folder / "block.py"), "exec")
-    except SyntaxError as exc:
-        return FolderCheck(folder, (f"{folder / 'block.py'}: not valid Python: {exc}",),
-                           tuple(warnings), ())
-    errors += _block_bindings(patch.block, folder / "block.py", patch.target.symbols)
+    for member in patch.parts:
+        block_path = folder / member.block_name
+        try:
+            compile(member.block, str(block_path), "exec")
+        except SyntaxError as exc:
+            errors.append(f"{block_path}: not valid Python: {exc}")
+            continue
+        errors += _block_bindings(member.block, block_path,
+                                  (*member.target.symbols, *member.target.adds))
+    if errors:
+        return FolderCheck(folder, tuple(errors), tuple(warnings), ())
     for name in ("probe.py", "classify.py"):
         script = folder / name
         if not script.is_file():
@@ -115,20 +120,8 @@ def _check_one(patch: Patch, env: TargetEnvironment | None) -> FolderCheck:
     if env is None:
         info.append("no target environment found: the code and the probe were not checked")
         return FolderCheck(folder, tuple(errors), tuple(warnings), tuple(info))
-    location = env.modules[patch.target.module]
-    version = env.version_of(patch.target.distribution)
-    if location.file is None or version is None:
-        info.append(f"{patch.target.distribution} is not installed in {env.python}: shapes not "
-                    "compared")
-    else:
-        try:
-            original = parse_file(location.file.read_bytes()).original
-        except (OSError, MarkerError) as exc:
-            warnings.append(f"{location.file}: cannot be read as a target ({exc})")
-        else:
-            status, reason = classify_shape(patch, original)
-            line = f"on the installed {patch.target.distribution} {version}: {status}: {reason}"
-            (info if status == "known" else warnings).append(line)
+    for member in patch.parts:
+        _check_target(member, env, errors, warnings, info)
     if patch.probe_path is not None and not errors:
         proc = run_bounded([str(env.python), "-c", _IMPORT_PROBE, str(patch.probe_path)],
                            timeout=600)
@@ -138,6 +131,40 @@ def _check_one(patch: Patch, env: TargetEnvironment | None) -> FolderCheck:
         else:
             info.append(f"probe.py imports in {env.python}")
     return FolderCheck(folder, tuple(errors), tuple(warnings), tuple(info))
+
+
+def _check_target(member: Patch, env: TargetEnvironment, errors: list[str],
+                  warnings: list[str], info: list[str]) -> None:
+    """One target against the installed code: its shape, and that every name its block reads
+    is defined (by the module, the block, or the builtins)."""
+    from ..engine import classify_shape
+
+    target = member.target
+    location = env.modules[target.module]
+    version = env.version_of(target.distribution)
+    several = len(member.parts) > 1 or member.block_name != "block.py"
+    where = f" ({target.module})" if several else ""
+    if location.file is None or version is None:
+        info.append(f"{target.distribution} is not installed in {env.python}: shapes{where} "
+                    "and names not compared")
+        return
+    try:
+        original = parse_file(location.file.read_bytes()).original
+    except (OSError, MarkerError) as exc:
+        warnings.append(f"{location.file}: cannot be read as a target ({exc})")
+        return
+    status, reason = classify_shape(member, original)
+    line = f"on the installed {target.distribution} {version}{where}: {status}: {reason}"
+    (info if status == "known" else warnings).append(line)
+    try:
+        source = original.decode("utf-8")
+        missing = unresolved_names(member.block, source)
+    except (UnicodeDecodeError, SyntaxError):
+        return
+    block_path = member.folder / member.block_name
+    errors += [f"{block_path}:{number}: reads {name!r}, which neither {target.module}, the "
+               "block nor the builtins define (a typo?): NameError when it runs"
+               for number, name in missing]
 
 
 _IMPORT_PROBE = (
