@@ -248,8 +248,13 @@ def _reload_in_memory(report: Report, catalog: Catalog, logger: logging.Logger) 
     from .engine import Verdict
 
     for outcome in report.outcomes:
-        patch = catalog.get(outcome.patch_id)
-        if outcome.verdict is not Verdict.APPLIED or patch is None:
+        found = catalog.get(outcome.patch_id)
+        if outcome.verdict is not Verdict.APPLIED or found is None:
+            continue
+        # The target written (a patch over several modules has one outcome per module).
+        patch = next((m for m in found.parts if len(found.parts) == 1 or str(outcome.file)
+                      == getattr(sys.modules.get(m.target.module), "__file__", None)), None)
+        if patch is None:
             continue
         module = sys.modules.get(patch.target.module)
         if module is None:

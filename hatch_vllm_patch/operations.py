@@ -152,7 +152,8 @@ def run(operation: str, request: Request) -> Report:
     outcomes, errors = session.carry_out()
     notes += session.notes
     if operation == "verify" and request.deep:
-        outcomes = [_deep(o, catalog, env) for o in outcomes]
+        deep: dict[str, tuple[bool | None, str]] = {}  # one probe per patch, for all its targets
+        outcomes = [_deep(o, catalog, env, deep) for o in outcomes]
     return Report(operation, env, tuple(outcomes), tuple(notes), request.project_dir,
                   config.source if config else None, tuple(errors))
 
@@ -564,15 +565,19 @@ def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: Fi
     return None
 
 
-def _deep(outcome: PatchOutcome, catalog: Catalog, env: TargetEnvironment) -> PatchOutcome:
-    """Run the patch's deep probe for an applied patch; a probe that cannot run on this machine
-    says why and does not fail the patch; a probe that ran and failed does."""
+def _deep(outcome: PatchOutcome, catalog: Catalog, env: TargetEnvironment,
+          done: dict[str, tuple[bool | None, str]]) -> PatchOutcome:
+    """Run the patch's deep probe for an applied patch — its ``probe.py``, or without one the
+    check that the patched modules import and that each target symbol is the block's; a probe
+    that cannot run on this machine says why and does not fail the patch; a probe that ran and
+    failed does."""
     if outcome.verdict is not Verdict.APPLIED or outcome.patch_id not in catalog:
         return outcome
     patch = catalog[outcome.patch_id]
-    if patch.probe_path is None:
-        return outcome._replace(reason=f"{outcome.reason}; no deep probe for this patch")
-    passed, detail = run_probe(patch, env)
+    if patch.id not in done:
+        done[patch.id] = (run_probe(patch, env) if patch.probe_path is not None
+                          else run_binding_probe(patch, env))
+    passed, detail = done[patch.id]
     if passed is None:
         return outcome._replace(reason=f"{outcome.reason}; deep probe could not run on this "
                                         f"machine: {detail}")
@@ -582,6 +587,84 @@ def _deep(outcome: PatchOutcome, catalog: Catalog, env: TargetEnvironment) -> Pa
                    reason=f"deep probe failed: {detail}",
                    next_step=f"the patched code does not behave as {patch.id} expects here; "
                              "run `vllm-patch revert` and report it")
+
+
+# Run in the target: import each patched module and find where each target symbol's code was
+# defined (through staticmethod/classmethod/property and decorators' ``__wrapped__``).
+_BINDING_PROBE = """\
+import importlib, json, os, sys
+found = []
+for module_name, symbols in json.loads(sys.argv[1]):
+    module = importlib.import_module(module_name)
+    for symbol in symbols:
+        *owners, name = symbol.split(".")
+        scope = module
+        for owner in owners:
+            scope = getattr(scope, owner)
+        value = vars(scope).get(name)
+        places = []
+        for _ in range(16):
+            if value is None:
+                break
+            inner = getattr(value, "__func__", None) or getattr(value, "fget", None)
+            if inner is not None:
+                value = inner
+                continue
+            code = getattr(value, "__code__", None)
+            if code is not None:
+                places.append([os.path.realpath(code.co_filename), code.co_firstlineno])
+            value = getattr(value, "__wrapped__", None)
+        found.append([module_name, symbol, os.path.realpath(module.__file__ or ""), places])
+print(json.dumps(found))
+"""
+
+
+def run_binding_probe(patch: Patch, env: TargetEnvironment) -> tuple[bool | None, str]:
+    """Without a ``probe.py``: import the patched modules in the target and confirm that each
+    target symbol is defined by the patch's block (its code lies between the block's markers
+    in the module's file), not the original nor anything else."""
+    import subprocess
+
+    from .markers import BEGIN, END
+
+    begin, end_marker = BEGIN.decode().strip() + " ", END.decode().strip() + " "
+    spans: dict[str, tuple[str, int, int]] = {}
+    for member in patch.parts:
+        location = env.modules.get(member.target.module)
+        if location is None or location.file is None:
+            continue
+        lines = location.file.read_bytes().decode("utf-8", "replace").splitlines()
+        head = f"{begin}{patch.id} "
+        start = next((i + 1 for i, line in enumerate(lines) if line.startswith(head)), None)
+        if start is None:
+            return False, f"no block of {patch.id} in {location.file}"
+        end = next((i + 1 for i in range(start, len(lines))
+                    if lines[i].startswith(end_marker)), len(lines))
+        spans[member.target.module] = (os.path.realpath(location.file), start, end)
+    query = [[m.target.module, list(m.target.symbols)] for m in patch.parts
+             if m.target.module in spans]
+    try:
+        proc = run_bounded([str(env.python), "-c", _BINDING_PROBE, json.dumps(query)],
+                           timeout=PROBE_TIMEOUT,
+                           env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"the patched modules did not import: {exc}"
+    try:
+        found = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return False, f"the patched modules did not import: {tail}"
+    wrong = []
+    for module, symbol, _, places in found:
+        path, start, end = spans[module]
+        if not any(p == path and start <= line <= end for p, line in places):
+            wrong.append(f"{module}.{symbol}")
+    if wrong:
+        return False, (f"{', '.join(wrong)} is not the block's after import (rebound by "
+                       "someone else, or captured before the block ran)")
+    count = sum(len(m.target.symbols) for m in patch.parts)
+    return True, (f"imported {', '.join(spans)}; {count} symbol(s) are the block's "
+                  "(no probe.py: the binding check)")
 
 
 PROBE_TIMEOUT = 900.0

@@ -453,6 +453,10 @@ def test_two_modules_make_one_patch_applied_and_reverted_together(
     verified = vp("verify", "--python", str(python), cwd=project)
     assert verified.returncode == 0, verified.stdout
     assert verified.stdout.count("two-fix") >= 2
+    deep = vp("verify", "--deep", "--python", str(python), cwd=project)
+    assert deep.returncode == 0, deep.stdout
+    assert "deep probe passed: imported demo_pkg.core, demo_pkg.extra; 2 symbol(s) are the " \
+        "block's" in deep.stdout, deep.stdout
     behaviour = run([str(python), "-c", "import demo_pkg.core as c, demo_pkg.extra as e; "
                      "print(c.compute([]), e.describe([1]))"])
     assert behaviour.stdout.split() == ["0", "1", "of", "20"]
