@@ -101,6 +101,10 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
             p.add_argument("--removal", help="when to delete the patch")
             p.add_argument("--fixed-in", dest="fixed_in", metavar="VERSION",
                            help="the first release with the upstream fix")
+            p.add_argument("--from-diff", dest="from_diff", metavar="FILE",
+                           help="make the patch from a unified diff (git diff, gh pr diff, a "
+                                "GitHub .diff; - for stdin), applied to the installed modules "
+                                "with zero fuzz, instead of from an edit")
         elif name == "new":
             p.add_argument("patch_id", metavar="ID", help="the new patch's id (kebab-case)")
             p.add_argument("--target", required=True, metavar="MODULE:SYMBOL",
@@ -268,9 +272,24 @@ def _author(args: argparse.Namespace, request: Request) -> int:
             _write(lambda: print(edited.file))
         return EXIT_OK
     if args.operation == "create":
-        made = authoring.create(request, args.patch_id, module=args.module,
-                                summary=args.summary, why=args.why, removal=args.removal,
-                                fixed_in=args.fixed_in, ask=authoring.interactive_ask())
+        texts = dict(summary=args.summary, why=args.why, removal=args.removal,
+                     fixed_in=args.fixed_in)
+        if args.from_diff is not None:
+            if args.module is not None:
+                raise UsageError("--from-diff takes its modules from the diff: drop --module")
+            source = "stdin" if args.from_diff == "-" else args.from_diff
+            try:
+                diff = (sys.stdin.read() if args.from_diff == "-"
+                        else Path(args.from_diff).read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError) as exc:
+                raise UsageError(f"--from-diff {args.from_diff}: cannot be read ({exc}); give "
+                                 "a unified diff file, or - for stdin") from None
+            made = authoring.create_from_diff(request, args.patch_id, diff, source=source,
+                                              ask=None if args.from_diff == "-" else
+                                              authoring.interactive_ask(), **texts)
+        else:
+            made = authoring.create(request, args.patch_id, module=args.module,
+                                    ask=authoring.interactive_ask(), **texts)
 
         def show() -> None:
             out = sys.stdout

@@ -514,6 +514,58 @@ def test_create_refuses_a_typo_and_check_names_its_line(
     assert f"{block}:2: reads 'loggr'" in checked.stdout, checked.stdout
 
 
+def _git_diff(files: dict[str, tuple[str, str]]) -> str:
+    """A `git diff` of ``files`` (path -> (old, new)), paths relative to the repository."""
+    import difflib
+
+    out = []
+    for path, (old, new) in files.items():
+        out.append(f"diff --git a/{path} b/{path}\nindex 0000000..1111111 100644\n")
+        out += difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
+                                    fromfile=f"a/{path}", tofile=f"b/{path}")
+    return "".join(out)
+
+
+def test_create_from_a_diff(session: tuple[Path, Path, Path], tmp_path: Path) -> None:
+    """A diff over two installed modules, a test and a doc: one patch (tests and docs listed as
+    skipped), applied; a hunk whose context differs, a module-level change and a typo are each
+    refused with nothing written."""
+    python, project, core = session
+    extra = core.parent / "extra.py"
+    diff = _git_diff({
+        "demo_pkg/core.py": (MODULE_SOURCE, edited_source("compute")),
+        "demo_pkg/extra.py": (EXTRA_SOURCE, EXTRA_SOURCE.replace("return 10", "return 30")),
+        "tests/test_core.py": ("", "def test():\n    pass\n"),
+        "docs/index.md": ("a\n", "b\n"),
+    })
+    stale = diff.replace(' """Return the largest value."""', ' """Return the top value."""')
+    for bad, message in (
+            (stale, "hunk 1 (@@ -13,7 +13,7 @@) does not match the installed file"),
+            (_git_diff({"demo_pkg/core.py": (MODULE_SOURCE, MODULE_SOURCE.replace(
+                "REGISTRY = {}", "REGISTRY = {1: 2}"))}), "statement at line 5 changed"),
+            (_git_diff({"demo_pkg/extra.py": (EXTRA_SOURCE, EXTRA_SOURCE.replace(
+                "logger.debug", "loggr.debug"))}), "line 13 reads 'loggr'")):
+        refused = vp("create", "backport", "--from-diff", "-", "--python", str(python),
+                     cwd=project, stdin=bad)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+        assert not (project / "vllm-patches").exists()
+        assert core.read_text() == MODULE_SOURCE and extra.read_text() == EXTRA_SOURCE
+    (tmp_path / "fix.diff").write_text(diff)
+    made = vp("create", "backport", "--from-diff", str(tmp_path / "fix.diff"), "--python",
+              str(python), cwd=project, stdin="")
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert "skipped, not installed in" in made.stdout
+    assert "tests/test_core.py, docs/index.md" in made.stdout, made.stdout
+    assert "redefines compute, limit" in made.stdout
+    behaviour = run([str(python), "-c", "import demo_pkg.core as c, demo_pkg.extra as e; "
+                     "print(c.compute([]), e.limit())"])
+    assert behaviour.stdout.split() == ["0", "30"]
+    assert vp("revert", "--python", str(python), "--patch", "backport", cwd=project).returncode \
+        == 0
+    assert core.read_text() == MODULE_SOURCE and extra.read_text() == EXTRA_SOURCE
+
+
 def test_project_patch_with_a_built_in_id_is_a_configuration_error(tmp_path: Path) -> None:
     """A project folder vllm-patches/<built-in id>: exit 2, naming both folders."""
     project = tmp_path / "serve"

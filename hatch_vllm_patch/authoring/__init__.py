@@ -21,7 +21,15 @@ their effects) last.
 from __future__ import annotations
 
 from .check import FolderCheck, check, interactive_ask
-from .commands import CreateResult, EditResult, create, edit, new, write_patch_folder
+from .commands import (
+    CreateResult,
+    EditResult,
+    create,
+    create_from_diff,
+    edit,
+    new,
+    write_patch_folder,
+)
 from .render import PLACEHOLDER, render_manifest, render_rebinding_block, render_wrapper_block
 from .symbols import InexpressibleEdit, SymbolChange, captured_references, symbol_changes
 
@@ -35,6 +43,7 @@ __all__ = [
     "captured_references",
     "check",
     "create",
+    "create_from_diff",
     "edit",
     "interactive_ask",
     "new",

@@ -288,6 +288,100 @@ def create(request: Request, patch_id: str, *, module: str | None = None,
     return _apply_new(request, new_patch, folder, draft, removed)
 
 
+def _installed_pristine(env: TargetEnvironment, module: str) -> tuple[Path, str, str, str]:
+    """(file, distribution, version, pristine text) of an installed module: its original
+    bytes (our blocks aside), which must be those its wheel installed."""
+    path, distribution, version = _module_of(env, module)
+    if str(path) in read_record(env.purelib).record.edits:
+        raise UsageError(f"{path} is open for editing: finish that first (`vllm-patch create "
+                         f"ID` or `vllm-patch edit {module} --discard`)")
+    try:
+        original = parse_file(path.read_bytes()).original
+    except MarkerError as exc:
+        raise UsageError(f"{path}: our markers were edited by hand ({exc}); restore the "
+                         "file first") from None
+    expected = env.modules[module].record_sha256
+    if expected is not None and sha256_hex(original) != expected:
+        raise UsageError(f"{path} differs from what {distribution} {version} installed: a "
+                         f"patch starts from the pristine file; restore it (uv pip install "
+                         f"--reinstall --no-deps {distribution}=={version}), then run again")
+    try:
+        return path, distribution, version, original.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not UTF-8 text") from None
+
+
+def create_from_diff(request: Request, patch_id: str, diff: str, *, source: str,
+                     summary: str | None = None, why: str | None = None,
+                     removal: str | None = None, fixed_in: str | None = None,
+                     ask: Callable[[str], str] | None = None) -> CreateResult:
+    """One patch from a unified diff, applied with zero fuzz to the installed pristine modules
+    it touches; its files that are not installed are listed and skipped. Nothing is written
+    unless every hunk of every installed file applies and every change can be carried."""
+    from .unidiff import NO_FILE, DiffError, apply_hunks, parse_diff
+
+    new_patch = _check_new_id(patch_id, request)
+    files = parse_diff(diff, source)
+    modules: dict[str, str] = {}  # module -> path in the diff
+    skipped: list[str] = []
+    for file in files:
+        if file.path.endswith(".py") and "/" in file.path:
+            modules.setdefault(file.path[:-3].replace("/", "."), file.path)
+    queries = [ModuleQuery("", m, module_relative_path(m)) for m in modules
+               if _MODULE.match(m)]
+    env = inspect_environment(new_patch.choice, queries, in_process=request.in_process)
+    installed_tops = {m.split(".")[0] for m in modules
+                      if m in env.modules and env.modules[m].file is not None}
+    changes: list[ModuleChange] = []
+    refused: list[str] = []
+    for file in files:
+        path = file.path
+        module = path[:-3].replace("/", ".") if path.endswith(".py") else ""
+        location = env.modules.get(module)
+        top_installed = bool(module) and (module.split(".")[0] in installed_tops or (
+            location is not None and location.package_dir is not None))
+        if location is None or location.file is None:
+            if module and top_installed and module.endswith(".__init__"):
+                refused.append(f"{path}: a package's __init__.py cannot be a patch target")
+            elif module and top_installed and file.old_path == NO_FILE:
+                refused.append(f"{path}: the diff adds this module; a patch can only change "
+                               "installed modules (move its code into a module it changes)")
+            else:
+                skipped.append(path)
+            continue
+        if file.binary:
+            refused.append(f"{path}: a binary change")
+            continue
+        if file.new_path == NO_FILE:
+            refused.append(f"{path}: the diff deletes this module")
+            continue
+        if file.old_path != file.new_path and file.old_path != NO_FILE:
+            refused.append(f"{path}: the diff renames {file.old_path}")
+            continue
+        target, distribution, version, pristine = _installed_pristine(env, module)
+        try:
+            changed = apply_hunks(pristine, file, f"{source}: {path}")
+        except DiffError as exc:
+            raise DiffError(f"{exc}\nthe installed file: {target} ({distribution} {version})"
+                            ) from None
+        changes.append(ModuleChange(module, distribution, version, target, pristine, changed))
+    if refused:
+        raise UsageError(f"{source}: the diff changes installed code a patch cannot carry; "
+                         "nothing was written:\n" + "\n".join(f"  - {r}" for r in refused))
+    if not changes:
+        raise UsageError(f"{source}: none of its files is installed in {env.python} "
+                         f"({', '.join(skipped) or 'no files'}): nothing to patch")
+    texts = _texts(patch_id, ", ".join(c.module for c in changes), ask, summary=summary,
+                   why=why, removal=removal)
+    draft = draft_patch(patch_id, changes, summary=texts["summary"], why=texts["why"],
+                        removal=texts["removal"], fixed_in=fixed_in, made_by="create --from-diff")
+    if skipped:
+        draft = draft._replace(notes=(*draft.notes, "skipped, not installed in "
+                                      f"{env.python}: {', '.join(skipped)}"))
+    folder = _write_draft(new_patch, patch_id, draft)
+    return _apply_new(request, new_patch, folder, draft)
+
+
 def _write_draft(new_patch: _NewPatch, patch_id: str, draft: Draft) -> Path:
     """The draft as ``<patch-dir>/<patch_id>/``, which must load as the engine will load it."""
     folder = write_patch_folder(new_patch.folder, patch_id, draft.files)
