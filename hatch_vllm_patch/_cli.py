@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from . import __version__
 from .errors import (
@@ -26,6 +26,9 @@ from .errors import (
 )
 from .operations import Request, run
 from .report import PatchOutcome, Report
+
+if TYPE_CHECKING:
+    from .authoring.update import UpdateResult
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -43,6 +46,8 @@ _AUTHORING = {
             "kept); prints its path",
     "create": "turn the edit of a module into a patch folder of the project, restore the "
               "module and apply the patch",
+    "update": "merge a project patch onto the installed release, symbol by symbol (three-way); "
+              "conflicts open the module for editing",
     "new": "scaffold a patch folder with a wrapper of MODULE:SYMBOL that calls the original",
     "check": "validate patch folders (default: the project's patch-dir)",
 }
@@ -105,6 +110,19 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
                            help="make the patch from a unified diff (git diff, gh pr diff, a "
                                 "GitHub .diff; - for stdin), applied to the installed modules "
                                 "with zero fuzz, instead of from an edit")
+            p.add_argument("--update", action="store_true",
+                           help="finish `vllm-patch update ID` after resolving its conflicts "
+                                "(the same as `update ID --continue`)")
+        elif name == "update":
+            p.add_argument("patch_id", metavar="ID", help="the project patch to update")
+            p.add_argument("--continue", dest="resume", action="store_true",
+                           help="finish an update whose conflicts were resolved")
+            p.add_argument("--base", type=Path, metavar="FILE",
+                           help="a pristine copy of the module from the release the patch was "
+                                "made on (for a patch made before create kept its base)")
+            p.add_argument("--set-fixed-in", dest="set_fixed_in", action="store_true",
+                           help="when the installed release already has the patched code, "
+                                "record it as the patch's fixed-in")
         elif name == "new":
             p.add_argument("patch_id", metavar="ID", help="the new patch's id (kebab-case)")
             p.add_argument("--target", required=True, metavar="MODULE:SYMBOL",
@@ -253,6 +271,44 @@ def _main(argv: Sequence[str] | None) -> int:
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
+def _print_update(updated: UpdateResult) -> None:
+    out = sys.stdout
+    by_status: dict[str, list[str]] = {}
+    for merge in updated.symbols:
+        by_status.setdefault(merge.status, []).append(merge.symbol)
+    words = {"merged": "merged", "unchanged": "unchanged upstream", "conflict": "CONFLICT",
+             "upstream": "already the patched code upstream", "added": "added by the patch"}
+    summary = "; ".join(f"{words[k]}: {', '.join(v)}" for k, v in by_status.items())
+    if updated.outcome == "not-needed":
+        print(f"not-needed  {updated.patch_id}: the installed {updated.installed} already has "
+              f"the patched code ({summary})", file=out)
+        for note in updated.notes:
+            print(f"note: {note}", file=out)
+        if not updated.notes:
+            print(f"next: run `vllm-patch update {updated.patch_id} --set-fixed-in` to record "
+                  f"fixed-in (the patch then says not-needed there), or delete the patch",
+                  file=out)
+        return
+    if updated.outcome == "current":
+        print(f"current  {updated.patch_id}: {updated.installed} has the code the patch was "
+              f"made on ({summary}); nothing to update", file=out)
+        return
+    if updated.outcome == "conflicts":
+        print(f"conflicts  {updated.patch_id} onto {updated.installed}: {summary}", file=out)
+        for path in updated.opened:
+            print(f"  opened for editing, with conflict markers: {path}", file=out)
+        print(f"next: resolve the <<<<<<< ... >>>>>>> regions, then `vllm-patch update "
+              f"{updated.patch_id} --continue` (or `vllm-patch edit MODULE --discard` to give "
+              "up); nothing was applied", file=out)
+        return
+    out.write(updated.diff)
+    print(f"updated {updated.folder} onto {updated.installed}: {summary}", file=out)
+    for note in updated.notes:
+        print(f"note: {note}", file=out)
+    if updated.report is not None:
+        _print_report(updated.report, out)
+
+
 def _author(args: argparse.Namespace, request: Request) -> int:
     """edit / create / new / check (imported only for them)."""
     from . import authoring
@@ -271,6 +327,14 @@ def _author(args: argparse.Namespace, request: Request) -> int:
                     "change it, run the server, then `vllm-patch create ID`")
             _write(lambda: print(edited.file))
         return EXIT_OK
+    if args.operation == "update" or (args.operation == "create" and args.update):
+        updated = authoring.update(request, args.patch_id, base=getattr(args, "base", None),
+                                   set_fixed_in=getattr(args, "set_fixed_in", False),
+                                   resume=getattr(args, "resume", True))
+        _write(partial(_print_update, updated))
+        if updated.outcome == "conflicts":
+            return EXIT_FAILED
+        return EXIT_OK if updated.report is None or updated.report.ok else EXIT_FAILED
     if args.operation == "create":
         texts = dict(summary=args.summary, why=args.why, removal=args.removal,
                      fixed_in=args.fixed_in)

@@ -183,20 +183,24 @@ class EditSession(_Value):
     """A file opened with ``vllm-patch edit``: where its pristine bytes are, and what was taken
     out of it (our blocks, re-applied after ``create``)."""
 
-    _fields = ("module", "distribution", "version", "pristine_sha256", "removed")
+    _fields = ("module", "distribution", "version", "pristine_sha256", "removed", "updating")
     __slots__ = _fields
-    _defaults: ClassVar[dict[str, Any]] = {"removed": ()}
+    _defaults: ClassVar[dict[str, Any]] = {"removed": (), "updating": None}
 
     module: str
     distribution: str
     version: str
     pristine_sha256: str
     removed: tuple[str, ...]
+    updating: str | None  # the patch whose `update` left conflicts here to resolve
 
     def to_json(self) -> dict[str, Any]:
-        return {"module": self.module, "distribution": self.distribution,
+        data = {"module": self.module, "distribution": self.distribution,
                 "version": self.version, "pristine_sha256": self.pristine_sha256,
                 "removed": list(self.removed)}
+        if self.updating is not None:
+            data["updating"] = self.updating
+        return data
 
 
 def pristine_copy(directory: Path, digest: str) -> Path:
@@ -346,6 +350,7 @@ def _edit(path: str, raw: object) -> EditSession:
         version=_text(raw.get("version"), f"{where}.version"),
         pristine_sha256=_text(raw.get("pristine_sha256"), f"{where}.pristine_sha256"),
         removed=tuple(removed),
+        updating=_text(raw.get("updating"), f"{where}.updating", optional=True),
     )
 
 

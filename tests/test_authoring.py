@@ -284,21 +284,43 @@ def demo_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return next(out.glob("*.whl"))
 
 
-@pytest.fixture(scope="module")
-def demo_wheel_changed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """demo-pkg 1.1.0: core as in 1.0.0, ``extra.limit`` changed."""
-    project = tmp_path_factory.mktemp("demo-src-1.1")
+def build_demo_wheel(tmp_path_factory: pytest.TempPathFactory, version: str,
+                     extra: str) -> Path:
+    """A wheel of demo-pkg ``version``: core as in 1.0.0, ``extra`` as given."""
+    project = tmp_path_factory.mktemp(f"demo-src-{version}")
     (project / "demo_pkg").mkdir()
     (project / "demo_pkg" / "__init__.py").write_text("")
     (project / "demo_pkg" / "core.py").write_text(MODULE_SOURCE)
-    (project / "demo_pkg" / "extra.py").write_text(EXTRA_SOURCE.replace("return 10",
-                                                                        "return 10 + 0"))
+    (project / "demo_pkg" / "extra.py").write_text(extra)
     (project / "pyproject.toml").write_text(
         '[build-system]\nrequires = ["hatchling"]\nbuild-backend = "hatchling.build"\n'
-        '[project]\nname = "demo-pkg"\nversion = "1.1.0"\n')
-    out = tmp_path_factory.mktemp("demo-wheel-1.1")
+        f'[project]\nname = "demo-pkg"\nversion = "{version}"\n')
+    out = tmp_path_factory.mktemp(f"demo-wheel-{version}")
     run([UV, "build", "--wheel", "--quiet", "--out-dir", str(out), str(project)])
     return next(out.glob("*.whl"))
+
+
+# The next releases of the second module: 1.1.0 changes limit() and the log line of describe();
+# 1.2.0 changes describe()'s result line; 1.3.0 has the fix of `carry-fix` itself.
+PATCHED_LINE = ('    return f"{len(values)} of {limit()}"',
+                '    return f"{len(values)} out of {limit()}"')
+EXTRA_RELEASES = {
+    "1.1.0": EXTRA_SOURCE.replace("return 10", "return 10 + 0").replace(
+        'logger.debug("describing")', 'logger.debug("describing %d", len(values))'),
+    "1.2.0": EXTRA_SOURCE.replace(PATCHED_LINE[0], '    return f"{len(values)}/{limit()}"'),
+    "1.3.0": EXTRA_SOURCE.replace(*PATCHED_LINE),
+}
+
+
+@pytest.fixture(scope="module")
+def demo_releases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {v: build_demo_wheel(tmp_path_factory, v, text) for v, text in EXTRA_RELEASES.items()}
+
+
+@pytest.fixture(scope="module")
+def demo_wheel_changed(demo_releases: dict[str, Path]) -> Path:
+    """demo-pkg 1.1.0: core as in 1.0.0, ``extra.limit`` changed."""
+    return demo_releases["1.1.0"]
 
 
 def vp(*args: str, cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -564,6 +586,75 @@ def test_create_from_a_diff(session: tuple[Path, Path, Path], tmp_path: Path) ->
     assert vp("revert", "--python", str(python), "--patch", "backport", cwd=project).returncode \
         == 0
     assert core.read_text() == MODULE_SOURCE and extra.read_text() == EXTRA_SOURCE
+
+
+def test_update_onto_later_releases(session: tuple[Path, Path, Path],
+                                    demo_releases: dict[str, Path], tmp_path: Path) -> None:
+    """A patch made on 1.0.0, on releases where its function changed: a change elsewhere in it
+    merges cleanly (known on both, runs on both, probe.py kept); a change of the patched line
+    gives conflict markers and nothing applied, and --continue finishes; a release with the
+    fix itself is not-needed, and --set-fixed-in records it."""
+    python, project, core = session
+    extra = core.parent / "extra.py"
+    vp("edit", "demo_pkg.extra", "--python", str(python), cwd=project)
+    extra.write_text(EXTRA_SOURCE.replace(*PATCHED_LINE))
+    assert vp("create", "carry-fix", "--python", str(python), "--summary", "Say out of",
+              cwd=project, stdin="").returncode == 0
+    folder = project / "vllm-patches" / "carry-fix"
+    (folder / "probe.py").write_text("print('{\"ok\": true, \"detail\": \"kept\"}')\n")
+    (project / "pyproject.toml").write_text('[project]\nname = "serve"\nversion = "0"\n\n'
+                                            '[tool.vllm-patch]\npatches = ["carry-fix"]\n')
+
+    def release(version: str) -> tuple[Path, Path]:
+        python = create_venv(tmp_path / version, str(demo_releases[version]))
+        return python, site_packages(tmp_path / version) / "demo_pkg" / "extra.py"
+
+    def describe(python: Path) -> str:
+        return run([str(python), "-c", "import demo_pkg.extra as e; print(e.describe([1]))"]
+                   ).stdout.strip()
+
+    fixed, _ = release("1.3.0")
+    done = vp("update", "carry-fix", "--python", str(fixed), cwd=project)
+    assert done.returncode == 0 and "not-needed  carry-fix" in done.stdout, done.stdout
+    assert "--set-fixed-in" in done.stdout
+    assert vp("update", "carry-fix", "--set-fixed-in", "--python", str(fixed),
+              cwd=project).returncode == 0
+    assert 'fixed-in = "1.3.0"' in (folder / "patch.toml").read_text()
+    assert "not-needed" in vp("verify", "--python", str(fixed), cwd=project).stdout
+
+    newer, _ = release("1.1.0")
+    assert vp("apply", "--python", str(newer), cwd=project).returncode == 1  # unknown-shape
+    updated = vp("update", "carry-fix", "--python", str(newer), cwd=project)
+    assert updated.returncode == 0, updated.stdout + updated.stderr
+    assert "merged: describe" in updated.stdout and "+    return f\"{len(values)} out of" in \
+        updated.stdout
+    assert describe(newer) == "1 out of 10"
+    assert 'logger.debug("describing %d", len(values))' in (folder / "block.py").read_text()
+    assert (folder / "probe.py").is_file() and "Say out of" in (folder / "patch.toml").read_text()
+    assert vp("verify", "--python", str(newer), cwd=project).returncode == 0
+    assert vp("apply", "--python", str(python), cwd=project).returncode == 0  # the old release
+    assert vp("verify", "--python", str(python), cwd=project).returncode == 0
+    assert describe(python) == "1 out of 10"
+
+    conflicting, conflicting_file = release("1.2.0")
+    before = conflicting_file.read_text()
+    refused = vp("update", "carry-fix", "--python", str(conflicting), cwd=project)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "CONFLICT: describe" in refused.stdout and "nothing was applied" in refused.stdout
+    text = conflicting_file.read_text()
+    assert "<<<<<<< patch carry-fix\n" in text and ">>>>>>> installed demo-pkg 1.2.0\n" in text
+    assert "hatch-vllm-patch:" not in text
+    assert vp("verify", "--python", str(conflicting), cwd=project).stdout.count("editing") >= 1
+    early = vp("update", "carry-fix", "--continue", "--python", str(conflicting), cwd=project)
+    assert early.returncode == 2 and "still holds conflict markers" in early.stderr
+    start, end = text.index("<<<<<<<"), text.index(">>>>>>> installed demo-pkg 1.2.0\n")
+    resolved = text[:start] + '    return f"{len(values)} out of {limit()}!"\n' + \
+        text[end + len(">>>>>>> installed demo-pkg 1.2.0\n"):]
+    conflicting_file.write_text(resolved)
+    finished = vp("create", "carry-fix", "--update", "--python", str(conflicting), cwd=project)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert describe(conflicting) == "1 out of 10!"
+    assert conflicting_file.read_text().startswith(before)
 
 
 def test_project_patch_with_a_built_in_id_is_a_configuration_error(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from .commands import (
 )
 from .render import PLACEHOLDER, render_manifest, render_rebinding_block, render_wrapper_block
 from .symbols import InexpressibleEdit, SymbolChange, captured_references, symbol_changes
+from .update import UpdateResult, update
 
 __all__ = [
     "PLACEHOLDER",
@@ -40,6 +41,7 @@ __all__ = [
     "FolderCheck",
     "InexpressibleEdit",
     "SymbolChange",
+    "UpdateResult",
     "captured_references",
     "check",
     "create",
@@ -51,5 +53,6 @@ __all__ = [
     "render_rebinding_block",
     "render_wrapper_block",
     "symbol_changes",
+    "update",
     "write_patch_folder",
 ]

@@ -9,7 +9,7 @@ import tokenize
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from ..catalog import ABSENT
+from ..catalog import ABSENT, Patch
 from .symbols import SymbolChange
 
 PLACEHOLDER = "TODO"
@@ -240,3 +240,16 @@ def render_wrapper_block(patch_id: str, module: str, symbol: str, kind: str,
         "",
     ])
 
+
+
+def render_manifest_of(patch: Patch, *, fixed_in: str | None) -> str:
+    """The manifest of an existing patch again, with another ``fixed-in``."""
+    several = len(patch.parts) > 1
+    return render_manifest(
+        patch.id, targets=[ManifestTarget(
+            m.target.distribution, m.target.module, m.target.version or "unknown",
+            {s: sorted(d) for s, d in m.symbol_shapes.items()}, m.target.adds,
+            m.block_name if several else None) for m in patch.parts],
+        summary=patch.summary, why=patch.description, removal=patch.removal,
+        fixed_in=fixed_in, made_by="update", links=patch.links,
+        architectures=patch.architectures, fixed_shapes=sorted(patch.fixed_shapes))
