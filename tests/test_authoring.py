@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -843,7 +844,7 @@ def test_real_vllm_edit_create_verify_spawn_revert(vllm_with_tool: Path, tmp_pat
     file is RECORD's original plus our block, verify exits 0, a spawn child runs the edited
     code (the captured copy keeps the original, as create warned), revert restores RECORD's
     bytes; on vLLM 0.16.0 a patch whose code differs is unknown-shape and writes nothing; a
-    module-level edit is refused."""
+    change of an existing module-level assignment is refused."""
     python = vllm_with_tool
     project = tmp_path / "serve"
     project.mkdir()
@@ -909,11 +910,251 @@ def _real_vllm_cycle(python: Path, project: Path, tmp_path: Path) -> None:
     tool("edit", "vllm.v1.kv_cache_interface")
     target.write_text(original.decode().replace("class KVQuantMode(IntEnum):",
                                                 "class KVQuantMode(IntEnum):  # edited", 1)
-                      .replace("\n\ndef is_quantized_kv_cache", "\n\nLIMIT = 3\n\n\n"
-                               "def is_quantized_kv_cache", 1))
+                      .replace("logger = init_logger(__name__)\n",
+                               "logger = init_logger('vllm.kv')\n", 1))
     refused = tool("create", "module-level")
     assert refused.returncode == 2 and "module level: statement at line" in refused.stderr
-    assert "(LIMIT = 3)" in refused.stderr
+    assert "changed (logger = init_logger('vllm.kv'))" in refused.stderr, refused.stderr
     assert not (project / "vllm-patches" / "module-level").exists()
     assert tool("edit", "vllm.v1.kv_cache_interface", "--discard").returncode == 0
     assert target.read_bytes() == original
+
+
+# --- real vLLM: carry a fix across releases ------------------------------------------------------
+
+KV_UTILS = "vllm/v1/core/kv_cache_utils.py"
+MEMORY_CHECK = "_check_enough_kv_cache_memory"
+
+# Calls vLLM's own memory check in a spawn child, both ways it raises, and prints the messages.
+MEMORY_CHILD = textwrap.dedent("""\
+    import multiprocessing, sys
+
+    def child():
+        import vllm
+        from vllm.v1.core import kv_cache_utils as k
+        for available, needed in ((0, 1 << 30), (1 << 20, 1 << 30)):
+            try:
+                k._check_enough_kv_cache_memory(available, lambda: needed, 4096, lambda m: 7)
+            except ValueError as exc:
+                print("MESSAGE", vllm.__version__, str(exc).replace("\\n", " "), flush=True)
+
+    if __name__ == "__main__":
+        process = multiprocessing.get_context("spawn").Process(target=child)
+        process.start()
+        process.join()
+        sys.exit(process.exitcode)
+    """)
+
+
+def _symbol_text(source: str, symbol: str) -> str:
+    from hatch_vllm_patch.engine import locate_function, node_source
+
+    node, missing = locate_function(source, symbol)
+    assert node is not None, missing
+    return node_source(source, node)
+
+
+def _wheel_source(version: str, path: str) -> str:
+    import zipfile
+
+    from venvs import cached_wheel
+
+    return zipfile.ZipFile(cached_wheel("vllm", version)).read(path).decode()
+
+
+def _take_ours(text: str) -> str:
+    """A conflict resolved the way the patch had it (its side of every marked region)."""
+    out, side = [], None
+    for line in text.splitlines(keepends=True):
+        if line.startswith("<<<<<<< "):
+            side = "ours"
+        elif line.startswith("||||||| ") and side:
+            side = "base"
+        elif line == "=======\n" and side:
+            side = "theirs"
+        elif line.startswith(">>>>>>> ") and side:
+            side = None
+        elif side in (None, "ours"):
+            out.append(line)
+    return "".join(out)
+
+
+@pytest.mark.slow
+def test_real_vllm_backport_update_and_refusals(vllm_with_tool: Path, tmp_path: Path) -> None:
+    """On real vLLM: 0.22.1's memory-check fix, backported to 0.20.2 from a diff made from the
+    two wheels (with a second module, and a test file skipped), gives 0.22.1's messages through
+    vLLM's own code in a spawn child and reverts byte for byte; on 0.16.0, where the second
+    module differs, it writes nothing to either file. The full-file diff (module-level changes),
+    the same diff on 0.22.1 (context moved on) and a typo are refused, nothing written. A patch
+    made on 0.20.2 is updated onto 0.22.1: a clean merge is known on both and runs on both; a
+    conflicting one leaves markers and applies nothing; the example project's own patch
+    (made before patches kept their base: the base comes from 0.20.2's wheel) conflicts,
+    is resolved, finished with --continue and runs on 0.22.1."""
+    python = vllm_with_tool
+    project = tmp_path / "serve"
+    project.mkdir()
+    (project / "pyproject.toml").write_text("[tool.vllm-patch]\npatches = []\n")
+    with pristine_environment(python):
+        _real_vllm_carry(python, project, tmp_path)
+
+
+def _real_vllm_carry(python: Path, project: Path, tmp_path: Path) -> None:
+    def tool(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(python), "-m", "hatch_vllm_patch", *args], cwd=project,
+                              capture_output=True, text=True, timeout=900, check=False,
+                              input=stdin, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+    def select(*ids: str) -> None:
+        listed = ", ".join(f'"{i}"' for i in ids)
+        (project / "pyproject.toml").write_text(f"[tool.vllm-patch]\npatches = [{listed}]\n")
+
+    old_sp = site_packages(python.parent.parent)
+    newer = release_venv(tmp_path / "v0.22.1", "vllm", "0.22.1")
+    new_sp = site_packages(tmp_path / "v0.22.1")
+
+    def messages(interpreter: Path) -> list[str]:
+        """The two messages of the memory check, from a spawn child of ``interpreter`` (0.22.1
+        borrows 0.20.2's dependencies — the same torch pin — through a .pth while it runs)."""
+        program = tmp_path / "memory_child.py"
+        program.write_text(MEMORY_CHILD)
+        borrowed = new_sp / "zz_hvp_test_deps.pth"
+        if interpreter == newer:
+            borrowed.write_text(f"{old_sp}\n")
+        try:
+            out = run([str(interpreter), str(program)], env={"HF_HUB_OFFLINE": "1"},
+                      timeout=900).stdout
+        finally:
+            borrowed.unlink(missing_ok=True)
+        return [line for line in out.splitlines() if line.startswith("MESSAGE")]
+
+    old_text, new_text = _wheel_source("0.20.2", KV_UTILS), _wheel_source("0.22.1", KV_UTILS)
+    assert (old_sp / KV_UTILS).read_text() == old_text
+    old_fn, new_fn = _symbol_text(old_text, MEMORY_CHECK), _symbol_text(new_text, MEMORY_CHECK)
+    assert old_fn != new_fn and old_fn in old_text
+
+    # The upstream fix as a diff of two files (plus a test file), made now from the wheels.
+    request_path = "vllm/v1/request.py"
+    request_text = (old_sp / request_path).read_text()
+    anchor = ('    ) -> "Request":\n        return cls(\n'
+              "            request_id=request.request_id,")
+    assert request_text.count(anchor) == 1
+    diff = _git_diff({
+        KV_UTILS: (old_text, old_text.replace(old_fn, new_fn)),
+        request_path: (request_text, request_text.replace(
+            anchor, anchor.replace("        return cls(", "        # backported\n"
+                                                          "        return cls("))),
+        "tests/v1/core/test_kv_cache_utils.py": ("", "def test_message():\n    pass\n"),
+    })
+    files = {p: (old_sp / p).read_bytes() for p in (KV_UTILS, request_path)}
+    (tmp_path / "pr.diff").write_text(diff)
+
+    # Refused, nothing written: the whole file's diff, the same diff where its context moved
+    # on, a misspelt name.
+    whole = _git_diff({KV_UTILS: (old_text, new_text)})
+    refused = tool("create", "whole-file", "--from-diff", "-", stdin=whole)
+    assert refused.returncode == 2 and "module level: statement" in refused.stderr, \
+        refused.stderr
+    moved = tool("create", "moved-on", "--from-diff", str(tmp_path / "pr.diff"), "--python",
+                 str(newer))
+    assert moved.returncode == 2 and "does not match the installed file" in moved.stderr, \
+        moved.stderr
+    assert "the first line that differs" in moved.stderr
+    typo = _git_diff({KV_UTILS: (old_text, old_text.replace(
+        "    needed_memory = get_needed_memory()\n",
+        "    needed_memory = get_needed_memry()\n", 1))})
+    refused = tool("create", "typo", "--from-diff", "-", stdin=typo)
+    assert refused.returncode == 2 and "reads 'get_needed_memry'" in refused.stderr, \
+        refused.stderr
+    assert not (project / "vllm-patches").exists()
+    assert {p: (old_sp / p).read_bytes() for p in files} == files
+    assert (new_sp / KV_UTILS).read_text() == new_text
+
+    made = tool("create", "memory-backport", "--from-diff", str(tmp_path / "pr.diff"),
+                "--summary", "vLLM 0.22.1's memory messages")
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert "skipped, not installed" in made.stdout and "tests/v1/core/test_kv_cache_utils.py" \
+        in made.stdout
+    assert f"redefines {MEMORY_CHECK}, Request.from_engine_core_request" in made.stdout
+    select("memory-backport")
+    assert tool("verify").returncode == 0
+    old_messages = messages(python)
+    assert len(old_messages) == 2 and all(" 0.20.2 " in m for m in old_messages)
+    assert "also controls CPU memory reservation on the CPU backend" in old_messages[0]
+    assert "with the model's max seq len" in old_messages[1]
+
+    oldest = release_venv(tmp_path / "v0.16.0", "vllm", "0.16.0")
+    oldest_sp = site_packages(tmp_path / "v0.16.0")
+    before = {p: (oldest_sp / p).read_bytes() for p in files}
+    elsewhere = tool("apply", "--python", str(oldest))
+    assert elsewhere.returncode == 1 and elsewhere.stdout.count(
+        "unknown-shape  memory-backport") == 2, elsewhere.stdout
+    assert {p: (oldest_sp / p).read_bytes() for p in files} == before
+
+    assert tool("revert").returncode == 0
+    assert {p: (old_sp / p).read_bytes() for p in files} == files
+
+    # update: a patch made on 0.20.2, merged onto 0.22.1.
+    def edit_and_create(patch_id: str, old: str, new: str) -> None:
+        opened = tool("edit", "vllm.v1.core.kv_cache_utils")
+        assert opened.returncode == 0, opened.stderr
+        text = (old_sp / KV_UTILS).read_text()
+        assert text.count(old) == 1
+        (old_sp / KV_UTILS).write_text(text.replace(old, new))
+        made = tool("create", patch_id)
+        assert made.returncode == 0, made.stdout + made.stderr
+
+    edit_and_create("memory-words", '"Based on the available memory, "',
+                    '"From the memory that is left, "')
+    unify_lines = ("                    dtype=spec.dtype,\n"
+                   "                    sliding_window=spec.sliding_window,\n"
+                   "                    page_size_padded=spec.page_size_padded,\n")
+    edit_and_create("unify-note", unify_lines,
+                    unify_lines.replace("spec.dtype,", "spec.dtype,  # as the layer has it"))
+    select("memory-words", "unify-note")
+    assert tool("verify").returncode == 0
+    conflicting = tool("update", "unify-note", "--python", str(newer))
+    assert conflicting.returncode == 1, conflicting.stdout + conflicting.stderr
+    assert "CONFLICT: unify_hybrid_kv_cache_specs" in conflicting.stdout
+    marked = (new_sp / KV_UTILS).read_text()
+    assert "<<<<<<< patch unify-note\n" in marked and "head_size_v=spec.head_size_v" in marked
+    assert "# >>> hatch-vllm-patch:" not in marked
+    assert tool("edit", "vllm.v1.core.kv_cache_utils", "--discard", "--python",
+                str(newer)).returncode == 0
+    assert (new_sp / KV_UTILS).read_text() == new_text
+    select("memory-words")
+
+    updated = tool("update", "memory-words", "--python", str(newer))
+    assert updated.returncode == 0, updated.stdout + updated.stderr
+    assert f"merged: {MEMORY_CHECK}" in updated.stdout
+    manifest = (project / "vllm-patches" / "memory-words" / "patch.toml").read_text()
+    assert hashlib.sha256(old_fn.encode()).hexdigest() in manifest
+    assert hashlib.sha256(new_fn.encode()).hexdigest() in manifest
+    assert tool("verify", "--python", str(newer)).returncode == 0
+    assert tool("apply").returncode == 0  # the updated block on 0.20.2 too
+    assert tool("verify").returncode == 0
+    for interpreter, version in ((python, "0.20.2"), (newer, "0.22.1")):
+        got = messages(interpreter)
+        assert len(got) == 2 and f" {version} " in got[1], got
+        assert "From the memory that is left, the estimated maximum model length is 7" in got[1]
+        assert "(which also controls CPU memory on the CPU backend)" in got[1]
+    assert tool("revert", "--python", str(newer)).returncode == 0
+    assert (new_sp / KV_UTILS).read_text() == new_text
+
+    # The example project's own patch, made on 0.20.2 before create kept a base.
+    shutil.copytree(REPO / "example_project" / "vllm-patches" / "clearer-kv-memory-error",
+                    project / "vllm-patches" / "clearer-kv-memory-error")
+    select("clearer-kv-memory-error")
+    assert "unknown-shape" in tool("apply", "--python", str(newer)).stdout
+    step5 = tool("update", "clearer-kv-memory-error", "--python", str(newer))
+    assert step5.returncode == 1 and f"CONFLICT: {MEMORY_CHECK}" in step5.stdout, \
+        step5.stdout + step5.stderr
+    (new_sp / KV_UTILS).write_text(_take_ours((new_sp / KV_UTILS).read_text()))
+    finished = tool("update", "clearer-kv-memory-error", "--continue", "--python", str(newer))
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert tool("verify", "--python", str(newer)).returncode == 0
+    [no_memory, too_little] = messages(newer)
+    assert "No memory is left for the KV cache" in no_memory and " 0.22.1 " in no_memory
+    assert "with the model's max seq len" in too_little
+    assert (project / "vllm-patches" / "clearer-kv-memory-error" / "probe.py").is_file()
+    assert tool("revert", "--python", str(newer)).returncode == 0
+    assert (new_sp / KV_UTILS).read_text() == new_text
