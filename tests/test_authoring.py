@@ -658,6 +658,37 @@ def test_update_onto_later_releases(session: tuple[Path, Path, Path],
     assert conflicting_file.read_text().startswith(before)
 
 
+def test_update_without_a_kept_base(session: tuple[Path, Path, Path],
+                                    demo_releases: dict[str, Path], tmp_path: Path) -> None:
+    """A patch without base/ (made before create kept it) and without a downloadable release
+    is refused with the way out; --base FILE (a pristine copy) merges it; a base that is not
+    the code the patch was made on is refused."""
+    python, project, core = session
+    extra = core.parent / "extra.py"
+    vp("edit", "demo_pkg.extra", "--python", str(python), cwd=project)
+    extra.write_text(EXTRA_SOURCE.replace(*PATCHED_LINE))
+    assert vp("create", "old-fix", "--python", str(python), cwd=project,
+              stdin="").returncode == 0
+    folder = project / "vllm-patches" / "old-fix"
+    shutil.rmtree(folder / "base")
+    manifest = folder / "patch.toml"
+    manifest.write_text("\n".join(line for line in manifest.read_text().splitlines()
+                                  if not line.startswith("version = ")) + "\n")
+    newer = create_venv(tmp_path / "newer", str(demo_releases["1.1.0"]))
+    refused = vp("update", "old-fix", "--python", str(newer), cwd=project)
+    assert refused.returncode == 2 and "--base FILE" in refused.stderr, refused.stderr
+    wrong = tmp_path / "wrong.py"
+    wrong.write_text(EXTRA_RELEASES["1.2.0"])
+    refused = vp("update", "old-fix", "--base", str(wrong), "--python", str(newer), cwd=project)
+    assert refused.returncode == 2 and "is not code the patch knows" in refused.stderr
+    pristine = tmp_path / "extra-1.0.0.py"
+    pristine.write_text(EXTRA_SOURCE)
+    updated = vp("update", "old-fix", "--base", str(pristine), "--python", str(newer),
+                 cwd=project)
+    assert updated.returncode == 0, updated.stdout + updated.stderr
+    assert "merged: describe" in updated.stdout and (folder / "base").is_dir()
+
+
 def test_project_patch_with_a_built_in_id_is_a_configuration_error(tmp_path: Path) -> None:
     """A project folder vllm-patches/<built-in id>: exit 2, naming both folders."""
     project = tmp_path / "serve"
