@@ -10,8 +10,16 @@ Version, ``RECORD``'s lines, ``direct_url.json``. (``importlib.metadata`` itself
 tens of milliseconds per run, most of ``verify``'s time, for the same answers.)
 
 Answer (JSON): ``executable``, ``prefix``, ``base_prefix``, ``python_version``, ``purelib``,
-``pycache_prefix``, ``distributions`` {name: {name, version, editable, location} | null} and
-``modules`` {module: {file, package_dir, record_sha256, distribution}}.
+``pycache_prefix``, ``site_dirs`` (the site-packages folders on ``sys.path``, by real path),
+``editable_trees`` (of every editable install on ``sys.path``),
+``distributions`` {name: {name, version, editable, location, tree} | null} and ``modules``
+{module: {file, package_dir, record_sha256, distribution, refused}}.
+
+Targets are confined to their distribution, here and only here: a module's file is given only
+when it is listed in its distribution's RECORD, or, for an editable install, lies inside that
+install's own tree (``direct_url.json``). Any other file — the standard library, another
+distribution's, a file the distribution does not install — is not given: ``refused`` says why,
+and nothing reads or writes it.
 """
 
 from __future__ import annotations
@@ -78,14 +86,70 @@ def _distribution(name: str) -> tuple[str | None, dict[str, Any] | None]:
             headers[key] = value.strip()
     if "Version" not in headers:
         return None, None
-    editable = False
+    text = _read(folder, "direct_url.json")
+    tree = _tree(text)
+    editable = tree is not None or _editable_flag(text)
+    return folder, {"name": headers.get("Name", name), "version": headers["Version"],
+                    "editable": editable, "location": folder, "tree": tree}
+
+
+def _editable_trees() -> list[str]:
+    """The trees of every editable install on sys.path (where its files may lie)."""
+    trees = set()
+    _metadata_folder("")  # lists every entry of sys.path (once per process)
+    for entry in sys.path:
+        for folder in _FOLDERS.get(entry, {}).values():
+            if os.path.isfile(os.path.join(folder, "direct_url.json")):
+                found = _tree(_read(folder, "direct_url.json"))
+                if found:
+                    trees.add(found)
+    return sorted(trees)
+
+
+def _editable_flag(text: str | None) -> bool:
     try:
-        direct = json.loads(_read(folder, "direct_url.json") or "{}")
-        editable = bool(direct.get("dir_info", {}).get("editable"))
+        return bool(json.loads(text or "{}").get("dir_info", {}).get("editable"))
+    except (ValueError, AttributeError):
+        return False
+
+
+def _tree(text: str | None) -> str | None:
+    """The real path of an editable install's tree, from its ``direct_url.json``."""
+    try:
+        direct = json.loads(text or "{}")
+        url = direct.get("url")
+        if direct.get("dir_info", {}).get("editable") and isinstance(url, str) \
+                and url.startswith("file://"):
+            from urllib.parse import unquote, urlsplit
+
+            return os.path.realpath(unquote(urlsplit(url).path))
     except (ValueError, AttributeError):
         pass
-    return folder, {"name": headers.get("Name", name), "version": headers["Version"],
-                    "editable": editable, "location": folder}
+    return None
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Is the real path ``path`` inside the real folder ``folder``?"""
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _refusal(name: str, info: dict[str, Any] | None, file: str,
+             record_sha256: str | None) -> str | None:
+    """None when ``file`` belongs to the distribution ``name``; else why it is refused."""
+    if record_sha256 is not None:
+        return None
+    real = os.path.realpath(file)
+    if not name:
+        return (f"{real} belongs to no installed distribution (the standard library, or a "
+                "folder on sys.path)")
+    if info is None:
+        return f"{real} is not a file of {name}: {name} is not installed here"
+    tree = info.get("tree")
+    if info.get("editable") and tree and _inside(real, tree):
+        return None
+    where = (f"its editable tree {tree}" if info.get("editable") and tree
+             else f"its RECORD ({info.get('location')})")
+    return f"{real} is not a file of {name} {info.get('version')}: not in {where}"
 
 
 def _record_sha256(folder: str, record: str, relative_path: str, real: str) -> str | None:
@@ -120,8 +184,13 @@ def answer(queries: list[dict[str, str]]) -> dict[str, Any]:
         "python_version": ".".join(str(n) for n in sys.version_info[:3]),
         "purelib": sysconfig.get_paths()["purelib"],
         "pycache_prefix": getattr(sys, "pycache_prefix", None),
+        "site_dirs": sorted({os.path.realpath(e) for e in
+                             [*sys.path, sysconfig.get_paths()["purelib"]]
+                             if os.path.basename(e.rstrip(os.sep)) in
+                             ("site-packages", "dist-packages") and os.path.isdir(e)}),
         "distributions": {}, "modules": {},
     }
+    out["editable_trees"] = _editable_trees()
     folders: dict[str, str | None] = {}
     records: dict[str, str] = {}
     owners: dict[str, list[str]] | None = None
@@ -136,7 +205,8 @@ def answer(queries: list[dict[str, str]]) -> dict[str, Any]:
             folders[name], out["distributions"][name] = _distribution(name)
         folder = folders.get(name)
         entry: dict[str, str | None] = {"file": None, "package_dir": None,
-                                        "record_sha256": None, "distribution": name or None}
+                                        "record_sha256": None, "distribution": name or None,
+                                        "refused": None}
         out["modules"][q["module"]] = entry
         try:
             spec = importlib.util.find_spec(q["module"].split(".")[0])
@@ -154,6 +224,11 @@ def answer(queries: list[dict[str, str]]) -> dict[str, Any]:
                 records[name] = _read(folder, "RECORD") or ""
             entry["record_sha256"] = _record_sha256(folder, records[name], q["relative_path"],
                                                     os.path.realpath(candidate))
+        if entry["file"] is not None:
+            entry["refused"] = _refusal(name, out["distributions"].get(name), candidate,
+                                        entry["record_sha256"])
+            if entry["refused"] is not None:
+                entry["file"] = None  # never read, never written
     return out
 
 

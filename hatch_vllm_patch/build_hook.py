@@ -9,7 +9,10 @@ When it acts
     installs the project into an environment for use. An sdist or a standard wheel is an artifact
     that may be installed anywhere; and ``uv build`` of a project with the two-phase setting runs
     the build backend inside the project's own ``.venv``, so "the running interpreter" is no sign
-    of an install. Those builds validate the configuration and touch nothing.
+    of an install. Those builds validate the configuration and touch no environment; a regular
+    wheel carries the resolved selection and the project's own selected patch folders in its
+    ``.dist-info/extra_metadata/`` for the guard and ``apply`` where it is installed
+    (``carried.py``).
 Which environment
     The one ``vllm-patch apply`` would patch from the project directory ([tool.vllm-patch] python,
     ``$UV_PROJECT_ENVIRONMENT``, ``<project>/.venv``, else the running interpreter), so the command
@@ -54,6 +57,7 @@ _OPTIONS = frozenset({"strict"})
 
 class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
     PLUGIN_NAME = "vllm-patch"
+    _carry_dir: str | None = None  # the carried selection's files, until the wheel is built
 
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
         # Deferred so that hatchling's plugin discovery stays cheap for builds not using the hook.
@@ -82,14 +86,39 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
             return
         if not (self.target_name == "wheel" and version == "editable"):
             kind = "an sdist" if self.target_name == "sdist" else f"a {version} {self.target_name}"
+            carried = ""
+            if self.target_name == "wheel":
+                self._carry(config, selection, build_data)
+                carried = ("; the wheel carries the selection, which `python -m hatch_vllm_patch "
+                           "apply` and the guard use where it is installed")
             self.app.display_info(
                 f"{PREFIX} building {kind}, which may be installed anywhere: no environment is "
-                f"patched ({_ids(selection)}); where it is installed, {_next_command()}"
+                f"patched ({_ids(selection)}){carried}; where it is installed, {_next_command()}"
             )
             return
         report = self._apply(root, config, selection)
         if report is not None:
             self._tell(report, root, selection, strict)
+
+    def _carry(self, config: Config, selection: Selection, build_data: dict[str, Any]) -> None:
+        """Put the resolved selection and the project's own selected patch folders into the
+        wheel's ``.dist-info/extra_metadata/`` (see ``carried.py``)."""
+        import tempfile
+
+        from .carried import write_carried
+
+        self._carry_dir = tempfile.mkdtemp(prefix="hatch-vllm-patch-carry-")
+        files = write_carried(Path(self._carry_dir), self.metadata.core.name,
+                              self.metadata.version, config, selection)
+        build_data.setdefault("extra_metadata", {}).update(files)
+
+    def finalize(self, version: str, build_data: dict[str, Any], artifact_path: str) -> None:
+        carry = self._carry_dir
+        if carry is not None:
+            import shutil
+
+            shutil.rmtree(carry, ignore_errors=True)
+            self._carry_dir = None
 
     def _apply(self, root: Path, config: Config, selection: Selection) -> Report | None:
         """Apply the selection; None (after saying why in one line) when there is no target."""

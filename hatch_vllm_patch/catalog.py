@@ -11,13 +11,14 @@ import hashlib
 import importlib.util
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import _toml
 from .errors import CatalogError
+from .trust import UntrustedPath, check_file, check_folder, require_absolute
 
 
 class DuplicatePatchError(CatalogError):
@@ -87,6 +88,9 @@ class Patch(NamedTuple):
     # Digests of the target symbol in releases known to carry the upstream fix; an entry
     # "module:digest" names the module the symbol moved to.
     fixed_shapes: frozenset[str] = frozenset()
+    # False in the guard: it never imports classify.py; a shape the record does not remember as
+    # "known" is then unknown to it (see classifier()).
+    run_classifier: bool = True
     block_name: str = "block.py"  # the file of ``block`` in the folder
     # A patch over several modules: one member per target (each with its own target, shapes
     # and block), applied, verified and reverted together. Empty for a patch of one module.
@@ -122,11 +126,33 @@ class Patch(NamedTuple):
     def block_digest(self) -> str:
         return hashlib.sha256(self.block.encode("utf-8")).hexdigest()
 
+    @property
+    def blocks_digest(self) -> str:
+        """What a record or a wheel selects: the block's digest (for a patch over several
+        modules, one digest of its targets' block digests, see :func:`blocks_digest`)."""
+        return blocks_digest(m.block_digest for m in self.parts)
+
     def classifier(self) -> ShapeClassifier | None:
         """The structural shape classifier of ``classify.py``, loaded once."""
         if self.classifier_path is None:
             return None
+        if not self.run_classifier:
+            return _not_run
         return _load_classifier(self.classifier_path)
+
+
+def blocks_digest(digests: Iterable[str]) -> str:
+    """One digest for the blocks of a patch: the block's own digest when it has one target,
+    else the sha256 of its targets' block digests (sorted, space-separated)."""
+    listed = sorted(digests)
+    if len(listed) == 1:
+        return listed[0]
+    return hashlib.sha256(" ".join(listed).encode("ascii")).hexdigest()
+
+
+def _not_run(source: str) -> tuple[str, str]:
+    return ("unknown", "its shape check is a classify.py, which the guard never runs, and the "
+            "record remembers no check of this code: run `python -m hatch_vllm_patch apply`")
 
 
 class Catalog(Mapping[str, Patch]):
@@ -151,6 +177,12 @@ class Catalog(Mapping[str, Patch]):
     def for_architecture(self, architecture: str) -> tuple[Patch, ...]:
         return tuple(p for p in self.patches if architecture in p.architectures)
 
+    def without_classifiers(self) -> Catalog:
+        """The same patches, none of which will import its ``classify.py`` (the guard's)."""
+        return Catalog(tuple(p._replace(run_classifier=False, members=tuple(
+            m._replace(run_classifier=False) for m in p.members)) for p in self.patches),
+            self.root)
+
     def merged(self, other: Catalog) -> Catalog:
         """This catalog and ``other`` (a project's own patch folders) as one, in id order.
 
@@ -173,12 +205,20 @@ CATALOG_ENV = "HATCH_VLLM_PATCH_CATALOG"
 
 def default_catalog_root() -> Path:
     """``$HATCH_VLLM_PATCH_CATALOG`` (a folder of patch folders, e.g. while writing a new patch),
-    else the catalog shipped in the wheel, else ``patches/`` of a source checkout."""
+    else the catalog shipped in the wheel, else ``patches/`` of a source checkout.
+
+    The variable names code that no command of the user named, in every process that inherits
+    it: it must be an absolute path (never resolved against a working directory), and the folder
+    passes the ownership rule (``trust.py``) when it is loaded."""
     override = os.environ.get(CATALOG_ENV)
     if override:
-        if not Path(override).is_dir():
+        try:
+            root = require_absolute(override, CATALOG_ENV)
+        except UntrustedPath as exc:
+            raise CatalogError(str(exc)) from None
+        if not root.is_dir():
             raise CatalogError(f"${CATALOG_ENV}={override} is not a directory")
-        return Path(override)
+        return root
     here = Path(__file__).resolve().parent
     for candidate in (here / "_patches", here.parent / "patches"):
         if candidate.is_dir():
@@ -191,35 +231,68 @@ def default_catalog_root() -> Path:
 
 def load_catalog(root: Path | None = None) -> Catalog:
     """Read every ``<root>/<id>/patch.toml`` (default: :func:`default_catalog_root`); raise
-    :class:`CatalogError` listing all problems. Each folder is read once per process."""
-    return _load_cached(root or default_catalog_root())
+    :class:`CatalogError` listing all problems. Each folder is read once per process. A catalog
+    named by ``$HATCH_VLLM_PATCH_CATALOG`` must pass the ownership rule."""
+    if root is None:
+        root = default_catalog_root()
+        return _load_cached(root, bool(os.environ.get(CATALOG_ENV)))
+    return _load_cached(root, False)
 
 
 @lru_cache(maxsize=16)
-def _load_cached(root: Path) -> Catalog:
-    return load_patch_folders(root)
+def _load_cached(root: Path, require_trust: bool) -> Catalog:
+    return load_patch_folders(root, require_trust=require_trust)
 
 
-def load_patch_folders(root: Path) -> Catalog:
+def load_patch_folders(root: Path, *, require_trust: bool = False) -> Catalog:
     """The patch folders directly under ``root`` (a catalog, or a project's own patch folder);
-    :class:`CatalogError` listing every problem of every folder."""
+    :class:`CatalogError` listing every problem of every folder.
+
+    ``require_trust``: ``root`` was named by something other than the user's command (the record,
+    an installed distribution, an environment variable): it and every file read from it must
+    pass the ownership rule of ``trust.py`` (an :class:`~.trust.UntrustedPath`, a CatalogError,
+    says which does not), and a classifier must be a file of the patch folder itself."""
+    if require_trust:
+        check_folder(root, "the patch folder")
     errors: list[str] = []
     patches: list[Patch] = []
-    folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
+    try:
+        entries = sorted(root.iterdir())
+    except OSError as exc:
+        raise CatalogError(f"the patch folder {root} cannot be read: {exc.strerror or exc}"
+                           ) from None
+    folders = [p for p in entries if not p.name.startswith((".", "_"))
+               and (p.is_dir() if not require_trust else _plain_dir(p))]
     for folder in folders:
         try:
-            patches.append(_load_patch(folder))
+            patches.append(_load_patch(folder, require_trust))
         except CatalogError as exc:
+            if isinstance(exc, UntrustedPath):
+                raise
             errors.append(str(exc))
     if errors:
         raise CatalogError("the patch catalog is invalid:\n" + "\n".join(errors))
     return Catalog(tuple(patches), root)
 
 
-def _load_patch(folder: Path) -> Patch:
+def _plain_dir(path: Path) -> bool:
+    """A directory that is not a symlink (a checked folder's patch folders are its own)."""
+    return path.is_dir() and not path.is_symlink()
+
+
+def _check(path: Path, folder: Path, require_trust: bool) -> None:
+    if require_trust:
+        check_file(path, "a file of the patch folder", inside=folder)
+
+
+def _load_patch(folder: Path, require_trust: bool = False) -> Patch:
     manifest = folder / "patch.toml"
     where = f"{manifest}"
     errors: list[str] = []
+    if require_trust:
+        check_folder(folder, "the patch folder")
+        if manifest.exists() or manifest.is_symlink():
+            _check(manifest, folder, True)
     try:
         with manifest.open("rb") as f:
             data = _toml.load(f)
@@ -340,6 +413,11 @@ def _load_patch(folder: Path) -> Patch:
     classifier_path: Path | None = None
     if "classifier" in applies:
         classifier_path = folder / str(applies["classifier"])
+        if require_trust and Path(str(applies["classifier"])).name != str(applies["classifier"]):
+            raise UntrustedPath(f"hatch-vllm-patch refuses {where}: applies.classifier "
+                                f"{applies['classifier']!r} is not a file of the patch folder")
+        if classifier_path.is_file() or classifier_path.is_symlink():
+            _check(classifier_path, folder, require_trust)
         if not classifier_path.is_file():
             errors.append(f"{where}: applies.classifier {classifier_path} does not exist")
     if not several and not parsed_targets[0][1] and classifier_path is None:
@@ -349,6 +427,8 @@ def _load_patch(folder: Path) -> Patch:
     for _, _, block_name in parsed_targets:
         block_path = folder / block_name
         block = ""
+        if block_path.exists() or block_path.is_symlink():
+            _check(block_path, folder, require_trust)
         try:
             block = block_path.read_text(encoding="utf-8")
         except FileNotFoundError:
@@ -360,6 +440,8 @@ def _load_patch(folder: Path) -> Patch:
     # written (plan_apply) and by `vllm-patch check` (compiling it on every load would cost
     # every verify and every vLLM process's guard a few milliseconds for nothing).
     probe = folder / "probe.py"
+    if probe.exists() or probe.is_symlink():
+        _check(probe, folder, require_trust)
     summary = text(data, "summary", "summary")
     description = text(data, "description", "description", required=False)
     links = strings(data, "links", "links")

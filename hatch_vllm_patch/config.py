@@ -19,12 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from . import _toml
 from .catalog import Catalog, DuplicatePatchError, load_patch_folders
 from .errors import CatalogError, ConfigurationError
 from .record import GUARD_MODES
+from .trust import UntrustedPath, check_file, check_folder
 
 TABLE = "tool.vllm-patch"
 DEFAULT_PATCH_DIR = "vllm-patches"
@@ -50,6 +52,9 @@ class Config(NamedTuple):
     patch_dirs: tuple[Path, ...] = ()  # the project's own patch folders
     patches: tuple[str, ...] = ()  # top-level: for whatever model is served
     catalog: Catalog | None = None  # the catalog with the project's own patches merged in
+    # Why each top-level patch is selected, when not "[tool.vllm-patch] patches" (a selection
+    # carried by installed wheels names the distribution that carries it).
+    reasons: Mapping[str, tuple[str, ...]] = MappingProxyType({})
 
     @property
     def project_dir(self) -> Path:
@@ -64,10 +69,12 @@ def _type_name(value: object) -> str:
             list: "an array", dict: "a table"}.get(type(value), type(value).__name__)
 
 
-def validate(table: Mapping[str, Any], source: Path, catalog: Catalog) -> Config:
-    """Validate the ``[tool.vllm-patch]`` mapping; raise ConfigurationError with all errors."""
+def validate(table: Mapping[str, Any], source: Path, catalog: Catalog,
+             require_trust: bool = False) -> Config:
+    """Validate the ``[tool.vllm-patch]`` mapping; raise ConfigurationError with all errors.
+    ``require_trust``: see :func:`load_project_config`."""
     errors: list[str] = []
-    patch_dirs, catalog = _project_patches(table, source, catalog, errors)
+    patch_dirs, catalog = _project_patches(table, source, catalog, errors, require_trust)
     for key in sorted(set(table) - _TOP_KEYS):
         expected = ", ".join(sorted(_TOP_KEYS))
         errors.append(f"{TABLE}.{key}: unknown key (expected one of: {expected})")
@@ -156,7 +163,8 @@ def _patch_ids(values: list[Any], where: str, catalog: Catalog, errors: list[str
 
 
 def _project_patches(table: Mapping[str, Any], source: Path, catalog: Catalog,
-                     errors: list[str]) -> tuple[tuple[Path, ...], Catalog]:
+                     errors: list[str], require_trust: bool = False
+                     ) -> tuple[tuple[Path, ...], Catalog]:
     """The project's own patch folder (``patch-dir``, default ``vllm-patches`` when it exists),
     merged into ``catalog``."""
     raw = table.get("patch-dir")
@@ -172,12 +180,18 @@ def _project_patches(table: Mapping[str, Any], source: Path, catalog: Catalog,
         if not folder.is_dir():
             errors.append(f"{TABLE}.patch-dir: {raw!r} is not a folder ({folder} not found)")
             return (), catalog
+    if require_trust and raw is not None and (Path(raw).is_absolute() or ".." in Path(raw).parts):
+        errors.append(f"{TABLE}.patch-dir: {raw!r} leaves the project; a project not named by "
+                      "your own command may use only a folder inside it")
+        return (), catalog
     folder = folder.resolve()
     try:
-        merged = catalog.merged(load_patch_folders(folder))
+        merged = catalog.merged(load_patch_folders(folder, require_trust=require_trust))
     except DuplicatePatchError as exc:
         errors += [f"{TABLE}.patch-dir: {e}" for e in exc.errors]
         return (folder,), catalog
+    except UntrustedPath:
+        raise
     except CatalogError as exc:
         errors += [f"{TABLE}.patch-dir: {line}" for line in str(exc).splitlines()
                    if line.strip() and line != "the patch catalog is invalid:"]
@@ -185,9 +199,19 @@ def _project_patches(table: Mapping[str, Any], source: Path, catalog: Catalog,
     return (folder,), merged
 
 
-def load_project_config(project_dir: Path, catalog: Catalog) -> Config | None:
-    """The project's ``[tool.vllm-patch]``; None when the project has no such table."""
+def load_project_config(project_dir: Path, catalog: Catalog, require_trust: bool = False
+                        ) -> Config | None:
+    """The project's ``[tool.vllm-patch]``; None when the project has no such table.
+
+    ``require_trust``: the project was named by something other than the user's own command
+    (``$HATCH_VLLM_PATCH_PROJECT`` in the guard): the folder, its ``pyproject.toml`` and its patch
+    folder must pass the ownership rule (:class:`~.trust.UntrustedPath` otherwise), and the patch
+    folder must lie inside the project."""
     source = project_dir / "pyproject.toml"
+    if require_trust:
+        check_folder(project_dir, "the project")
+        if source.exists() or source.is_symlink():
+            check_file(source, "the project's pyproject.toml", inside=project_dir)
     try:
         with source.open("rb") as f:
             data = _toml.load(f)
@@ -211,4 +235,4 @@ def load_project_config(project_dir: Path, catalog: Catalog) -> Config | None:
     if not isinstance(table, dict):
         raise ConfigurationError([f"{TABLE}: expected a table, found {_type_name(table)}"],
                                  str(source))
-    return validate(table, source, catalog)
+    return validate(table, source, catalog, require_trust)

@@ -85,6 +85,7 @@ class Verdict(str, enum.Enum):
     EDITING = "editing"  # the file is open for editing (`vllm-patch edit`): not ours to judge
     UNKNOWN_PATCH = "unknown-patch"  # a block of ours whose patch this catalog does not know
     BLOCKED = "blocked"  # refused: such a block sits in the target file
+    OUTSIDE = "outside-distribution"  # refused: the target is no file of its distribution
     ERROR = "error"
 
     def __str__(self) -> str:
@@ -276,6 +277,16 @@ def classify_shape(patch: Patch, original: bytes) -> tuple[str, str]:
     return "known", f"every target symbol has a known shape ({', '.join(seen)})"
 
 
+def _remembered_or_classified(patch: Patch, facts: FileFacts, original: bytes
+                              ) -> tuple[str, str]:
+    """The record remembers a check that said "known" for the same original bytes and the same
+    shapes (``facts.known_shapes``): the verdict is that again, with no parse and no classifier
+    run (the guard runs none); otherwise the shape check decides."""
+    if shape_key(patch, original) in facts.known_shapes:
+        return "known", "a known shape (as the last apply found it)"
+    return classify_shape(patch, original)
+
+
 def shape_key(patch: Patch, original: bytes) -> str:
     """What a shape verdict depends on: the patch's shapes and the original bytes."""
     return f"{patch.id}:{sha256_hex(original)}:{patch.shape_fingerprint}"
@@ -399,10 +410,7 @@ def inspect(patch: Patch, facts: FileFacts) -> Inspection:
         # The block is current; does it still belong to the code under it? (The catalog may
         # have dropped a shape, or the file may be a copy from another build.) The record
         # remembers a check that said "known" for the same code and the same shapes.
-        if shape_key(patch, parsed.original) in facts.known_shapes:
-            status, reason = "known", ""
-        else:
-            status, reason = classify_shape(patch, parsed.original)
+        status, reason = _remembered_or_classified(patch, facts, parsed.original)
         if status != "known":
             return Inspection(
                 Verdict.UNKNOWN_SHAPE,
@@ -419,7 +427,7 @@ def inspect(patch: Patch, facts: FileFacts) -> Inspection:
             f"{dist} {facts.installed_version} >= {patch.fixed_in}: fixed upstream{note}",
             parsed,
         )
-    status, reason = classify_shape(patch, parsed.original)
+    status, reason = _remembered_or_classified(patch, facts, parsed.original)
     if status == "not-applicable":
         return Inspection(Verdict.NOT_APPLICABLE, reason, parsed)
     if status == "unknown":
@@ -444,7 +452,7 @@ def plan_apply(patch: Patch, facts: FileFacts) -> Plan:
                 "not know (renamed or dropped by another release of hatch-vllm-patch, or "
                 "another project's own patch); refusing to add another block on top"))
         if state.verdict is Verdict.STALE:
-            status, reason = classify_shape(patch, state.parsed.original)
+            status, reason = _remembered_or_classified(patch, facts, state.parsed.original)
             if status != "known":
                 return Plan(Verdict.UNKNOWN_SHAPE, f"{reason}; refusing to update the patch")
         try:

@@ -39,6 +39,7 @@ class ModuleLocation(NamedTuple):
     package_dir: Path | None
     record_sha256: str | None
     distribution: str | None = None  # the distribution that owns it, as the probe found it
+    refused: str | None = None  # the file is not one of its distribution's (then file is None)
 
 
 class DistributionInfo(NamedTuple):
@@ -46,6 +47,7 @@ class DistributionInfo(NamedTuple):
     version: str
     editable: bool
     location: str | None
+    tree: str | None = None  # an editable install's own tree (real path)
 
 
 class TargetEnvironment(NamedTuple):
@@ -60,6 +62,14 @@ class TargetEnvironment(NamedTuple):
     distributions: Mapping[str, DistributionInfo | None] = _EMPTY
     modules: Mapping[str, ModuleLocation] = _EMPTY
     pycache_prefix: str | None = None
+    site_dirs: tuple[str, ...] = ()  # the site-packages folders on its sys.path (real paths)
+    editable_trees: tuple[str, ...] = ()  # of every editable install on it (real paths)
+
+    def roots(self) -> tuple[str, ...]:
+        """Where the files hatch-vllm-patch may write in this environment lie (real paths):
+        its site-packages folders and the trees of its editable installs."""
+        return tuple(sorted({*self.site_dirs, os.path.realpath(self.purelib),
+                             *self.editable_trees}))
 
     def version_of(self, distribution: str) -> str | None:
         info = self.distributions.get(distribution)
@@ -242,14 +252,16 @@ def _environment(choice: InterpreterChoice, data: Any, expected: set[str]) -> Ta
                 and isinstance(info.get("name"), str)):
             raise bad(f"distribution {name!r} is malformed")
         location = info.get("location")
+        tree = info.get("tree")
         distributions[name] = DistributionInfo(info["name"], info["version"],
                                                bool(info.get("editable")),
-                                               location if isinstance(location, str) else None)
+                                               location if isinstance(location, str) else None,
+                                               tree if isinstance(tree, str) else None)
     modules: dict[str, ModuleLocation] = {}
     for name, m in mods.items():
         if not isinstance(m, dict) or not all(
                 m.get(k) is None or isinstance(m.get(k), str)
-                for k in ("file", "package_dir", "record_sha256", "distribution")):
+                for k in ("file", "package_dir", "record_sha256", "distribution", "refused")):
             raise bad(f"module {name!r} is malformed")
         modules[name] = ModuleLocation(
             module=name,
@@ -257,6 +269,7 @@ def _environment(choice: InterpreterChoice, data: Any, expected: set[str]) -> Ta
             package_dir=Path(m["package_dir"]) if m.get("package_dir") else None,
             record_sha256=m.get("record_sha256"),
             distribution=m.get("distribution"),
+            refused=m.get("refused"),
         )
     return TargetEnvironment(
         python=choice.python,
@@ -268,4 +281,7 @@ def _environment(choice: InterpreterChoice, data: Any, expected: set[str]) -> Ta
         distributions=distributions,
         modules=modules,
         pycache_prefix=prefix_cache if isinstance(prefix_cache, str) and prefix_cache else None,
+        site_dirs=tuple(d for d in data.get("site_dirs") or () if isinstance(d, str)),
+        editable_trees=tuple(d for d in data.get("editable_trees") or ()
+                             if isinstance(d, str)),
     )

@@ -4,12 +4,18 @@ Every write goes to a temporary file in the target's directory and is moved over
 ``os.replace``. uv installs files as hardlinks into its cache: writing through the existing inode
 (``open(path, "w")``) would silently change the cache and every other environment linked to it.
 
-Locks are taken on directories (``flock`` of the directory itself, by real path): the directory
-of each file we write and the directory of the environment's record. One file can belong to two
-environments (a ``.pth`` into a parent environment, one editable checkout), so a lock per
-environment would not serialise two writers of that file; a lock on its real directory does. No
-lock file is created, so a read-only environment can still be locked for reading, and nothing is
-left behind in the packages we patch.
+Locks are lock files, one per site-packages: ``<site-packages>/.hatch-vllm-patch.lock``, the
+top of the site-packages holding each file we write, and of the environment whose record we
+write (never inside vLLM's own folders). One file can belong to two environments (a ``.pth``
+into a parent environment), so a lock per environment would not serialise two writers of that
+file; the lock of the site-packages the file lies in does. A lock file is created ``0600`` by
+the first writer (the environment's owner), opened without following a symlink and refused
+when it is a symlink, not a regular file, or open to group or others: no other local user can
+open it, so none can hold it (a ``flock`` on a directory, as before, could be held by anyone
+who could open the directory). Files outside any site-packages (an editable checkout) are
+covered by the lock of the environment that writes them. A user who cannot open the lock file
+and cannot write its directory either reads (and fails to write) without it: it cannot change
+anything there.
 """
 
 from __future__ import annotations
@@ -19,10 +25,10 @@ import errno
 import os
 import stat
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from .errors import TargetEnvironmentError
+from .errors import TargetEnvironmentError, UsageError
 
 try:  # POSIX; elsewhere the locks are no-ops
     import fcntl
@@ -39,26 +45,111 @@ class LockError(TargetEnvironmentError):
     """A lock could not be taken (timed out, or the directory cannot be opened)."""
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` through a new inode, keeping the file's permission bits."""
+class TargetChanged(TargetEnvironmentError):
+    """The file was replaced or changed (by an installer) between our read and our write."""
+
+
+class FileIdentity:
+    """Which file was read: inode, size, mtime (ns) and the sha256 of the bytes read."""
+
+    __slots__ = ("inode", "mtime_ns", "sha256", "size")
+
+    def __init__(self, inode: int, size: int, mtime_ns: int, sha256: str) -> None:
+        self.inode, self.size, self.mtime_ns, self.sha256 = inode, size, mtime_ns, sha256
+
+    def same_stat(self, info: os.stat_result) -> bool:
+        return (info.st_ino, info.st_size, info.st_mtime_ns) == (
+            self.inode, self.size, self.mtime_ns)
+
+
+def read_identified(path: Path) -> tuple[bytes, FileIdentity]:
+    """The bytes of ``path`` and the identity of the file they were read from."""
+    import hashlib
+
+    with open(path, "rb") as f:
+        info = os.fstat(f.fileno())
+        data = f.read()
+    return data, FileIdentity(info.st_ino, info.st_size, info.st_mtime_ns,
+                              hashlib.sha256(data).hexdigest())
+
+
+# Called with the target just before it is replaced (tests use it to play an installer).
+_before_replace: Callable[[Path], None] | None = None
+
+
+def current_umask() -> int:
+    """This process's umask (read from /proc where it can be, without changing it)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def write_atomic(path: Path, data: bytes, *, expected: FileIdentity | None = None) -> None:
+    """Replace ``path`` with ``data`` through a new inode, keeping the file's mode, owner and
+    group (a new file gets the mode the umask gives, and, written by root, the owner and group
+    of its folder). With ``expected``, just before the
+    replace the target must still be that file (inode, size, mtime and hash): otherwise
+    :class:`TargetChanged` is raised and nothing is written."""
     import tempfile
 
     try:
-        mode = stat.S_IMODE(path.stat().st_mode)
+        info: os.stat_result | None = path.stat()
     except FileNotFoundError:
-        mode = 0o644
+        info = None
+    mode = stat.S_IMODE(info.st_mode) if info is not None else 0o666 & ~current_umask()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+            if info is not None:
+                _keep_owner(f.fileno(), info)
+            elif os.geteuid() == 0:  # root adding a file to a user's folder: theirs too
+                _keep_owner(f.fileno(), os.stat(path.parent))
         os.chmod(tmp, mode)
+        if expected is not None:
+            if _before_replace is not None:
+                _before_replace(path)
+            _still(path, expected)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _keep_owner(fd: int, info: os.stat_result) -> None:
+    """Give the new inode the old file's owner and group (as far as this user may)."""
+    if (info.st_uid, info.st_gid) == (os.geteuid(), os.getegid()):
+        return
+    try:
+        os.fchown(fd, info.st_uid, info.st_gid)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.fchown(fd, -1, info.st_gid)  # a group of ours: keep at least that
+
+
+def _still(path: Path, expected: FileIdentity) -> None:
+    import hashlib
+
+    try:
+        info = path.stat()
+        same = expected.same_stat(info) and hashlib.sha256(
+            path.read_bytes()).hexdigest() == expected.sha256
+    except FileNotFoundError:
+        same = False
+    if not same:
+        raise TargetChanged(f"{path} was replaced or changed while hatch-vllm-patch was "
+                            "writing it (an installer, e.g. pip or uv, running at the same "
+                            "time); nothing was written to it")
 
 
 def remove_stale_temps(directory: Path) -> list[Path]:
@@ -98,40 +189,71 @@ def drop_bytecode(module_file: Path, pycache_prefix: str | None = None) -> list[
     return removed
 
 
-def replace_module_file(path: Path, data: bytes, pycache_prefix: str | None = None) -> None:
+def replace_module_file(path: Path, data: bytes, pycache_prefix: str | None = None, *,
+                        expected: FileIdentity | None = None) -> None:
     """The one way a module file is written: leftovers of killed runs removed, ``data``
-    written atomically (a new inode: uv's cache never sees it), the stale bytecode dropped."""
+    written atomically (a new inode: uv's cache never sees it; owner, group and mode kept),
+    the stale bytecode dropped. With ``expected`` the file must still be the one read
+    (:class:`TargetChanged` otherwise, nothing written)."""
     remove_stale_temps(path.parent)
-    write_atomic(path, data)
+    write_atomic(path, data, expected=expected)
     drop_bytecode(path, pycache_prefix)
 
 
 def replace_module_files(writes: Sequence[tuple[Path, bytes, bytes]],
-                         pycache_prefix: str | None = None) -> None:
+                         pycache_prefix: str | None = None, *,
+                         expected: Mapping[str, FileIdentity] | None = None) -> None:
     """Write several module files as one change: ``writes`` is (path, new bytes, bytes now).
-    When a write fails, the files written before it get their bytes back and the OSError is
-    raised (its ``filename`` names the file): all of them change, or none."""
+    ``expected`` maps ``str(path)`` to the identity of the file read: each is re-checked
+    just before its replace. When a write fails (an OSError, or :class:`TargetChanged`),
+    the files written before it get their bytes back and the error is raised (an OSError's
+    ``filename`` names the file): all of them change, or none."""
+    identities = expected or {}
     done: list[tuple[Path, bytes]] = []
     for path, new, old in writes:
         try:
-            replace_module_file(path, new, pycache_prefix)
-        except OSError as exc:
+            replace_module_file(path, new, pycache_prefix, expected=identities.get(str(path)))
+        except (OSError, TargetChanged) as exc:
             for written, before in reversed(done):
                 replace_module_file(written, before, pycache_prefix)
-            if exc.filename is None:
+            if isinstance(exc, OSError) and exc.filename is None:
                 exc.filename = str(path)
             raise
         done.append((path, old))
 
 
-def lock_timeout(environ: dict[str, str] | None = None) -> float:
-    """``$HATCH_VLLM_PATCH_LOCK_TIMEOUT`` seconds (default 60)."""
+def lock_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """``$HATCH_VLLM_PATCH_LOCK_TIMEOUT`` seconds (default 60); LockError naming the variable
+    when it is set to something that is not a number of seconds."""
     raw = (environ if environ is not None else os.environ).get(LOCK_TIMEOUT_ENV, "")
-    try:
-        value = float(raw) if raw.strip() else DEFAULT_LOCK_TIMEOUT
-    except ValueError:
+    if not raw.strip():
         return DEFAULT_LOCK_TIMEOUT
-    return max(value, 0.0)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if value != value or value in (float("inf"), float("-inf")) or value < 0:
+        raise UsageError(f"${LOCK_TIMEOUT_ENV}={raw!r} is not a number of seconds: set it to "
+                         f"e.g. 60 (the default), or unset it")
+    return value
+
+
+LOCK_NAME = ".hatch-vllm-patch.lock"
+_TOPS = ("site-packages", "dist-packages")
+
+
+def lock_file_of(directory: Path | str, environment: Path | str) -> str:
+    """The lock file that covers writes in ``directory``: at the top of the site-packages it
+    lies in (by real path), else (an editable checkout) that of ``environment``."""
+    real = os.path.realpath(directory)
+    head = real
+    while True:
+        if os.path.basename(head) in _TOPS:
+            return os.path.join(head, LOCK_NAME)
+        parent = os.path.dirname(head)
+        if parent == head:
+            return os.path.join(os.path.realpath(environment), LOCK_NAME)
+        head = parent
 
 
 @contextlib.contextmanager
@@ -139,38 +261,96 @@ def locked(
     directories: Iterable[Path | str],
     *,
     exclusive: bool,
+    environment: Path | str | None = None,
     timeout: float | None = None,
     on_wait: Callable[[str], None] | None = None,
 ) -> Iterator[None]:
-    """Hold ``flock`` on each directory (by real path, in one global order, so two runs never
-    deadlock). Exclusive for writers, shared for readers.
+    """Hold the lock files covering ``directories`` (see the module's docstring; in one global
+    order, so two runs never deadlock). Exclusive for writers, shared for readers.
+    ``environment`` is the site-packages whose lock covers directories outside any
+    site-packages (default: the first directory).
 
-    A writer that cannot open a directory raises :class:`LockError` and writes nothing; a reader
-    goes on without that lock (it changes nothing). After 2 s of waiting ``on_wait`` is told
-    what is waited for; after ``timeout`` seconds :class:`LockError` is raised.
+    A writer that cannot open a lock file it could create raises :class:`LockError` and writes
+    nothing; a reader goes on without that lock (it changes nothing). After 2 s of waiting
+    ``on_wait`` is told what is waited for; after ``timeout`` seconds :class:`LockError` is
+    raised.
     """
     if fcntl is None:  # pragma: no cover
         yield
         return
     limit = lock_timeout() if timeout is None else timeout
-    real = sorted({os.path.realpath(d) for d in directories})
+    given = [str(d) for d in directories]
+    home = environment if environment is not None else (given[0] if given else None)
+    files = sorted({lock_file_of(d, home or d) for d in given})
     held: list[int] = []
     try:
-        for directory in real:
-            try:
-                fd = os.open(directory, os.O_RDONLY)
-            except OSError as exc:
-                if not exclusive:
-                    continue
-                raise LockError(f"cannot lock {directory}: {exc.strerror or exc}") from None
+        for name in files:
+            fd = _open_lock(name, exclusive)
+            if fd is None:
+                continue
             held.append(fd)
-            _acquire(fd, directory, exclusive, limit, on_wait)
+            _acquire(fd, name, exclusive, limit, on_wait)
         yield
     finally:
         for fd in reversed(held):
             with contextlib.suppress(OSError):
                 fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+
+def _open_lock(name: str, exclusive: bool) -> int | None:
+    """The lock file ``name`` opened (created ``0600`` when missing and its directory is
+    writable), never through a symlink; None when this run goes on without it."""
+    flags = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    fd = None
+    problem: OSError | None = None
+    for mode in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
+        try:
+            fd = os.open(name, mode | flags, 0o600)
+            break
+        except OSError as exc:
+            problem = exc
+            if exc.errno == errno.ELOOP:
+                break
+    if fd is None:
+        assert problem is not None
+        directory = os.path.dirname(name)
+        if not exclusive or (problem.errno in (errno.EACCES, errno.EPERM, errno.EROFS,
+                                               errno.ENOENT)
+                             and not os.access(directory, os.W_OK)):
+            return None  # a reader, or a writer that cannot write there anyway
+        why = ("it is a symlink" if problem.errno == errno.ELOOP
+               else problem.strerror or str(problem))
+        raise LockError(f"cannot lock {name}: {why}; remove it (hatch-vllm-patch creates it "
+                        "again, 0600) and run again")
+    info = os.fstat(fd)
+    try:
+        owner = os.stat(os.path.dirname(name))  # the environment's owner
+    except OSError:
+        owner = info
+    if os.geteuid() == 0 and info.st_uid != owner.st_uid:
+        with contextlib.suppress(OSError):  # root working in a user's environment: theirs
+            os.fchown(fd, owner.st_uid, owner.st_gid)
+            info = os.fstat(fd)
+    bad = None
+    if not stat.S_ISREG(info.st_mode):
+        bad = "it is not a regular file"
+    elif info.st_uid not in (owner.st_uid, 0):
+        bad = (f"it is owned by uid {info.st_uid}, not by the owner of its folder "
+               f"(uid {owner.st_uid}) or root")
+    elif info.st_mode & 0o077:
+        if info.st_uid == os.geteuid() or os.geteuid() == 0:
+            with contextlib.suppress(OSError):
+                os.fchmod(fd, 0o600)
+        if os.fstat(fd).st_mode & 0o077:
+            bad = f"its mode {stat.S_IMODE(info.st_mode):04o} lets other users open it"
+    if bad is None:
+        return fd
+    os.close(fd)
+    if not exclusive:
+        return None
+    raise LockError(f"cannot lock {name}: {bad}, so another user could hold it; remove it "
+                    "(hatch-vllm-patch creates it again, 0600) and run again")
 
 
 def _acquire(fd: int, directory: str, exclusive: bool, limit: float,

@@ -15,10 +15,20 @@ full check in process, and then, by mode:
                      heal, it stops as ``error`` does);
 ``off``              nothing.
 
+What it acts on, all of it installed in this environment (never the working directory's
+configuration): the record written by ``apply``; where no usable record exists, the project
+named by ``$HATCH_VLLM_PATCH_PROJECT`` (an absolute path, set by the operator); else the
+selections carried inside installed wheels (``carried.py``). With none of them it stays silent:
+a vLLM that merely has this package installed never breaks because of it. Every folder it reads
+passes the ownership rule of ``trust.py``; it never imports a patch's ``classify.py`` (shape
+checks use what the record remembers); it heals only to the block digest the record (or the
+wheel) holds.
+
 The mode is ``$HATCH_VLLM_PATCH_GUARD``, else what ``apply`` recorded from ``[tool.vllm-patch]
-guard``. Without a record it uses the ``[tool.vllm-patch]`` of the nearest ``pyproject.toml``
-from the working directory upwards; with neither it stays silent: a vLLM that merely has this
-package installed never breaks because of it.
+guard`` (or what the project or the carried selection asks for). When the guard cannot
+establish that the patches are in place (a lock timeout, a recorded folder that is gone or
+fails the ownership rule, an unreadable catalog, any unexpected error), an ``error`` or
+``apply`` process stops with the reason and a ``warn`` process logs it.
 """
 
 from __future__ import annotations
@@ -29,13 +39,27 @@ import os
 import sys
 import sysconfig
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
-from .record import DEFAULT_GUARD, GUARD_MODES, RecordRead, read_record
+from .record import (
+    DEFAULT_GUARD,
+    GUARD_MODES,
+    UNSURE,
+    RecordRead,
+    Selection,
+    edit_state,
+    read_record,
+)
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from .carried import JoinedSelection
     from .catalog import Catalog
+    from .config import Config
+    from .operations import Request
     from .report import Report
 
 GUARD_ENV = "HATCH_VLLM_PATCH_GUARD"
@@ -46,6 +70,13 @@ _checked = False
 class GuardStop(SystemExit):
     """Stops a vLLM process whose patches are not in place (``error`` mode). A SystemExit with a
     message: Python prints the message, not a traceback, and vLLM does not swallow it."""
+
+
+PROJECT_ENV = "HATCH_VLLM_PATCH_PROJECT"
+
+
+class _CannotCheck(Exception):
+    """The guard cannot establish whether the patches are in place; the message says why."""
 
 
 def check() -> None:
@@ -67,48 +98,202 @@ def check() -> None:
         _check(logger, override, started)
     except GuardStop:
         raise
-    except Exception as exc:  # the guard itself must never take a server down
+    except Exception as exc:
+        # Only what runs before any mode is known gets here (finding and reading the record,
+        # which catch their own errors): with no mode there is no order to stop. Every step
+        # after it is run by _guarded, which stops an error or apply process.
         logger.warning("hatch-vllm-patch: the guard could not check this environment (%s: %s); "
                        "run `python -m hatch_vllm_patch verify`", type(exc).__name__, exc)
 
 
 def _check(logger: logging.Logger, override: str | None, started: float) -> None:
-    state = read_record(Path(sysconfig.get_paths()["purelib"]))
-    selection = state.record.selection if state.usable else None
+    from .trust import UntrustedPath, check_file
+
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    state = read_record(purelib)
+    problem = None
+    if state.exists:
+        try:
+            check_file(state.path, "the environment's record")
+        except UntrustedPath as exc:
+            problem = str(exc)
+        else:
+            if not state.usable:
+                problem = f"the environment's record {state.path} {state.problem}"
+    selection = state.record.selection if problem is None else None
     if selection is not None:
         mode = override or selection.guard
         if mode == "off":
             return
-        editing = set(state.record.edits)
-        selected = tuple(dict.fromkeys(p.id for p in selection.patches))  # one per target
-        changed = _changed_since_apply(state, editing)
+        editing: set[str] = set()
+
+        def recorded_files() -> str:
+            live, over = _live_edits(state)
+            editing.update(live)
+            return over or _changed_since_apply(state, editing) or ""
+
+        changed = _guarded(logger, mode, "checking the recorded files", recorded_files)
         if changed is None:
-            ids = ", ".join(selected) or "none selected"
+            return  # could not check: logged (warn); error and apply stopped
+        if not changed:
+            checked = list(dict.fromkeys(  # a patch over several modules: one entry per target
+                p.id for p in selection.patches if p.file not in editing))
+            unchecked = [(p.id, p.file) for p in selection.patches if p.file in editing]
+            ids = ", ".join(checked) or ("none checked" if unchecked else "none selected")
             logger.info("hatch-vllm-patch: patches in place (%s) [guard %s, %.1f ms]%s", ids,
-                        mode, (time.perf_counter() - started) * 1000, _editing(editing))
+                        mode, (time.perf_counter() - started) * 1000, _editing(unchecked))
             return
-        _full_check(logger, mode, started, patches=selected,
-                    patch_dirs=tuple(Path(d) for d in selection.patch_dirs),
-                    project=Path(selection.project) if selection.project else None,
-                    why=changed)
+        blocks = _recorded_blocks(selection)
+        _guarded(logger, mode, changed, lambda: _full_check(
+            logger, mode, started, changed, _recorded_request(selection, logger), blocks))
         return
-    project = _nearest_project(Path.cwd())
-    if project is None:
-        return  # no record, no configuration: vLLM merely has this package installed
-    config_mode = _configured_mode(project)
-    if config_mode is None:
+    # No usable record: what the operator named, else what the installed wheels carry.
+    named = os.environ.get(PROJECT_ENV, "").strip()
+    if named:
+        mode = override or "error"
+        why = f"no usable record of an apply here; using ${PROJECT_ENV}={named}"
+        config = _guarded(logger, mode, why, lambda: _named_project(named))
+        if config is not None:
+            mode = override or config.guard or DEFAULT_GUARD
+            if mode != "off":
+                _guarded(logger, mode, why, lambda: _full_check(
+                    logger, mode, started, why, _config_request(config, logger), None))
+        return  # the operator's choice replaces the carried selections (also when refused)
+    joined = _guarded(logger, override or "error", "reading the carried selections",
+                      lambda: _carried(purelib))
+    if joined is not None:
+        mode = override or joined.config.guard or DEFAULT_GUARD
+        if mode == "off":
+            return
+        why = (f"no usable record of an apply here; using the selection carried by "
+               f"{', '.join(joined.carriers)}")
+        _guarded(logger, mode, why, lambda: _full_check(
+            logger, mode, started, why, _config_request(joined.config, logger), joined.blocks))
         return
-    mode = override or config_mode
-    if mode == "off":
-        return
-    _full_check(logger, mode, started, patches=(), patch_dirs=(), project=project,
-                why=f"no record of an apply in this environment; using {project}/pyproject.toml")
+    if problem is not None:  # a record we cannot use, and nothing else to go by
+        _cannot(logger, override or "warn", "no usable record", problem)
 
 
-def _editing(files: set[str]) -> str:
-    if not files:
+_T = TypeVar("_T")
+
+
+def _guarded(logger: logging.Logger, mode: str, why: str, step: Callable[[], _T]) -> _T | None:
+    """Run one step of the check; when it cannot be carried out, fail closed (``error``,
+    ``apply``: stop) or log it (``warn``)."""
+    from .errors import VllmPatchError
+
+    try:
+        return step()
+    except GuardStop:
+        raise
+    except (_CannotCheck, VllmPatchError, OSError) as exc:
+        _cannot(logger, mode, why, str(exc))
+    except Exception as exc:
+        _cannot(logger, mode, why, f"{type(exc).__name__}: {exc}")
+    return None
+
+
+def _cannot(logger: logging.Logger, mode: str, why: str, reason: str) -> None:
+    message = (f"hatch-vllm-patch: cannot establish that this vLLM is patched as selected ({why};"
+               f" guard {mode}): {reason}")
+    if mode == "warn":
+        logger.warning("%s", message)
+        return
+    message += ("\n  fix the above, or run: python -m hatch_vllm_patch verify --python "
+                f"{sys.executable}; set HATCH_VLLM_PATCH_GUARD=warn to start anyway")
+    logger.error("%s", message)
+    raise GuardStop(message)
+
+
+def _recorded_request(selection: Selection, logger: logging.Logger) -> Request:
+    """The record's selection over the catalog and its recorded patch folders, each passing
+    the ownership rule, with no classifier to run."""
+    from .catalog import load_catalog, load_patch_folders
+    from .operations import Request
+
+    catalog = load_catalog()
+    for raw in selection.patch_dirs:
+        folder = Path(raw)
+        if not folder.is_absolute():
+            raise _CannotCheck(f"the record names a relative patch folder {raw!r}")
+        if not folder.is_dir():
+            raise _CannotCheck(f"the recorded patch folder {folder} is gone; run: python -m "
+                               f"hatch_vllm_patch apply --python {sys.executable} (in the project)")
+        catalog = catalog.merged(load_patch_folders(folder, require_trust=True))
+    missing = [f"{p.id} (recorded from {p.folder})" for p in selection.patches
+               if p.id not in catalog]
+    if missing:
+        raise _CannotCheck(f"recorded patches not found: {', '.join(dict.fromkeys(missing))}")
+    ids = tuple(dict.fromkeys(p.id for p in selection.patches))  # one entry per target
+    return Request(python=sys.executable, patches=ids,
+                   catalog=catalog.without_classifiers(), on_wait=logger.info)
+
+
+def _recorded_blocks(selection: Selection) -> dict[str, str | None]:
+    """The block digest the record selected for each patch (one entry per target: a patch
+    over several modules gets the digest of its targets' digests, as ``Patch.blocks_digest``)."""
+    from .catalog import blocks_digest
+
+    digests: dict[str, list[str | None]] = {}
+    for entry in selection.patches:
+        digests.setdefault(entry.id, []).append(entry.block_sha256)
+    return {pid: None if None in found else blocks_digest(d for d in found if d is not None)
+            for pid, found in digests.items()}
+
+
+def _config_request(config: Config, logger: logging.Logger) -> Request:
+    from .operations import Request
+
+    assert config.catalog is not None
+    catalog = config.catalog.without_classifiers()
+    return Request(python=sys.executable, config=config._replace(catalog=catalog),
+                   catalog=catalog, on_wait=logger.info)
+
+
+def _named_project(raw: str) -> Config:
+    """``$HATCH_VLLM_PATCH_PROJECT``: an absolute path to a project, under the ownership rule."""
+    from .catalog import load_catalog
+    from .config import load_project_config
+    from .trust import require_absolute
+
+    folder = require_absolute(raw, PROJECT_ENV)
+    config = load_project_config(folder, load_catalog(), require_trust=True)
+    if config is None:
+        raise _CannotCheck(f"{folder}/pyproject.toml has no [tool.vllm-patch] table")
+    return config
+
+
+def _carried(purelib: Path) -> JoinedSelection | None:
+    from .carried import find_carried, join_carried
+
+    carried = find_carried(purelib)  # a scan of the dist-info names: the silent path's cost
+    if not carried:
+        return None
+    from .catalog import load_catalog
+
+    return join_carried(purelib, load_catalog(), carried)
+
+
+def _live_edits(state: RecordRead) -> tuple[set[str], str | None]:
+    """The files of live edit sessions (not checked), and why a full check is needed when a
+    session's file is no longer the one ``edit`` wrote (a stat each; a hash if touched)."""
+    live: set[str] = set()
+    over = None
+    for path, session in state.record.edits.items():
+        why = edit_state(path, session)
+        if why is None:
+            live.add(path)
+        elif over is None:
+            over = (f"{path} is not the file `vllm-patch edit` opened"
+                    + ("" if why == UNSURE else f" ({why})"))
+    return live, over
+
+
+def _editing(unchecked: Sequence[tuple[str, str | None]]) -> str:
+    if not unchecked:
         return ""
-    return (f"; not checked, open for editing (vllm-patch edit): {', '.join(sorted(files))}")
+    names = ", ".join(f"{pid} ({file})" for pid, file in sorted(unchecked, key=str))
+    return f"; not checked (open for editing, vllm-patch edit): {names}"
 
 
 def _changed_since_apply(state: RecordRead, editing: set[str]) -> str | None:
@@ -146,57 +331,44 @@ def _changed_since_apply(state: RecordRead, editing: set[str]) -> str | None:
     return None
 
 
-def _nearest_project(start: Path) -> Path | None:
-    for folder in (start, *start.parents):
-        if (folder / "pyproject.toml").is_file():
-            return folder
-    return None
+def _full_check(logger: logging.Logger, mode: str, started: float, why: str,
+                request: Request, blocks: Mapping[str, str | None] | None) -> None:
+    """The engine's verify, in this process, for this interpreter; then the mode's action.
 
+    ``blocks``: the block digest each patch may be healed to (the record's, the wheel's); a
+    patch whose block differs now is not healed from. None: the operator named the project,
+    whose current blocks are the ones to use."""
+    from .operations import live_edit_files, run
 
-def _configured_mode(project: Path) -> str | None:
-    """The guard mode of the project's [tool.vllm-patch]; None when it has no such table."""
-    from . import _toml
-
-    try:
-        with (project / "pyproject.toml").open("rb") as f:
-            data = _toml.load(f)
-    except (OSError, ValueError):
-        return None
-    tool = data.get("tool")
-    table = tool.get("vllm-patch") if isinstance(tool, dict) else None
-    if not isinstance(table, dict):
-        return None
-    guard = table.get("guard", DEFAULT_GUARD)
-    return guard if guard in GUARD_MODES else DEFAULT_GUARD
-
-
-def _full_check(logger: logging.Logger, mode: str, started: float, *, patches: tuple[str, ...],
-                patch_dirs: tuple[Path, ...], project: Path | None, why: str) -> None:
-    """The engine's verify, in this process, for this interpreter; then the mode's action."""
-    from .operations import Request, resolve, run
-
-    def request() -> Request:
-        # With a record, its selection and patch folders; without, the project's config.
-        return Request(project_dir=None if patches else project, python=sys.executable,
-                       patches=patches, extra_patch_dirs=patch_dirs, on_wait=logger.info)
-
-    verified = run("verify", request())
-    editing = set(read_record(verified.environment.purelib).record.edits)
+    verified = run("verify", request)
+    catalog = request.catalog
+    assert catalog is not None
+    editing = live_edit_files(verified.environment)
     report = _without_edits(verified, editing)
+    unchecked = [(o.patch_id, str(o.file)) for o in verified.outcomes if str(o.file) in editing]
     if report.ok:
-        logger.info("hatch-vllm-patch: patches in place (%s) [guard %s, full check: %s, %.1f ms]",
-                    _ids(report), mode, why, (time.perf_counter() - started) * 1000)
+        logger.info("hatch-vllm-patch: patches in place (%s) [guard %s, full check: %s, "
+                    "%.1f ms]%s", _ids(report), mode, why,
+                    (time.perf_counter() - started) * 1000, _editing(unchecked))
         return
+    failing = list(dict.fromkeys(  # a patch over several modules: one outcome per target
+        o.patch_id for o in report.outcomes if not o.ok and o.patch_id in catalog))
+    changed = {pid: blocks.get(pid) for pid in failing if blocks is not None
+               and blocks.get(pid) != catalog[pid].blocks_digest}
     if mode == "apply":
-        healed = run("apply", request())
-        _reload_in_memory(healed, resolve(request())[0], logger)
-        healed = _without_edits(healed, editing)
-        if healed.ok and _without_edits(run("verify", request()), editing).ok:
-            logger.info("hatch-vllm-patch: healed (%s) [guard apply, %.1f ms]",
-                        _healed(healed), (time.perf_counter() - started) * 1000)
-            return
-        report = healed  # why it could not heal: the apply's own verdicts
-    message = _message(report, mode, why)
+        healable = tuple(pid for pid in failing if pid not in changed)
+        if healable:
+            healing = request._replace(patches=healable)
+            healed = run("apply", healing)
+            _reload_in_memory(healed, catalog, logger)
+            healed = _without_edits(healed, editing)
+            if healed.ok and not changed and _without_edits(run("verify", request), editing).ok:
+                logger.info("hatch-vllm-patch: healed (%s) [guard apply, %s, %.1f ms]",
+                            _healed(healed), why, (time.perf_counter() - started) * 1000)
+                return
+            report = healed._replace(outcomes=(*healed.outcomes, *(
+                o for o in report.outcomes if o.patch_id in changed)))
+    message = _message(report, mode, why, changed, catalog)
     if mode == "warn":
         logger.warning("%s", message)
         return
@@ -223,10 +395,21 @@ def _healed(report: Report) -> str:
     return ", ".join(done) or "nothing to write"
 
 
-def _message(report: Report, mode: str, why: str) -> str:
+def _message(report: Report, mode: str, why: str, changed: Mapping[str, str | None],
+             catalog: Catalog) -> str:
     lines = [f"hatch-vllm-patch: this vLLM is not patched as selected ({why}; guard {mode}):"]
     for o in report.outcomes:
         if o.ok:
+            continue
+        if o.patch_id in changed:
+            recorded = changed[o.patch_id]
+            lines.append(
+                f"  {o.patch_id}: {o.verdict.value} in {o.file or 'its target'}, and its patch "
+                f"folder changed since it was selected (block "
+                f"{catalog[o.patch_id].blocks_digest[:12]}, selected "
+                f"{recorded[:12] if recorded else 'none'}): the guard heals only to the "
+                f"selected block; fix: review {catalog[o.patch_id].folder}, then run: python -m "
+                f"hatch_vllm_patch apply --python {sys.executable}")
             continue
         fix = o.next_step or f"python -m hatch_vllm_patch apply --python {sys.executable}"
         lines.append(f"  {o.patch_id}: {o.verdict.value} in {o.file or 'its target'}: "

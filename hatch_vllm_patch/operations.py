@@ -12,6 +12,7 @@ Order of work, for every operation:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -40,7 +41,14 @@ from .environment import (
     run_bounded,
 )
 from .errors import CatalogError, ConfigurationError, TargetEnvironmentError, UsageError
-from .files import locked, replace_module_file, replace_module_files
+from .files import (
+    FileIdentity,
+    TargetChanged,
+    locked,
+    read_identified,
+    replace_module_file,
+    replace_module_files,
+)
 from .markers import MarkerError, parse_file, sha256_hex
 from .record import (
     DEFAULT_GUARD,
@@ -49,6 +57,8 @@ from .record import (
     FileEntry,
     RecordRead,
     SelectedPatch,
+    drop_pristine,
+    edit_state,
     read_record,
     save_record,
 )
@@ -91,8 +101,12 @@ class Request(NamedTuple):
         return bool(self.patches or self.architectures or self.models)
 
 
-def resolve(request: Request) -> tuple[Catalog, Config | None, Selection, InterpreterChoice]:
-    """The pure-ish front half shared by every operation and the build hook: no writes."""
+def resolve(request: Request, carried: bool = False
+            ) -> tuple[Catalog, Config | None, Selection, InterpreterChoice]:
+    """The pure-ish front half shared by every operation and the build hook: no writes.
+
+    ``carried``: with no ``[tool.vllm-patch]`` and nothing selected on the command line, select
+    what the distributions installed in the target carry (``carried.py``)."""
     catalog = request.catalog or load_catalog()
     project_dir = request.project_dir
     config = request.config
@@ -105,17 +119,48 @@ def resolve(request: Request) -> tuple[Catalog, Config | None, Selection, Interp
             catalog = catalog.merged(load_patch_folders(folder))
         except CatalogError as exc:
             raise ConfigurationError([f"{folder}: {exc}"]) from None
+    choice = choose_interpreter(project_dir, request.python, config.python if config else None)
+    if carried and config is None and not request.command_line_selection:
+        from .carried import join_carried
+
+        joined = join_carried(_purelib(choice), catalog)
+        if joined is not None:
+            config = joined.config
+            assert config.catalog is not None
+            catalog = config.catalog
     selection = select(catalog, config, patches=request.patches,
                        architectures=request.architectures, models=request.models)
-    choice = choose_interpreter(project_dir, request.python, config.python if config else None)
     return catalog, config, selection, choice
+
+
+def _purelib(choice: InterpreterChoice) -> Path:
+    """The target's site-packages, without the full probe (it needs the selection first)."""
+    from .environment import is_running_interpreter
+
+    if is_running_interpreter(choice.python):
+        import sysconfig
+
+        return Path(sysconfig.get_paths()["purelib"])
+    import subprocess
+
+    try:
+        proc = run_bounded([str(choice.python), "-c", "import sysconfig; "
+                            "print(sysconfig.get_paths()['purelib'])"], timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise TargetEnvironmentError(f"{choice.python} ({choice.reason}) cannot be run: {exc}"
+                                     ) from None
+    if proc.returncode != 0 or not proc.stdout.strip():
+        raise TargetEnvironmentError(f"{choice.python} ({choice.reason}) does not answer "
+                                     "where its site-packages are")
+    return Path(proc.stdout.strip().splitlines()[-1])
 
 
 def run(operation: str, request: Request) -> Report:
     """Carry out ``operation``; raise ConfigurationError / UsageError / TargetEnvironmentError."""
     if operation not in OPERATIONS:
         raise UsageError(f"unknown operation {operation!r}; expected one of {OPERATIONS}")
-    catalog, config, selection, choice = resolve(request)
+    catalog, config, selection, choice = resolve(
+        request, carried=operation in {"apply", "verify", "diff"})
     patches: Sequence[Patch] = selection.patches
     why = dict(selection.why)
     if not patches and operation in {"revert", "status"}:
@@ -131,6 +176,12 @@ def run(operation: str, request: Request) -> Report:
     if selection.architectures:
         queries[_REGISTRY.module] = _REGISTRY
     env = inspect_environment(choice, queries.values(), in_process=request.in_process)
+    sessions = read_record(env.purelib).record.edits  # unlocked: which edits to ask about
+    extra = [ModuleQuery(s.distribution, s.module, module_relative_path(s.module))
+             for s in sessions.values() if s.module not in env.modules]
+    if extra:  # whether each edit session is still live needs its installed facts
+        env = inspect_environment(choice, [*queries.values(), *extra],
+                                  in_process=request.in_process)
     notes = list(selection.notes)
     known = (registered_architectures(env.modules[_REGISTRY.module].file)
              if selection.architectures else None)
@@ -171,9 +222,12 @@ class _Session:
         self.notes: list[str] = []
         self.record = self.initial = EnvironmentRecord()
         self.contents: dict[str, bytes | None] = {}  # path -> bytes as last read or written
+        self.identities: dict[str, FileIdentity] = {}  # path -> the file they were read from
         self.known: dict[tuple[str, str], str] = {}  # (path, patch id) -> a "known" shape key
         self.outcomes: dict[tuple[str, str], PatchOutcome] = {}  # (patch id, module) -> outcome
         self.wrote_targets = False
+        self.stale: dict[str, str] = {}  # file -> why its edit session is over
+        self.ended: list[str] = []  # pristine copies to drop once the record says so
 
     # --- where ------------------------------------------------------------------------------
 
@@ -185,9 +239,15 @@ class _Session:
             return location.package_dir / patch.target.relative_path
         return Path(patch.target.relative_path)
 
+    def confined(self) -> list[Patch]:
+        """The targets (of every patch) that are a file of their distribution (the others are
+        refused)."""
+        return [m for p in self.patches for m in p.parts
+                if self.env.modules[m.target.module].refused is None]
+
     def lock_dirs(self, record: EnvironmentRecord) -> set[str]:
         dirs = {str(self.env.purelib)}
-        paths = [self.target_path(m) for p in self.patches for m in p.parts]
+        paths = [self.target_path(m) for m in self.confined()]
         paths += [Path(f) for f in record.files]
         for path in paths:
             if path.parent.is_dir():
@@ -199,10 +259,12 @@ class _Session:
     def carry_out(self) -> tuple[list[PatchOutcome], list[str]]:
         # The record names more files to lock (revert and status look at every file of ours);
         # read it once unlocked to learn them, then again under the lock, where it counts.
-        dirs = self.lock_dirs(read_record(self.env.purelib).record)
+        roots = self.env.roots()
+        dirs = self.lock_dirs(read_record(self.env.purelib, roots).record)
         for _ in range(3):
-            with locked(sorted(dirs), exclusive=self.writes, on_wait=self.request.on_wait):
-                state = read_record(self.env.purelib)
+            with locked(sorted(dirs), exclusive=self.writes, environment=self.env.purelib,
+                        on_wait=self.request.on_wait):
+                state = read_record(self.env.purelib, roots)
                 more = self.lock_dirs(state.record) - dirs
                 if not more:
                     return self.locked_work(state)
@@ -221,10 +283,34 @@ class _Session:
             self.notes.append(f"the environment's record {state.path} {state.problem}; "
                               "treating it as no history")
         self.record = self.initial = state.record
+        self.edit_sessions()
         outcomes = [o for patch in self.patches for o in self.one(patch)]
         outcomes += self.foreign_blocks()
         errors = self.save_record(outcomes)
         return outcomes, errors
+
+    def edit_sessions(self) -> None:
+        """End (writers) or name (readers) the edit sessions whose file is no longer the one
+        ``edit`` opened; ``revert`` of everything names the live ones it leaves open."""
+        self.stale = {p: why for p, why in edit_states(self.env, self.record).items() if why}
+        for path, why in sorted(self.stale.items()):
+            session = self.record.edits[path]
+            if self.writes:
+                self.record = self.record.with_edit(path, None)
+                self.ended.append(session.pristine_sha256)
+                self.notes.append(f"ended the edit session of {session.module} ({path}): {why}")
+            else:
+                self.notes.append(
+                    f"the edit session of {session.module} ({path}) is over: {why}; its file "
+                    f"is checked like any other: `vllm-patch edit {session.module}` opens it "
+                    "afresh, `vllm-patch apply` puts the patches back (and ends the session)")
+        live = sorted(p for p in self.record.edits if p not in self.stale)
+        if (live and self.operation == "revert"
+                and not self.request.command_line_selection):
+            names = ", ".join(f"{self.record.edits[p].module} ({p})" for p in live)
+            self.notes.append(
+                f"still open for editing, your changes kept: {names}; `vllm-patch create ID` "
+                "makes a patch of it, `vllm-patch edit MODULE --discard` ends it")
 
     def facts(self, patch: Patch) -> FileFacts:
         location = self.env.modules[patch.target.module]
@@ -257,7 +343,8 @@ class _Session:
         if str(path) in self.contents:
             return self.contents[str(path)], None
         try:
-            content: bytes | None = path.read_bytes()
+            content: bytes | None
+            content, self.identities[str(path)] = read_identified(path)
         except FileNotFoundError:
             content = None
         except OSError as exc:
@@ -265,11 +352,31 @@ class _Session:
         self.contents[str(path)] = content
         return content, None
 
+    def forget(self, path: Path) -> None:
+        """Read ``path`` afresh next time (it changed under us)."""
+        self.contents.pop(str(path), None)
+        self.identities.pop(str(path), None)
+
     def one(self, patch: Patch) -> list[PatchOutcome]:
         """The outcomes of ``patch``, one per target module, with one verdict: a patch over
-        several modules is planned in all of them first, and written to all or to none."""
+        several modules is planned in all of them first, and written to all or to none. When
+        an installer replaces a file between our read and our write, once more on what it left."""
+        try:
+            return self.one_attempt(patch)
+        except TargetChanged:  # an installer replaced a file between our read and write
+            for m in patch.parts:  # (every file of the patch: the others were put back)
+                self.forget(self.target_path(m))
+        try:
+            return self.one_attempt(patch)  # once more, on what the installer left
+        except TargetChanged as exc:
+            for m in patch.parts:
+                self.forget(self.target_path(m))
+            return [self.outcome(m, Plan(Verdict.ERROR, f"{exc} (twice; retried once)"),
+                                 self.member_facts(m)) for m in patch.parts]
+
+    def one_attempt(self, patch: Patch) -> list[PatchOutcome]:
         members = patch.parts
-        facts = [self.facts(m) for m in members]
+        facts = [self.member_facts(m) for m in members]
         plans = [self.plan(m, f) for m, f in zip(members, facts, strict=True)]
         fine = [self.fine(m, plan) for m, plan in zip(members, plans, strict=True)]
         if len(members) > 1:
@@ -287,14 +394,29 @@ class _Session:
             self.outcomes[(patch.id, m.target.module)] = outcome
         return outcomes
 
+    def member_facts(self, patch: Patch) -> FileFacts:
+        """The facts of one target; a target refused (no file of its distribution) is never
+        read."""
+        if self.env.modules[patch.target.module].refused is not None:
+            return FileFacts(str(self.target_path(patch)), None, None, None)
+        return self.facts(patch)
+
     def plan(self, patch: Patch, facts: FileFacts) -> Plan:
         op = self.operation
+        refused = self.env.modules[patch.target.module].refused
+        if refused is not None:  # confined to its distribution: never read, never written
+            return Plan(Verdict.OUTSIDE, f"refused: {patch.target.module} resolves to "
+                                         f"{refused}; nothing was read or written")
         session = self.record.edits.get(facts.path)
-        if session is not None:  # the user's work in progress: never written, never "modified"
+        if session is not None and facts.path not in self.stale:
+            # the user's work in progress (a live session): never written, never "modified";
+            # a session that is over is checked like any file (edit_sessions says why)
             return Plan(Verdict.EDITING, f"{patch.target.module} is open for editing "
                                          f"(`vllm-patch edit`, from {session.distribution} "
                                          f"{session.version}); nothing of {patch.id} is checked "
-                                         "or written until the edit ends")
+                                         "or written until the edit ends: finish with "
+                                         "`vllm-patch create ID`, or end it with `vllm-patch "
+                                         "edit MODULE --discard`")
         if op == "revert":
             return plan_revert(patch, facts)
         if op in {"apply", "diff"}:
@@ -312,8 +434,8 @@ class _Session:
                   for plan, f in zip(plans, facts, strict=True) if plan.new_content is not None]
         if not writes:
             return plans
-        try:
-            replace_module_files(writes, self.env.pycache_prefix)
+        try:  # TargetChanged (an installer): every file put back, raised to one()
+            replace_module_files(writes, self.env.pycache_prefix, expected=self.identities)
         except OSError as exc:
             where = f" {exc.filename}" if exc.filename else ""
             several = " (every file of the patch was left as it was)" if len(members) > 1 else ""
@@ -322,9 +444,20 @@ class _Session:
         self.wrote_targets = True
         for path, new, _ in writes:
             self.contents[str(path)] = new
+            self.identify(path, new)
         return plans
 
+    def identify(self, path: Path, content: bytes) -> None:
+        """Remember the file just written as the one read (what a second patch of the file
+        must find)."""
+        with contextlib.suppress(OSError):
+            info = path.stat()
+            self.identities[str(path)] = FileIdentity(info.st_ino, info.st_size,
+                                                      info.st_mtime_ns, sha256_hex(content))
+
     def finish(self, patch: Patch, plan: Plan, facts: FileFacts) -> PatchOutcome:
+        if plan.verdict is Verdict.OUTSIDE:
+            return self.outcome(patch, plan, facts)
         path = Path(facts.path)
         op = self.operation
         diff = None
@@ -374,12 +507,14 @@ class _Session:
     def write(self, plan: Plan, path: Path, distribution: str, facts: FileFacts) -> Plan:
         assert plan.new_content is not None and facts.content is not None
         try:
-            replace_module_file(path, plan.new_content, self.env.pycache_prefix)
+            replace_module_file(path, plan.new_content, self.env.pycache_prefix,
+                                expected=self.identities.get(str(path)))
         except OSError as exc:
             return Plan(Verdict.ERROR, f"could not write {path}: {exc.strerror or exc}; "
                                        "the file was left as it was")
         self.wrote_targets = True
         self.contents[str(path)] = plan.new_content
+        self.identify(path, plan.new_content)
         self.reconcile(path, distribution)
         return plan
 
@@ -407,7 +542,7 @@ class _Session:
     def foreign_blocks(self) -> list[PatchOutcome]:
         """Every block of ours, in the files we look at, whose patch the catalog does not know:
         named with a verdict; ``revert`` of everything removes them."""
-        files = {str(self.target_path(m)) for p in self.patches for m in p.parts}
+        files = {str(self.target_path(m)) for m in self.confined()}
         files |= set(self.record.files)
         revert_all = self.operation == "revert" and not self.request.command_line_selection
         outcomes = []
@@ -476,6 +611,9 @@ class _Session:
         path = self.env.purelib / RECORD_NAME
         try:
             save_record(self.env.purelib, new)
+            for digest in self.ended:  # the sessions they belonged to are over now
+                if not any(e.pristine_sha256 == digest for e in new.edits.values()):
+                    drop_pristine(self.env.purelib, digest)
         except OSError as exc:
             problem = f"could not save the environment's record {path}: {exc.strerror or exc}"
             if not self.wrote_targets:
@@ -522,6 +660,9 @@ class _Session:
             except MarkerError:
                 found = None
             block = found.declared_sha256 if found else None
+        # The block this apply selected, when none is in the file (not installed, not needed):
+        # the only block the guard may later heal it to.
+        block = block or patch.block_digest
         return SelectedPatch(
             id=patch.id, distribution=patch.target.distribution, module=patch.target.module,
             # "applied" whether written now or before: an apply with nothing to do must leave
@@ -532,6 +673,23 @@ class _Session:
             file=str(path) if content is not None else None,
             file_sha256=sha256_hex(content) if content is not None else None,
             block_sha256=block, folder=str(patch.folder))
+
+
+def edit_states(env: TargetEnvironment, record: EnvironmentRecord) -> dict[str, str | None]:
+    """Each edit session's file -> None while the session is live, else why it is over."""
+    states = {}
+    for path, session in record.edits.items():
+        location = env.modules.get(session.module)
+        record_sha256 = location.record_sha256 if location is not None else None
+        states[path] = edit_state(path, session,
+                                  (env.version_of(session.distribution), record_sha256))
+    return states
+
+
+def live_edit_files(env: TargetEnvironment) -> set[str]:
+    """The files open for editing whose session is live (the guard does not check them)."""
+    state = read_record(env.purelib)
+    return {p for p, why in edit_states(env, state.record).items() if why is None}
 
 
 def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: FileFacts
@@ -556,6 +714,10 @@ def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: Fi
                 f"({', '.join(patch.links[:1]) or patch.id}); do not force it")
     if verdict is Verdict.NOT_INSTALLED and not patch.target.optional:
         return f"install {target} into {python} first (e.g. uv sync)"
+    if verdict is Verdict.OUTSIDE:
+        return (f"the patch's [target] names {target} and {patch.target.module}, which is not a "
+                f"file {target} installs here: fix the patch folder ({patch.folder}); "
+                "hatch-vllm-patch writes only into its target distribution's own files")
     if verdict is Verdict.BLOCKED:
         return (f"run: python -m hatch_vllm_patch revert --python {python} (removes every "
                 "block of ours and restores the original), then apply")

@@ -11,8 +11,15 @@ It holds two things, written together under the environment's lock by ``apply`` 
     folders. The guard that runs in every vLLM process checks the files against it.
 ``edits``
     the files ``vllm-patch edit`` opened for editing, with the sha256 of their pristine bytes
-    (kept beside the record, in ``.hatch-vllm-patch-edits/``) until ``create`` turns the edit
-    into a patch.
+    (kept beside the record, in ``.hatch-vllm-patch-edits/``; they are also what ``edit``
+    wrote) and the inode, size and mtime of the file ``edit`` wrote, until ``create`` turns
+    the edit into a patch. A file that is no longer that one (an installer replaced it, it was
+    restored by hand) ends the session as stale: :func:`edit_state`.
+
+Its contents are validated: the record is at most 1 MiB (checked before it is read), every
+digest is a sha256, every file path is absolute and normalised and, where the caller gives the
+environment's roots (its site-packages folders and editable trees), lies inside one of them by
+real path. Anything else is a damaged record.
 
 The files are the truth; the record is history that makes checks cheap and hand edits visible.
 A damaged record is never silently rewritten by a read-only command, and a record written by a
@@ -26,7 +33,11 @@ NamedTuples at import in a vLLM 0.20.2 process, and next to nothing as plain cla
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import os
+import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,6 +50,8 @@ FORMAT = 2
 GUARD_MODES = ("error", "warn", "apply", "off")
 DEFAULT_GUARD = "error"
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
+MAX_RECORD_BYTES = 1 << 20  # a record of 100 patches is ~60 kB
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class RecordDamaged(ValueError):
@@ -148,7 +161,8 @@ class SelectedPatch(_Value):
     ok: bool
     file: str | None  # the target file, when it exists
     file_sha256: str | None  # its bytes after the apply
-    block_sha256: str | None  # our block's digest, when the block is in the file
+    block_sha256: str | None  # the block in the file, else the one apply selected (the guard
+    # heals to this block only)
     folder: str | None  # the patch folder (built-in catalog or the project's)
 
     def to_json(self) -> dict[str, Any]:
@@ -183,24 +197,73 @@ class EditSession(_Value):
     """A file opened with ``vllm-patch edit``: where its pristine bytes are, and what was taken
     out of it (our blocks, re-applied after ``create``)."""
 
-    _fields = ("module", "distribution", "version", "pristine_sha256", "removed", "updating")
+    _fields = ("module", "distribution", "version", "pristine_sha256", "removed", "opened",
+               "updating")
     __slots__ = _fields
-    _defaults: ClassVar[dict[str, Any]] = {"removed": (), "updating": None}
+    _defaults: ClassVar[dict[str, Any]] = {"removed": (), "opened": None, "updating": None}
 
     module: str
     distribution: str
     version: str
-    pristine_sha256: str
+    pristine_sha256: str  # also the hash of what edit wrote
     removed: tuple[str, ...]
+    opened: tuple[int, int, int] | None  # (inode, size, mtime_ns) of the file edit wrote
     updating: str | None  # the patch whose `update` left conflicts here to resolve
 
     def to_json(self) -> dict[str, Any]:
-        data = {"module": self.module, "distribution": self.distribution,
-                "version": self.version, "pristine_sha256": self.pristine_sha256,
-                "removed": list(self.removed)}
+        data: dict[str, Any] = {
+            "module": self.module, "distribution": self.distribution, "version": self.version,
+            "pristine_sha256": self.pristine_sha256, "removed": list(self.removed)}
+        if self.opened is not None:
+            data["opened"] = dict(zip(("inode", "size", "mtime_ns"), self.opened, strict=True))
         if self.updating is not None:
             data["updating"] = self.updating
         return data
+
+
+UNSURE = "unsure"  # edit_state without the installed facts: only a full check can tell
+
+
+def edit_state(path: str, session: EditSession,
+               installed: tuple[str | None, str | None] | None = None) -> str | None:
+    """None while the edit session of ``path`` is live (the file is the one ``edit`` wrote,
+    edited in place or saved by an editor as a new file); else why it is stale.
+
+    ``installed`` is (installed version of the session's distribution, RECORD sha256 of the
+    file) from the environment probe; without it (the guard's fast path) a file with another
+    inode gives :data:`UNSURE`. Costs a ``stat`` while the file is untouched since ``edit``,
+    a hash otherwise."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return "the file is gone"
+    except OSError:
+        return None  # cannot tell: the session stays as it is
+    opened = session.opened
+    if opened is not None and (info.st_ino, info.st_size, info.st_mtime_ns) == opened:
+        return None  # untouched since edit opened it
+    if installed is None and (opened is None or info.st_ino != opened[0]):
+        return UNSURE
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    if b"# >>> hatch-vllm-patch: " in data:
+        return "it carries our blocks again (an apply, or a copy restored by hand)"
+    digest = hashlib.sha256(data).hexdigest()
+    version, record_sha256 = installed if installed is not None else (session.version, None)
+    if version is None:
+        return f"{session.distribution} is not installed any more"
+    if version != session.version:
+        return (f"{session.distribution} {version} is installed now; the edit was of "
+                f"{session.version}")
+    if opened is not None and digest == session.pristine_sha256:
+        return (f"it is the pristine {session.distribution} {session.version} file again "
+                "(reinstalled, or restored by hand)")
+    if record_sha256 is not None and digest == record_sha256:
+        return f"it is {session.distribution} {version}'s file again (reinstalled)"
+    return None
 
 
 def pristine_copy(directory: Path, digest: str) -> Path:
@@ -213,7 +276,12 @@ def keep_pristine(directory: Path, data: bytes, digest: str) -> Path:
     from .files import remove_stale_temps, write_atomic
 
     copy = pristine_copy(directory, digest)
-    copy.parent.mkdir(exist_ok=True)
+    if not copy.parent.is_dir():
+        copy.parent.mkdir()
+        if os.geteuid() == 0:  # root made it in a user's environment: theirs, as it is
+            info = directory.stat()
+            with contextlib.suppress(OSError):
+                os.chown(copy.parent, info.st_uid, info.st_gid)
     remove_stale_temps(copy.parent)
     write_atomic(copy, data)
     return copy
@@ -294,24 +362,55 @@ class RecordRead(_Value):
         return self.problem is None
 
 
-def read_record(directory: Path) -> RecordRead:
-    """Read ``<directory>/.hatch-vllm-patch.json``; never raises for a bad file."""
+def read_record(directory: Path, roots: tuple[str, ...] = ()) -> RecordRead:
+    """Read ``<directory>/.hatch-vllm-patch.json``; never raises for a bad file. With
+    ``roots`` (real paths), a file path outside all of them makes the record damaged."""
     path = directory / RECORD_NAME
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_RECORD_BYTES:
+                return RecordRead(path, EnvironmentRecord(), True,
+                                  f"is damaged: {size} bytes, more than a record can be "
+                                  f"({MAX_RECORD_BYTES} bytes)")
+            raw = f.read(MAX_RECORD_BYTES + 1)
     except FileNotFoundError:
         return RecordRead(path, EnvironmentRecord(), exists=False)
     except OSError as exc:
         return RecordRead(path, EnvironmentRecord(), True,
                           f"cannot be read ({exc.strerror or exc})")
     try:
-        return RecordRead(path, parse_record(raw), True)
+        return RecordRead(path, parse_record(raw, roots), True)
     except RecordDamaged as exc:
         return RecordRead(path, EnvironmentRecord(), True, str(exc))
 
 
-def parse_record(raw: bytes) -> EnvironmentRecord:
+def _path(value: object, where: str, roots: tuple[str, ...]) -> str:
+    """A file path of the record: absolute, normalised, and inside ``roots`` when given."""
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise RecordDamaged(f"{where} is not a path")
+    if not os.path.isabs(value) or os.path.normpath(value) != value or value.startswith("//"):
+        raise RecordDamaged(f"{where} {value!r} is not an absolute, normalised path")
+    if roots:
+        real = os.path.realpath(value)
+        if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
+            raise RecordDamaged(f"{where} {value!r} lies outside the environment (its "
+                                f"site-packages and editable trees: {', '.join(roots)})")
+    return value
+
+
+def _digest(value: object, where: str, optional: bool = False) -> Any:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not _SHA256.fullmatch(value):
+        raise RecordDamaged(f"{where} is not a sha256 digest")
+    return value
+
+
+def parse_record(raw: bytes, roots: tuple[str, ...] = ()) -> EnvironmentRecord:
     """The record in ``raw``; RecordDamaged naming the first problem."""
+    if len(raw) > MAX_RECORD_BYTES:
+        raise RecordDamaged(f"is damaged: more than {MAX_RECORD_BYTES} bytes")
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -327,13 +426,13 @@ def parse_record(raw: bytes) -> EnvironmentRecord:
     files_raw = data.get("files", {})
     if not isinstance(files_raw, dict):
         raise RecordDamaged('"files" is not an object')
-    files = {str(p): _file_entry(p, e) for p, e in files_raw.items()}
+    files = {_path(p, '"files" key', roots): _file_entry(p, e) for p, e in files_raw.items()}
     selection_raw = data.get("selection")
-    selection = None if selection_raw is None else _selection(selection_raw)
+    selection = None if selection_raw is None else _selection(selection_raw, roots)
     edits_raw = data.get("edits", {})
     if not isinstance(edits_raw, dict):
         raise RecordDamaged('"edits" is not an object')
-    edits = {str(p): _edit(p, e) for p, e in edits_raw.items()}
+    edits = {_path(p, '"edits" key', roots): _edit(p, e) for p, e in edits_raw.items()}
     return EnvironmentRecord(files, selection, edits)
 
 
@@ -344,12 +443,20 @@ def _edit(path: str, raw: object) -> EditSession:
     removed = raw.get("removed", [])
     if not isinstance(removed, list) or not all(isinstance(r, str) for r in removed):
         raise RecordDamaged(f"{where}.removed is not a list of patch ids")
+    opened = raw.get("opened")
+    if opened is not None:
+        numbers = [opened.get(k) for k in ("inode", "size", "mtime_ns")] \
+            if isinstance(opened, dict) else []
+        if len(numbers) != 3 or not all(type(n) is int and n >= 0 for n in numbers):
+            raise RecordDamaged(f"{where}.opened is not an inode, size and mtime_ns")
+        opened = tuple(numbers)
     return EditSession(
         module=_text(raw.get("module"), f"{where}.module"),
         distribution=_text(raw.get("distribution"), f"{where}.distribution"),
         version=_text(raw.get("version"), f"{where}.version"),
-        pristine_sha256=_text(raw.get("pristine_sha256"), f"{where}.pristine_sha256"),
+        pristine_sha256=_digest(raw.get("pristine_sha256"), f"{where}.pristine_sha256"),
         removed=tuple(removed),
+        opened=opened,
         updating=_text(raw.get("updating"), f"{where}.updating", optional=True),
     )
 
@@ -367,7 +474,8 @@ def _file_entry(path: str, raw: object) -> FileEntry:
     if not isinstance(raw, dict):
         raise RecordDamaged(f"{where} is not an object")
     patches = raw.get("patches", {})
-    if not isinstance(patches, dict) or not all(isinstance(v, str) for v in patches.values()):
+    if not isinstance(patches, dict) or not all(
+            isinstance(v, str) and _SHA256.fullmatch(v) for v in patches.values()):
         raise RecordDamaged(f"{where}.patches is not an object of digests")
     known = raw.get("known_shapes", {})
     if not isinstance(known, dict) or not all(isinstance(v, str) for v in known.values()):
@@ -376,14 +484,14 @@ def _file_entry(path: str, raw: object) -> FileEntry:
         distribution=_text(raw.get("distribution"), f"{where}.distribution"),
         distribution_version=_text(raw.get("distribution_version"),
                                    f"{where}.distribution_version"),
-        original_sha256=_text(raw.get("original_sha256"), f"{where}.original_sha256"),
-        patched_sha256=_text(raw.get("patched_sha256"), f"{where}.patched_sha256"),
+        original_sha256=_digest(raw.get("original_sha256"), f"{where}.original_sha256"),
+        patched_sha256=_digest(raw.get("patched_sha256"), f"{where}.patched_sha256"),
         patches={str(k): v for k, v in patches.items()},
         known_shapes={str(k): v for k, v in known.items()},
     )
 
 
-def _selection(raw: object) -> Selection:
+def _selection(raw: object, roots: tuple[str, ...] = ()) -> Selection:
     if not isinstance(raw, dict):
         raise RecordDamaged('"selection" is not an object')
     guard = raw.get("guard", DEFAULT_GUARD)
@@ -406,9 +514,10 @@ def _selection(raw: object) -> Selection:
             module=_text(p.get("module"), f"{where}.module"),
             verdict=_text(p.get("verdict"), f"{where}.verdict"),
             ok=p["ok"],
-            file=_text(p.get("file"), f"{where}.file", optional=True),
-            file_sha256=_text(p.get("file_sha256"), f"{where}.file_sha256", optional=True),
-            block_sha256=_text(p.get("block_sha256"), f"{where}.block_sha256", optional=True),
+            file=None if p.get("file") is None else _path(p["file"], f"{where}.file", roots),
+            file_sha256=_digest(p.get("file_sha256"), f"{where}.file_sha256", optional=True),
+            block_sha256=_digest(p.get("block_sha256"), f"{where}.block_sha256",
+                                 optional=True),
             folder=_text(p.get("folder"), f"{where}.folder", optional=True),
         ))
     return Selection(tuple(selected), guard, _text(raw.get("project"), '"selection".project',

@@ -121,7 +121,9 @@ def select(
     if config is None:
         return builder.build()
     for pid in config.patches:
-        builder.add(pid, "[tool.vllm-patch] patches (for every model served)")
+        for reason in config.reasons.get(pid, ("[tool.vllm-patch] patches (for every model "
+                                               "served)",)):
+            builder.add(pid, reason)
     by_arch: dict[str, ModelInfo] = {}
     for i, path in enumerate(config.models):
         info = read_model(path, f"tool.vllm-patch.models[{i}]")

@@ -103,6 +103,41 @@ def write_demo_project(root: Path, version: str = "1.0.0", source: str = DEMO_SO
     return root
 
 
+# What vLLM does in each process: load the entry points of vllm.general_plugins and call them.
+# `pre` imports the target module first, as vLLM's engine core does before loading plugins.
+DEMO_PROCESS = textwrap.dedent("""\
+    import importlib.metadata, logging, sys
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if sys.argv[1:] == ["pre"]:
+        import demo_pkg.core
+    for ep in importlib.metadata.entry_points(group="vllm.general_plugins"):
+        ep.load()()
+    import demo_pkg.core
+    print("patched:", "_hvp_demo_original" in vars(demo_pkg.core))
+    """)
+
+
+def vllm_like(python: Path, cwd: Path, *args: str, mode: str | None = None,
+              catalog: Path | None = None, env: dict[str, str] | None = None,
+              program_dir: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """A process that loads vLLM's general plugins as vLLM does, in ``cwd``; the program is
+    written to ``program_dir`` (default: ``cwd``)."""
+    import os
+
+    program = (program_dir or cwd) / "serve.py"
+    program.write_text(DEMO_PROCESS)
+    environ = {k: v for k, v in os.environ.items()
+               if k not in {"HATCH_VLLM_PATCH_GUARD", "VIRTUAL_ENV", "HATCH_VLLM_PATCH_CATALOG"}}
+    if mode is not None:
+        environ["HATCH_VLLM_PATCH_GUARD"] = mode
+    if catalog is not None:
+        environ["HATCH_VLLM_PATCH_CATALOG"] = str(catalog)
+    environ.update(env or {})
+    return subprocess.run([str(python), str(program), *args], cwd=cwd, env=environ,
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
 def registry_by_ast(source: str) -> list[str]:
     """The architectures of a vLLM model registry, read with ast (the slow, exact way)."""
     names: list[str] = []

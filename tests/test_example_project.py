@@ -51,11 +51,12 @@ def copy_example(dest: Path, *, two_phase: bool = True) -> Path:
     return dest
 
 
-def uv(project: Path, *args: str, check: bool = True,
-       locked: bool = True) -> subprocess.CompletedProcess[str]:
+def uv(project: Path, *args: str, check: bool = True, locked: bool = True,
+       env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     # VIRTUAL_ENV names the project's own .venv: an outer one would make uv warn.
-    env = {"VIRTUAL_ENV": str(project / ".venv"), **({"UV_LOCKED": "1"} if locked else {})}
-    return run([UV, *args], cwd=project, env=env, check=check)
+    environ = {"VIRTUAL_ENV": str(project / ".venv"), **({"UV_LOCKED": "1"} if locked else {}),
+               **(env or {})}
+    return run([UV, *args], cwd=project, env=environ, check=check)
 
 
 def verify(project: Path, *args: str, sync: bool = True) -> subprocess.CompletedProcess[str]:
@@ -164,14 +165,21 @@ def test_without_two_phase_setting_apply_fixes_what_sync_left(tmp_path: Path) ->
     assert re.search(rf"missing\s+{PATCH}", result.stdout), result.stdout
     assert "hatch_vllm_patch apply" in result.stdout
 
-    # vLLM loads hatch-vllm-patch's guard in every process: without a record of an apply it
-    # checks the project's [tool.vllm-patch] (guard = "error": it stops the process).
+    # vLLM loads hatch-vllm-patch's guard in every process. With no record of an apply (and no
+    # selection carried by a regular wheel: uv installed the project editable) it never reads
+    # the working directory's pyproject.toml; the operator can name the project, and then its
+    # [tool.vllm-patch] guard = "error" stops the process. (Before: the project of the working
+    # directory was read.)
     plugins = uv(project, "run", "--no-sync", "python", "-c",
                  "import importlib.metadata as m; "
                  "print([e.value for e in m.entry_points(group='vllm.general_plugins')])")
     assert "'hatch_vllm_patch.guard:check'" in plugins.stdout, plugins.stdout  # beside vLLM's
     load = "from vllm.plugins import load_general_plugins; load_general_plugins(); print('served')"
-    stopped = uv(project, "run", "--no-sync", "python", "-c", load, check=False)
+    silent = uv(project, "run", "--no-sync", "python", "-c", load, check=False)
+    assert silent.returncode == 0 and "served" in silent.stdout, silent.stdout + silent.stderr
+    assert "hatch-vllm-patch" not in silent.stdout + silent.stderr
+    stopped = uv(project, "run", "--no-sync", "python", "-c", load, check=False,
+                 env={"HATCH_VLLM_PATCH_PROJECT": str(project)})
     assert stopped.returncode == 1 and "served" not in stopped.stdout, stopped.stdout
     assert f"{PATCH}: missing in" in stopped.stderr and "Traceback" not in stopped.stderr
 

@@ -261,7 +261,7 @@ def test_lock_wait_is_announced_and_bounded(demo_venv: Path, demo_catalog: Path)
     sp = site_packages(demo_venv.parent.parent)
     target = sp / "demo_pkg" / "core.py"
     before = target.read_bytes()
-    fd = os.open(os.path.realpath(target.parent), os.O_RDONLY)
+    fd = os.open(sp / ".hatch-vllm-patch.lock", os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
         started = time.monotonic()
@@ -573,3 +573,41 @@ def test_ascii_only_stdout(demo_venv: Path, demo_catalog: Path) -> None:
                env={"PYTHONIOENCODING": "ascii"})
     assert proc.returncode == 0 and "Traceback" not in proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "vllm-patch apply: 1 applied - OK"
+
+
+def test_crafted_record_cannot_make_revert_or_create_write_outside(
+        demo_venv: Path, demo_catalog: Path, tmp_path: Path) -> None:
+    """A record naming a file outside the environment (with one of our blocks in it, or as a
+    file open for editing with a pristine copy) is damaged: revert and create refuse, naming
+    the record, and the outside file keeps its bytes."""
+    sp = site_packages(demo_venv.parent.parent)
+    outside = tmp_path / "outside" / "victim.py"
+    outside.parent.mkdir()
+    block = b"# >>> hatch-vllm-patch: demo-old sha256=" + b"0" * 64 + b"\nx = 1\n" \
+        b"# <<< hatch-vllm-patch: demo-old\n"
+    outside.write_bytes(b"secret = 1\n" + block)
+    before = outside.read_bytes()
+    pristine = b"planted = 1\n"
+    digest = sha(pristine)
+    (sp / ".hatch-vllm-patch-edits").mkdir()
+    (sp / ".hatch-vllm-patch-edits" / f"{digest}.py").write_bytes(pristine)
+    entry = {"distribution": "demo-pkg", "distribution_version": "1.0.0",
+             "original_sha256": sha(b"secret = 1\n"), "patched_sha256": sha(before),
+             "patches": {"demo-old": "0" * 64}}
+    session = {"module": "demo_pkg.core", "distribution": "demo-pkg", "version": "1.0.0",
+               "pristine_sha256": digest, "removed": []}
+    for record in ({"format": 2, "files": {str(outside): entry}},
+                   {"format": 2, "edits": {str(outside): session}}):
+        (sp / RECORD).write_text(json.dumps(record))
+        reverted = cli("revert", "--python", str(demo_venv), catalog=demo_catalog)
+        assert reverted.returncode == 1 and "Traceback" not in reverted.stderr
+        assert "lies outside the environment" in reverted.stderr, reverted.stderr
+        project = tmp_path / "project"
+        project.mkdir(exist_ok=True)
+        (project / "pyproject.toml").write_text("[tool.vllm-patch]\n")
+        created = cli("create", "stolen", "--python", str(demo_venv), cwd=project,
+                      catalog=demo_catalog)
+        assert created.returncode != 0 and "Traceback" not in created.stderr
+        assert "lies outside the environment" in created.stderr, created.stderr
+        assert outside.read_bytes() == before
+        assert not (project / "vllm-patches" / "stolen").exists()

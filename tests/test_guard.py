@@ -17,45 +17,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_BLOCK, pristine_environment, write_demo_catalog
+from conftest import DEMO_BLOCK, pristine_environment, vllm_like, write_demo_catalog
 from venvs import UV, create_venv, run, site_packages
 
 RECORD = ".hatch-vllm-patch.json"
 PATCH = "kv-cache-page-unification"
 
-# What vLLM does in each process: load the entry points of vllm.general_plugins and call them.
-# `pre` imports the target module first, as vLLM's engine core does before loading plugins.
-DEMO_PROCESS = textwrap.dedent("""\
-    import importlib.metadata, logging, sys
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format="%(levelname)s %(name)s: %(message)s")
-    if sys.argv[1:] == ["pre"]:
-        import demo_pkg.core
-    for ep in importlib.metadata.entry_points(group="vllm.general_plugins"):
-        ep.load()()
-    import demo_pkg.core
-    print("patched:", "_hvp_demo_original" in vars(demo_pkg.core))
-    """)
-
-
 @pytest.fixture
 def guarded(tmp_path: Path, demo_wheels: dict[str, Path], project_wheel: Path) -> Path:
     """A venv with demo-pkg 1.0.0 and hatch-vllm-patch (its guard entry point included)."""
     return create_venv(tmp_path / "venv", str(demo_wheels["1.0.0"]), str(project_wheel))
-
-
-def vllm_like(python: Path, cwd: Path, *args: str, mode: str | None = None,
-              catalog: Path | None = None) -> subprocess.CompletedProcess[str]:
-    program = cwd / "serve.py"
-    program.write_text(DEMO_PROCESS)
-    env = {k: v for k, v in os.environ.items()
-           if k not in {"HATCH_VLLM_PATCH_GUARD", "VIRTUAL_ENV", "HATCH_VLLM_PATCH_CATALOG"}}
-    if mode is not None:
-        env["HATCH_VLLM_PATCH_GUARD"] = mode
-    if catalog is not None:
-        env["HATCH_VLLM_PATCH_CATALOG"] = str(catalog)
-    return subprocess.run([str(python), str(program), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
 
 
 def cli_in(python: Path, *args: str, catalog: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -136,20 +107,143 @@ def test_silent_without_record_or_configuration(guarded: Path, tmp_path: Path) -
     assert not (site_packages(guarded.parent.parent) / RECORD).exists()
 
 
-def test_without_record_the_nearest_pyproject_decides(guarded: Path, tmp_path: Path) -> None:
-    """No apply ever ran here (pip, a Ray node): the [tool.vllm-patch] of the nearest
-    pyproject.toml above the working directory selects, and its guard mode applies."""
+PLANTED = '[tool.vllm-patch]\nguard = "{mode}"\n\n[tool.vllm-patch.architectures.DemoForCausalLM]\n'
+
+
+def test_working_directory_configuration_is_never_read(guarded: Path, tmp_path: Path) -> None:
+    """No record: a [tool.vllm-patch] in the working directory or above it (guard apply, error)
+    is not read: silent, nothing written; the project named by $HATCH_VLLM_PATCH_PROJECT is, and
+    a relative value is refused. (Before: the nearest pyproject.toml decided.)"""
     catalog = write_demo_catalog(tmp_path / "catalog")
+    sp = site_packages(guarded.parent.parent)
+    target = sp / "demo_pkg" / "core.py"
+    unpatched = target.read_bytes()
     project = tmp_path / "project"
     (project / "deep" / "inside").mkdir(parents=True)
-    (project / "pyproject.toml").write_text(
-        '[tool.vllm-patch]\nguard = "apply"\n\n[tool.vllm-patch.architectures.DemoForCausalLM]\n')
-    proc = vllm_like(guarded, project / "deep" / "inside", catalog=catalog)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "healed (demo-fix)" in proc.stdout and "patched: True" in proc.stdout
-    record = json.loads((site_packages(guarded.parent.parent) / RECORD).read_text())
+    for mode in ("apply", "error"):
+        (project / "pyproject.toml").write_text(PLANTED.format(mode=mode))
+        (project / "deep" / "pyproject.toml").write_text(PLANTED.format(mode=mode))
+        for cwd in (project, project / "deep" / "inside"):
+            proc = vllm_like(guarded, cwd, catalog=catalog)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            assert "hatch-vllm-patch" not in proc.stdout + proc.stderr
+            assert "patched: False" in proc.stdout
+    assert target.read_bytes() == unpatched and not (sp / RECORD).exists()
+
+    relative = vllm_like(guarded, tmp_path, catalog=catalog,
+                         env={"HATCH_VLLM_PATCH_PROJECT": "project"})
+    assert relative.returncode == 1 and "relative path" in relative.stderr
+    assert "Traceback" not in relative.stderr and target.read_bytes() == unpatched
+
+    (project / "deep" / "pyproject.toml").unlink()
+    (project / "pyproject.toml").write_text(PLANTED.format(mode="apply"))
+    named = vllm_like(guarded, tmp_path / "project" / "deep" / "inside", catalog=catalog,
+                      env={"HATCH_VLLM_PATCH_PROJECT": str(project)})
+    assert named.returncode == 0, named.stdout + named.stderr
+    assert "healed (demo-fix)" in named.stdout and "patched: True" in named.stdout
+    record = json.loads((sp / RECORD).read_text())
     assert record["selection"]["guard"] == "apply"
     assert [p["id"] for p in record["selection"]["patches"]] == ["demo-fix"]
+
+
+def test_heals_only_to_the_recorded_block(guarded: Path, tmp_path: Path,
+                                          demo_wheels: dict[str, Path]) -> None:
+    """A patch folder whose block changed since apply is not healed from: apply mode stops
+    with its own message and the command; the file stays as the reinstall left it."""
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    cli_in(guarded, "apply", "--patch", "demo-fix", catalog=catalog, cwd=tmp_path)
+    reinstall_demo(guarded, demo_wheels["1.0.0"])
+    target = site_packages(guarded.parent.parent) / "demo_pkg" / "core.py"
+    unpatched = target.read_bytes()
+    block = catalog / "demo-fix" / "block.py"
+    block.write_text(DEMO_BLOCK + "print('a block nobody applied')\n")
+    proc = vllm_like(guarded, tmp_path, mode="apply", catalog=catalog)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "its patch folder changed since it was selected" in proc.stderr
+    assert "heals only to the selected block" in proc.stderr
+    assert "python -m hatch_vllm_patch apply" in proc.stderr
+    assert "a block nobody applied" not in proc.stdout + proc.stderr
+    assert target.read_bytes() == unpatched
+    block.write_text(DEMO_BLOCK)
+    healed = vllm_like(guarded, tmp_path, mode="apply", catalog=catalog)
+    assert healed.returncode == 0 and "healed (demo-fix)" in healed.stdout
+
+
+def test_error_mode_fails_closed(guarded: Path, tmp_path: Path,
+                                 demo_wheels: dict[str, Path]) -> None:
+    """When the guard cannot establish that the patches are in place (the recorded patch folder
+    is gone, the lock is held past its timeout), error and apply stop with the reason, warn
+    logs it and goes on."""
+    import fcntl
+
+    project = tmp_path / "project"
+    write_demo_catalog(project / "vllm-patches")
+    (project / "pyproject.toml").write_text(PLANTED.format(mode="error"))
+    assert run([str(guarded), "-m", "hatch_vllm_patch", "apply"], cwd=project,
+               check=False).returncode == 0
+    reinstall_demo(guarded, demo_wheels["1.0.0"])
+    sp = site_packages(guarded.parent.parent)
+
+    from hatch_vllm_patch.files import lock_file_of
+
+    fd = os.open(lock_file_of(sp, sp), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        waited = vllm_like(guarded, tmp_path, env={"HATCH_VLLM_PATCH_LOCK_TIMEOUT": "1"})
+    finally:
+        os.close(fd)
+    assert waited.returncode == 1, waited.stdout + waited.stderr
+    assert "cannot establish that this vLLM is patched" in waited.stderr
+    assert "lock" in waited.stderr and "Traceback" not in waited.stderr
+
+    moved = tmp_path / "moved"
+    (project / "vllm-patches").rename(moved)
+    for mode in (None, "apply"):
+        stopped = vllm_like(guarded, tmp_path, mode=mode)
+        assert stopped.returncode == 1, stopped.stdout + stopped.stderr
+        assert f"the recorded patch folder {project / 'vllm-patches'} is gone" in stopped.stderr
+        assert "patched:" not in stopped.stdout
+    warned = vllm_like(guarded, tmp_path, mode="warn")
+    assert warned.returncode == 0 and "patched: False" in warned.stdout
+    assert "WARNING vllm.hatch_vllm_patch: hatch-vllm-patch: cannot establish" in warned.stdout
+
+
+CLASSIFIER = """\
+import pathlib
+pathlib.Path({marker!r}).write_text("classify.py ran")
+
+
+def classify(source):
+    return ("known", "the demo shape") if "raise NotImplementedError" in source else \\
+        ("unknown", "not the demo shape")
+"""
+
+
+def test_guard_never_runs_classify(guarded: Path, tmp_path: Path,
+                                   demo_wheels: dict[str, Path]) -> None:
+    """The guard never imports a patch's classify.py: it heals a reinstalled file with the shape
+    check the record remembers, and calls a shape the record does not know unknown."""
+    marker = tmp_path / "classifier-ran"
+    project = tmp_path / "project"
+    folder = write_demo_catalog(project / "vllm-patches") / "demo-fix"
+    manifest = folder / "patch.toml"
+    text = manifest.read_text()
+    manifest.write_text(text[:text.index("shapes = ")] + 'classifier = "classify.py"\n')
+    (folder / "classify.py").write_text(CLASSIFIER.format(marker=str(marker)))
+    (project / "pyproject.toml").write_text(PLANTED.format(mode="apply"))
+    applied = run([str(guarded), "-m", "hatch_vllm_patch", "apply"], cwd=project, check=False)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    assert marker.exists(), "the CLI runs the project's classifier (the user asked for it)"
+    marker.unlink()
+
+    reinstall_demo(guarded, demo_wheels["1.0.0"])
+    healed = vllm_like(guarded, tmp_path)
+    assert healed.returncode == 0 and "healed (demo-fix)" in healed.stdout, healed.stderr
+    reinstall_demo(guarded, demo_wheels["2.0.0"])
+    unknown = vllm_like(guarded, tmp_path)
+    assert unknown.returncode == 1, unknown.stdout + unknown.stderr
+    assert "which the guard never runs" in unknown.stderr
+    assert not marker.exists(), "the guard imported classify.py"
 
 
 def test_revert_of_everything_clears_the_selection(guarded: Path, tmp_path: Path) -> None:
@@ -331,3 +425,191 @@ def _spawn_scenarios(python: Path, tmp_path: Path) -> None:
     silent = spawn()
     assert silent.returncode == 0 and "CHILD patched: None" in silent.stdout
     assert "hatch-vllm-patch" not in silent.stdout + silent.stderr
+
+
+# --- edit sessions and the guard, on real vLLM files (#19) ------------------------------------
+
+# What vLLM does in each process, without importing vLLM (its files only, --no-deps): load our
+# entry point of vllm.general_plugins (vLLM's own need torch) and call it; then what the server
+# would run.
+PLUGINS = textwrap.dedent("""\
+    import importlib.metadata, importlib.util, logging, sys
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(levelname)s %(name)s: %(message)s")
+    for ep in importlib.metadata.entry_points(group="vllm.general_plugins"):
+        if ep.value.startswith("hatch_vllm_patch"):
+            ep.load()()
+    spec = importlib.util.find_spec("vllm")
+    path = spec.submodule_search_locations[0] + "/v1/core/kv_cache_utils.py"
+    text = open(path).read()
+    print("SERVES", "edited" if "HVP-EDITED" in text else
+          "patched" if "# >>> hatch-vllm-patch: kv-cache" in text else "unpatched")
+    """)
+
+
+@pytest.mark.slow
+def test_edit_sessions_end_when_their_file_is_replaced(tmp_path: Path,
+                                                       project_wheel: Path) -> None:
+    """On vLLM 0.20.2's files: a live edit lets the server run on the edited file, reported as
+    not checked (open for editing), never in place; a reinstall mid-edit ends the session:
+    status and verify name it, the guard stops an error process and heals in apply mode (which
+    ends it and drops its pristine copy), edit opens afresh; a restore by hand and a reinstall
+    of another version end it too; revert says which sessions stay open."""
+    from venvs import cached_wheel, release_venv
+
+    python = release_venv(tmp_path / "venv", "vllm", "0.20.2")
+    run([UV, "pip", "install", "--quiet", "--python", str(python), str(project_wheel)])
+    sp = site_packages(tmp_path / "venv")
+    target = sp / "vllm" / "v1" / "core" / "kv_cache_utils.py"
+    module = "vllm.v1.core.kv_cache_utils"
+    project = tmp_path / "serve"
+    project.mkdir()
+    (project / "pyproject.toml").write_text(f'[tool.vllm-patch]\npatches = ["{PATCH}"]\n')
+    program = tmp_path / "plugins.py"
+    program.write_text(PLUGINS)
+
+    def tool(*args: str) -> subprocess.CompletedProcess[str]:
+        return run([str(python), "-m", "hatch_vllm_patch", *args], cwd=project, check=False)
+
+    def serve(mode: str | None = None) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k not in {"HATCH_VLLM_PATCH_GUARD",
+                                                                 "VIRTUAL_ENV"}}
+        if mode:
+            env["HATCH_VLLM_PATCH_GUARD"] = mode
+        proc = subprocess.run([str(python), str(program)], cwd="/", env=env,
+                              capture_output=True, text=True, timeout=300, check=False)
+        assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+        return proc
+
+    def install(version: str) -> None:
+        run([UV, "pip", "install", "--quiet", "--reinstall", "--no-deps", "--no-cache",
+             "--python", str(python), str(cached_wheel("vllm", version))])
+
+    def edit_in_place() -> None:
+        assert tool("edit", module).returncode == 0
+        text = target.read_text()
+        target.write_text(text.replace('"""Utilities', '"""HVP-EDITED Utilities', 1)
+                          if '"""Utilities' in text else text + "\n# HVP-EDITED\n")
+
+    def sessions() -> dict[str, object]:
+        return json.loads((sp / RECORD).read_text())["edits"]
+
+    assert tool("apply").returncode == 0
+    edit_in_place()
+    copies = list((sp / ".hatch-vllm-patch-edits").iterdir())
+    assert len(copies) == 1
+    live = serve()
+    assert live.returncode == 0 and "SERVES edited" in live.stdout, live.stdout + live.stderr
+    assert "patches in place (none checked)" in live.stdout
+    assert f"not checked (open for editing, vllm-patch edit): {PATCH} ({target})" in live.stdout
+    healing = serve("apply")
+    assert healing.returncode == 0 and "SERVES edited" in healing.stdout  # not healed over
+    assert "is over" not in tool("status").stdout
+
+    install("0.20.2")  # the installer replaces the file mid-edit: the issue's sequence
+    status = tool("status")
+    assert f"the edit session of {module} ({target}) is over: it is the pristine vllm 0.20.2 " \
+        "file again" in status.stdout, status.stdout
+    verify = tool("verify")
+    assert verify.returncode == 1 and "is over" in verify.stdout
+    assert f"missing      {PATCH}" in verify.stdout or "missing" in verify.stdout
+    stopped = serve()
+    assert stopped.returncode == 1 and "SERVES" not in stopped.stdout
+    assert f"{PATCH}: missing in {target}" in stopped.stderr
+    assert "patches in place" not in stopped.stdout + stopped.stderr
+    healed = serve("apply")
+    assert healed.returncode == 0 and "SERVES patched" in healed.stdout, healed.stdout
+    assert f"healed ({PATCH})" in healed.stdout
+    assert sessions() == {} and not list((sp / ".hatch-vllm-patch-edits").iterdir())
+    assert "patches in place (kv-cache-page-unification)" in serve().stdout
+
+    edit_in_place()  # a stale session makes edit open the module afresh
+    install("0.20.2")
+    again = tool("edit", module)
+    assert again.returncode == 0 and "opened afresh" in again.stdout + again.stderr
+    assert list(sessions()) == [str(target)]
+    assert tool("edit", module, "--discard").returncode == 0
+    assert tool("apply").returncode == 0
+
+    patched = target.read_bytes()  # restored by hand, in place, from a copy with our block
+    edit_in_place()
+    target.write_bytes(patched)
+    by_hand = serve()
+    assert by_hand.returncode == 0 and "SERVES patched" in by_hand.stdout
+    assert "patches in place (kv-cache-page-unification) [guard error, full check" in \
+        by_hand.stdout, by_hand.stdout
+    ended = tool("apply")
+    assert ended.returncode == 0 and f"ended the edit session of {module}" in ended.stdout
+    assert sessions() == {}
+
+    edit_in_place()  # a reinstall of another version mid-edit
+    install("0.20.1")
+    other = tool("status")
+    assert "vllm 0.20.1 is installed now; the edit was of 0.20.2" in other.stdout, other.stdout
+    stopped = serve()
+    assert stopped.returncode == 1 and f"{PATCH}: missing" in stopped.stderr
+    install("0.20.2")
+    assert tool("apply").returncode == 0 and sessions() == {}
+
+    edit_in_place()  # revert of everything during an edit: the live session stays, named
+    reverted = tool("revert")
+    assert f"still open for editing, your changes kept: {module} ({target})" in reverted.stdout
+    assert list(sessions()) == [str(target)] and "HVP-EDITED" in target.read_text()
+    install("0.20.2")
+    reverted = tool("revert")
+    assert f"ended the edit session of {module}" in reverted.stdout, reverted.stdout
+    assert sessions() == {} and not list((sp / ".hatch-vllm-patch-edits").iterdir())
+
+
+# One vLLM import for the issue's sequence: vLLM's own load_general_plugins() in error mode
+# (it must stop), then, flags reset as in a new process, in apply mode (it must heal the
+# already imported module).
+ERROR_THEN_APPLY = textwrap.dedent("""\
+    import logging, os, sys
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(levelname)s %(name)s: %(message)s")
+    import vllm.plugins
+    import vllm.v1.core.kv_cache_utils as k
+    import hatch_vllm_patch.guard as guard
+    for mode in ("error", "apply"):
+        os.environ["HATCH_VLLM_PATCH_GUARD"] = mode
+        vllm.plugins.plugins_loaded = False
+        guard._checked = False
+        try:
+            vllm.plugins.load_general_plugins()
+            print(mode.upper(), "went on", flush=True)
+        except SystemExit as exc:
+            print(mode.upper(), "stopped:", str(exc).splitlines()[0], flush=True)
+        print(mode.upper(), "patched:",
+              getattr(k.unify_kv_cache_spec_page_size, "_hvp_patch_id", None), flush=True)
+    """)
+
+
+@pytest.mark.slow
+def test_reinstall_during_an_edit_stops_error_and_heals_apply_in_vllm(
+        vllm_with_tool: Path, tmp_path: Path) -> None:
+    """The sequence of #19 on vLLM 0.20.2 with its own plugin loading: apply, edit, reinstall;
+    then an error process stops (no "in place" line) and an apply process heals the module it
+    had imported; the stale edit session is gone."""
+    python = vllm_with_tool
+    with pristine_environment(python):
+        work = tmp_path / "work"
+        work.mkdir()
+        sp = site_packages(python.parent.parent)
+        program = tmp_path / "sequence.py"
+        program.write_text(ERROR_THEN_APPLY)
+        run([str(python), "-m", "hatch_vllm_patch", "apply", "--patch", PATCH], cwd=work)
+        run([str(python), "-m", "hatch_vllm_patch", "edit", "vllm.v1.core.kv_cache_utils"],
+            cwd=work)
+        run([UV, "pip", "install", "--quiet", "--reinstall", "--no-deps", "--python",
+             str(python), "vllm==0.20.2"])
+        env = {k: v for k, v in os.environ.items() if k not in {"VIRTUAL_ENV"}}
+        env["HF_HUB_OFFLINE"] = "1"
+        proc = subprocess.run([str(python), str(program)], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=900, check=False)
+        out = proc.stdout
+        assert proc.returncode == 0 and "Traceback" not in out + proc.stderr, out + proc.stderr
+        assert "ERROR stopped: hatch-vllm-patch: this vLLM is not patched as selected" in out
+        assert "ERROR patched: None" in out and "patches in place" not in out
+        assert "APPLY went on" in out and f"APPLY patched: {PATCH}" in out, out
+        assert json.loads((sp / RECORD).read_text())["edits"] == {}

@@ -289,3 +289,54 @@ def test_model_dir_of_a_fine_tune_selects_the_family(tmp_path: Path, demo_venv: 
     data = json.loads(proc.stdout)
     assert [p["id"] for p in data["patches"]] == ["demo-fix"]
     assert "Qwen3_5MoeForConditionalGeneration" in data["patches"][0]["selected_because"][0]
+
+
+def _catalog_for(root: Path, distribution: str, module: str) -> Path:
+    """The demo patch, declared for ``distribution`` and aimed at ``module``."""
+    catalog = write_demo_catalog(root)
+    manifest = catalog / "demo-fix" / "patch.toml"
+    manifest.write_text(manifest.read_text()
+                        .replace('distribution = "demo-pkg"', f'distribution = "{distribution}"')
+                        .replace('module = "demo_pkg.core"', f'module = "{module}"'))
+    return catalog
+
+
+@pytest.mark.parametrize("distribution, module, why", [
+    ("demo-pkg", "json.decoder", "is not a file of demo-pkg 1.0.0: not in its RECORD"),
+    ("other-pkg", "demo_pkg.core", "is not a file of other-pkg: other-pkg is not installed"),
+])
+def test_targets_are_confined_to_their_distribution(demo_venv: Path, tmp_path: Path,
+                                                    distribution: str, module: str,
+                                                    why: str) -> None:
+    """A patch whose module resolves to a file its declared distribution does not install
+    (the standard library, another distribution's file) is refused by every command, named
+    outside-distribution with the next step; the file is neither written nor read."""
+    catalog = _catalog_for(tmp_path / "catalog", distribution, module)
+    probe = ("import importlib.util, sys; spec = importlib.util.find_spec(sys.argv[1]); "
+             "print(spec.origin)")
+    file = Path(run([str(demo_venv), "-c", probe, module]).stdout.strip())
+    before = (file.read_bytes(), file.stat().st_mtime_ns, file.stat().st_atime_ns)
+    for op, code in (("apply", 1), ("verify", 1), ("revert", 1), ("status", 0), ("diff", 1)):
+        data = call(demo_venv, catalog, op)
+        [outcome] = data["patches"]
+        assert outcome["verdict"] == "outside-distribution", (op, outcome)
+        assert why in outcome["reason"] and "nothing was read or written" in outcome["reason"]
+        assert data["exit"] == code, (op, data)
+        if code:
+            assert "fix the patch folder" in outcome["next_step"]
+    after = (file.read_bytes(), file.stat().st_mtime_ns, file.stat().st_atime_ns)
+    assert after == before
+    checked = cli("check", str(catalog / "demo-fix"), "--python", str(demo_venv), cwd=tmp_path)
+    assert checked.returncode == 1 and "[target] resolves to" in checked.stdout + checked.stderr
+    site = site_packages(demo_venv.parent.parent)
+    assert not (site / ".hatch-vllm-patch.json").exists()
+
+
+def test_edit_refuses_a_module_of_no_distribution(demo_venv: Path, tmp_path: Path) -> None:
+    """`vllm-patch edit` of a standard-library module is refused (exit 2) and writes nothing."""
+    proc = cli("edit", "json.decoder", "--python", str(demo_venv), cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "refused" in proc.stderr and "belongs to no installed distribution" in proc.stderr
+    site = site_packages(demo_venv.parent.parent)
+    assert not (site / ".hatch-vllm-patch.json").exists()
+    assert not (site / ".hatch-vllm-patch-edits").exists()

@@ -59,3 +59,50 @@ def test_damage_is_named(data: bytes, problem: str) -> None:
     """Every structural problem is one RecordDamaged naming it (never a KeyError)."""
     with pytest.raises(RecordDamaged, match=problem.replace("(", r"\(")):
         parse_record(data)
+
+
+def test_a_huge_record_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """A 200 MB record is damaged by its size alone: refused in milliseconds, unread."""
+    import time
+
+    with (tmp_path / ".hatch-vllm-patch.json").open("wb") as f:
+        f.truncate(200 * 10**6)  # sparse: reading it would still cost
+    started = time.perf_counter()
+    state = read_record(tmp_path)
+    assert time.perf_counter() - started < 0.05
+    assert not state.usable and "200000000 bytes, more than a record can be" in state.problem
+
+
+@pytest.mark.parametrize("path, problem", [
+    ("x.py", "not an absolute, normalised path"),
+    ("/sp/../etc/x.py", "not an absolute, normalised path"),
+    ("/etc/x.py", "lies outside the environment"),
+])
+def test_paths_are_validated(tmp_path: Path, path: str, problem: str) -> None:
+    """A file path of the record must be absolute, normalised and inside the environment's
+    roots; a path leaving them through a symlink is outside too."""
+    record = {"format": 2, "edits": {path: EditSession("m", "vllm", "1", "d" * 64).to_json()}}
+    with pytest.raises(RecordDamaged, match=problem):
+        parse_record(json.dumps(record).encode(), ("/sp",))
+    (tmp_path / "sp").mkdir()
+    (tmp_path / "sp" / "link").symlink_to("/etc")
+    inside = str(tmp_path / "sp" / "link" / "x.py")
+    record = {"format": 2, "selection": {"patches": [
+        {"id": "kv", "distribution": "vllm", "module": "m", "verdict": "applied", "ok": True,
+         "file": inside}]}}
+    with pytest.raises(RecordDamaged, match="lies outside the environment"):
+        parse_record(json.dumps(record).encode(), (str(tmp_path / "sp"),))
+
+
+def test_digests_and_session_identity_are_validated() -> None:
+    """A digest that is not a sha256, or an edit session's file identity that is not three
+    numbers, is damage."""
+    bad_digest = {"format": 2, "files": {"/x.py": {**ENTRY.to_json(), "patched_sha256": "zz"}}}
+    with pytest.raises(RecordDamaged, match="patched_sha256 is not a sha256 digest"):
+        parse_record(json.dumps(bad_digest).encode())
+    session = {**EditSession("m", "vllm", "1", "d" * 64).to_json(), "opened": {"inode": "1"}}
+    with pytest.raises(RecordDamaged, match="opened is not an inode, size and mtime_ns"):
+        parse_record(json.dumps({"format": 2, "edits": {"/y.py": session}}).encode())
+    good = EditSession("m", "vllm", "1", "d" * 64, (), (5, 10, 99))
+    parsed = parse_record(EnvironmentRecord(edits={"/y.py": good}).render())
+    assert parsed.edits["/y.py"].opened == (5, 10, 99)

@@ -144,6 +144,11 @@ def _check_target(member: Patch, env: TargetEnvironment, errors: list[str],
     version = env.version_of(target.distribution)
     several = len(member.parts) > 1 or member.block_name != "block.py"
     where = f" ({target.module})" if several else ""
+    if location.refused is not None:
+        manifest = member.folder / "patch.toml"
+        errors.append(f"{manifest}: [target]{where} resolves to {location.refused}: "
+                      "hatch-vllm-patch writes only into its target distribution's own files")
+        return
     if location.file is None or version is None:
         info.append(f"{target.distribution} is not installed in {env.python}: shapes{where} "
                     "and names not compared")

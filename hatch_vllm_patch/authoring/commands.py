@@ -23,12 +23,21 @@ from ..config import DEFAULT_PATCH_DIR
 from ..engine import locate_in, node_source
 from ..environment import InterpreterChoice, ModuleQuery, TargetEnvironment, inspect_environment
 from ..errors import CatalogError, TargetEnvironmentError, UsageError
-from ..files import locked, replace_module_file
+from ..files import (
+    FileIdentity,
+    current_umask,
+    locked,
+    read_identified,
+    replace_module_file,
+    replace_module_files,
+)
 from ..markers import MarkerError, parse_file, sha256_hex
 from ..operations import Request, resolve, run
 from ..record import (
     EditSession,
+    EnvironmentRecord,
     drop_pristine,
+    edit_state,
     keep_pristine,
     pristine_copy,
     read_record,
@@ -54,6 +63,7 @@ def write_patch_folder(patch_dir: Path, patch_id: str, files: dict[str, str]) ->
         raise UsageError(f"{final} already exists: choose another id, or remove that folder")
     staging = Path(tempfile.mkdtemp(prefix=f".{patch_id}.", suffix=".hvp-tmp", dir=patch_dir))
     try:
+        staging.chmod(0o777 & ~current_umask())  # like any folder the user makes (not 0700)
         for name, text in files.items():
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
             (staging / name).write_text(text, encoding="utf-8")
@@ -90,6 +100,10 @@ def _check_new_id(patch_id: str, request: Request) -> _NewPatch:
 
 def _module_of(env: TargetEnvironment, module: str) -> tuple[Path, str, str]:
     location = env.modules[module]
+    if location.refused is not None:
+        raise UsageError(f"{module}: refused: it resolves to {location.refused}; edit and new "
+                         "work on the files of an installed distribution only (e.g. "
+                         "vllm.v1.core.kv_cache_utils); nothing was read or written")
     if location.file is None:
         raise UsageError(f"{module}: no such module file in {env.python} ({env.reason}); "
                          "give a module of an installed distribution, e.g. "
@@ -129,30 +143,43 @@ def edit(request: Request, module: str, *, discard: bool = False) -> EditResult:
     path, distribution, version = _module_of(env, module)
     location = env.modules[module]
     _writable(env.purelib, path.parent)
-    with locked([env.purelib, path.parent], exclusive=True, on_wait=request.on_wait):
-        state = read_record(env.purelib)
-        if not state.usable:
-            raise TargetEnvironmentError(f"the environment's record {state.path} "
-                                         f"{state.problem}; move it away and run again")
-        record = state.record
+    with locked([env.purelib, path.parent], exclusive=True, environment=env.purelib,
+                on_wait=request.on_wait):
+        record = _usable_record(env)
         session = record.edits.get(str(path))
+        notes = []
+        over = None if session is None else edit_state(
+            str(path), session, (version if version != "unknown" else None,
+                                 location.record_sha256))
+        if session is not None and over is not None:  # the file is not the one edit opened
+            record = record.with_edit(str(path), None)
+            if discard:
+                save_record(env.purelib, record)
+                _drop_unshared(env, record, session)
+                return EditResult(path, module, version, session.removed, discarded=True,
+                                  notes=(f"the edit session was already over ({over}): ended "
+                                         "it, and left the file as it is",))
+            _drop_unshared(env, record, session)
+            notes.append(f"the earlier edit session of {path} was over ({over}): opened "
+                         "afresh")
+            session = None
         if discard:
             if session is None:
                 raise UsageError(f"{path} is not open for editing")
             pristine = _pristine(env, path, session)
-            replace_module_file(path, pristine, env.pycache_prefix)
+            _, identity = read_identified(path)
+            replace_module_file(path, pristine, env.pycache_prefix, expected=identity)
             save_record(env.purelib, record.with_edit(str(path), None))
             drop_pristine(env.purelib, session.pristine_sha256)
             return EditResult(path, module, version, session.removed, discarded=True)
         if session is not None:
             return EditResult(path, module, session.version, session.removed, already=True)
-        content = path.read_bytes()
+        content, identity = read_identified(path)
         try:
             parsed = parse_file(content)
         except MarkerError as exc:
             raise UsageError(f"{path}: our markers were edited by hand ({exc}); restore the "
                              "file first") from None
-        notes = []
         entry = record.files.get(str(path))
         expected = location.record_sha256 or (entry.original_sha256 if entry and parsed.blocks
                                               else None)
@@ -167,13 +194,60 @@ def edit(request: Request, module: str, *, discard: bool = False) -> EditResult:
                          "is taken as the pristine one")
         digest = sha256_hex(parsed.original)
         keep_pristine(env.purelib, parsed.original, digest)
-        # a new inode, without our blocks
-        replace_module_file(path, parsed.original, env.pycache_prefix)
+        # a new inode, without our blocks; refused if an installer replaced the file meanwhile
+        replace_module_file(path, parsed.original, env.pycache_prefix, expected=identity)
         removed = tuple(b.patch_id for b in parsed.blocks)
         record = record.with_file(str(path), None).with_edit(str(path), EditSession(
-            module, distribution, version, digest, removed))
+            module, distribution, version, digest, removed, opened_identity(path)))
         save_record(env.purelib, record)
     return EditResult(path, module, version, removed, notes=tuple(notes))
+
+
+def opened_identity(path: Path) -> tuple[int, int, int]:
+    """(inode, size, mtime_ns) of the file an edit session is about (an installer's file has
+    another inode)."""
+    info = path.stat()
+    return info.st_ino, info.st_size, info.st_mtime_ns
+
+
+def _usable_record(env: TargetEnvironment) -> EnvironmentRecord:
+    """The environment's record (its paths checked against the environment's roots); a
+    damaged one is refused: authoring writes nothing on a history it cannot read."""
+    state = read_record(env.purelib, env.roots())
+    if state.exists and not state.usable:
+        raise TargetEnvironmentError(f"the environment's record {state.path} {state.problem}; "
+                                     "move it away and run again")
+    return state.record
+
+
+def _drop_unshared(env: TargetEnvironment, record: EnvironmentRecord,
+                   session: EditSession) -> None:
+    """Drop the pristine copy of an ended ``session`` unless another session of ``record``
+    shares it."""
+    if not any(e.pristine_sha256 == session.pristine_sha256 for e in record.edits.values()):
+        drop_pristine(env.purelib, session.pristine_sha256)
+
+
+def over_sessions(env: TargetEnvironment, sessions: dict[str, EditSession]) -> dict[str, str]:
+    """The sessions of ``sessions`` that are over (file -> why), by the installed facts of
+    ``env`` (which must know each session's module)."""
+    over = {}
+    for name, session in sessions.items():
+        location = env.modules.get(session.module)
+        why = edit_state(name, session, (env.version_of(session.distribution),
+                                         location.record_sha256 if location else None))
+        if why is not None:
+            over[name] = why
+    return over
+
+
+def refuse_over(env: TargetEnvironment, sessions: dict[str, EditSession], then: str) -> None:
+    """UsageError naming the first session of ``sessions`` that is over."""
+    for name, why in sorted(over_sessions(env, sessions).items()):
+        session = sessions[name]
+        raise UsageError(f"the edit session of {session.module} ({name}) is over: {why}; "
+                         f"there is no edit to {then}: run `vllm-patch edit "
+                         f"{session.module}` again")
 
 
 def _writable(*folders: Path) -> None:
@@ -242,21 +316,28 @@ def create(request: Request, patch_id: str, *, module: str | None = None,
     otherwise)."""
     new_patch = _check_new_id(patch_id, request)
     env = inspect_environment(new_patch.choice, [], in_process=request.in_process)
-    state = read_record(env.purelib)
-    sessions = dict(state.record.edits) if state.usable else {}
+    sessions = dict(_usable_record(env).edits)  # each path inside the environment: checked
     if module is not None:
         sessions = {p: s for p, s in sessions.items() if s.module == module}
+    if sessions:  # the installed facts tell whether each session is still live
+        env = inspect_environment(new_patch.choice, [
+            ModuleQuery(s.distribution, s.module, module_relative_path(s.module))
+            for s in sessions.values()], in_process=request.in_process)
+        refuse_over(env, sessions, "make a patch of")
     if not sessions:
         what = f"{module} is" if module else "no module is"
         raise UsageError(f"{what} open for editing in {env.python}: run `vllm-patch edit "
                          "MODULE`, change the code, then create")
     opened: list[tuple[str, EditSession, bytes]] = []
+    identities: dict[str, FileIdentity] = {}
+    edits: dict[str, bytes] = {}
     changes: list[ModuleChange] = []
     for name, session in sorted(sessions.items(), key=lambda i: i[1].module):
         path = Path(name)
         _writable(env.purelib, path.parent)
         pristine = _pristine(env, path, session)
-        edited = path.read_bytes()
+        edited, identities[name] = read_identified(path)
+        edits[name] = edited
         if b"# >>> hatch-vllm-patch: " in edited:
             raise UsageError(f"{path} carries a block of ours again (was apply run during the "
                              "edit?): remove it from the file, then run create again")
@@ -276,10 +357,13 @@ def create(request: Request, patch_id: str, *, module: str | None = None,
                         removal=texts["removal"], fixed_in=fixed_in, made_by="create")
     folder = _write_draft(new_patch, patch_id, draft)
     with locked([env.purelib, *{Path(n).parent for n, _, _ in opened}], exclusive=True,
-                on_wait=request.on_wait):
-        record = read_record(env.purelib).record
-        for name, _, pristine in opened:
-            replace_module_file(Path(name), pristine, env.pycache_prefix)
+                environment=env.purelib, on_wait=request.on_wait):
+        record = _usable_record(env)
+        # every file back to its pristine bytes, or none (an installer replacing one of them
+        # since it was read: TargetChanged, and the others put back)
+        replace_module_files([(Path(n), pristine, edits[n]) for n, _, pristine in opened],
+                             env.pycache_prefix, expected=identities)
+        for name, _, _ in opened:
             record = record.with_edit(name, None)
         save_record(env.purelib, record)
         for _, session, _ in opened:
@@ -292,7 +376,8 @@ def _installed_pristine(env: TargetEnvironment, module: str) -> tuple[Path, str,
     """(file, distribution, version, pristine text) of an installed module: its original
     bytes (our blocks aside), which must be those its wheel installed."""
     path, distribution, version = _module_of(env, module)
-    if str(path) in read_record(env.purelib).record.edits:
+    sessions = {p: s for p, s in _usable_record(env).edits.items() if p == str(path)}
+    if sessions and not over_sessions(env, sessions):  # an over session: a file like any
         raise UsageError(f"{path} is open for editing: finish that first (`vllm-patch create "
                          f"ID` or `vllm-patch edit {module} --discard`)")
     try:
@@ -340,6 +425,10 @@ def create_from_diff(request: Request, patch_id: str, diff: str, *, source: str,
         location = env.modules.get(module)
         top_installed = bool(module) and (module.split(".")[0] in installed_tops or (
             location is not None and location.package_dir is not None))
+        if location is not None and location.refused is not None:
+            refused.append(f"{path}: {module} resolves to {location.refused}, not a file of "
+                           "its distribution")
+            continue
         if location is None or location.file is None:
             if module and top_installed and module.endswith(".__init__"):
                 refused.append(f"{path}: a package's __init__.py cannot be a patch target")

@@ -23,12 +23,19 @@ from ..config import DEFAULT_PATCH_DIR
 from ..engine import locate_in, node_source, scope_classes
 from ..environment import ModuleQuery, TargetEnvironment, inspect_environment
 from ..errors import CatalogError, UsageError
-from ..files import locked, replace_module_file
+from ..files import FileIdentity, locked, read_identified, replace_module_files
 from ..markers import MarkerError, parse_file, sha256_hex
 from ..operations import Request, resolve, run
-from ..record import EditSession, drop_pristine, keep_pristine, read_record, save_record
+from ..record import EditSession, drop_pristine, keep_pristine, save_record
 from ..report import Report
-from .commands import _installed_pristine, _pristine, _writable
+from .commands import (
+    _installed_pristine,
+    _pristine,
+    _usable_record,
+    _writable,
+    opened_identity,
+    refuse_over,
+)
 from .draft import BASE_DIR, Draft, ModuleChange, base_name, draft_patch
 from .merge import has_conflict_markers, merge3
 from .render import _dedent_code, _snake, render_manifest_of
@@ -266,18 +273,30 @@ def _open_conflicts(request: Request, patch: Patch, env: TargetEnvironment,
     paths = [m.change.path for m in merged]
     _writable(env.purelib, *{p.parent for p in paths})
     with locked([env.purelib, *{p.parent for p in paths}], exclusive=True,
-                on_wait=request.on_wait):
-        record = read_record(env.purelib).record
-        for m in merged:
+                environment=env.purelib, on_wait=request.on_wait):
+        record = _usable_record(env)
+        writes: list[tuple[Path, bytes, bytes]] = []
+        identities: dict[str, FileIdentity] = {}
+        for m in merged:  # each file must still hold the pristine code the merge started from
+            now, identities[str(m.change.path)] = read_identified(m.change.path)
             pristine = m.change.pristine.encode("utf-8")
-            digest = sha256_hex(pristine)
-            keep_pristine(env.purelib, pristine, digest)
-            replace_module_file(m.change.path, m.change.changed.encode("utf-8"),
-                                env.pycache_prefix)
+            try:
+                same = parse_file(now).original == pristine
+            except MarkerError:
+                same = False
+            if not same:
+                raise UsageError(f"{m.change.path} changed while the update was merged (an "
+                                 "installer?); nothing was written: run the update again")
+            keep_pristine(env.purelib, pristine, sha256_hex(pristine))
+            writes.append((m.change.path, m.change.changed.encode("utf-8"), now))
+        replace_module_files(writes, env.pycache_prefix, expected=identities)
+        for m in merged:
             record = record.with_file(str(m.change.path), None).with_edit(
                 str(m.change.path), EditSession(
-                    m.change.module, m.change.distribution, m.change.version, digest,
-                    tuple(r for r in m.removed if r != patch.id), patch.id))
+                    m.change.module, m.change.distribution, m.change.version,
+                    sha256_hex(m.change.pristine.encode("utf-8")),
+                    tuple(r for r in m.removed if r != patch.id),
+                    opened_identity(m.change.path), patch.id))
         save_record(env.purelib, record)
     return UpdateResult(patch.id, "conflicts", patch.folder, symbols, installed,
                         opened=tuple(p for p, m in zip(paths, merged, strict=True)
@@ -285,15 +304,21 @@ def _open_conflicts(request: Request, patch: Patch, env: TargetEnvironment,
 
 
 def _continue(request: Request, patch: Patch, env: TargetEnvironment) -> UpdateResult:
-    state = read_record(env.purelib)
-    sessions = {p: s for p, s in state.record.edits.items() if s.updating == patch.id}
+    sessions = {p: s for p, s in _usable_record(env).edits.items() if s.updating == patch.id}
     if not sessions:
         raise UsageError(f"no update of {patch.id} is in progress in {env.python}: run "
                          f"`vllm-patch update {patch.id}` first")
+    refuse_over(env, sessions, f"finish the update of {patch.id} with")
     changes: list[ModuleChange] = []
+    identities: dict[str, FileIdentity] = {}
+    edits: dict[str, bytes] = {}
     for name, session in sorted(sessions.items(), key=lambda i: i[1].module):
         path = Path(name)
-        edited = path.read_text(encoding="utf-8")
+        edits[name], identities[name] = read_identified(path)
+        try:
+            edited = edits[name].decode("utf-8")
+        except UnicodeDecodeError:
+            raise UsageError(f"{path} is not UTF-8 text") from None
         marks = has_conflict_markers(edited)
         if marks:
             raise UsageError(f"{path} still holds conflict markers (lines "
@@ -307,11 +332,12 @@ def _continue(request: Request, patch: Patch, env: TargetEnvironment) -> UpdateR
     draft = _draft(patch, changes, symbols)
     _replace_patch_files(patch, draft)
     with locked([env.purelib, *{Path(n).parent for n in sessions}], exclusive=True,
-                on_wait=request.on_wait):
-        record = read_record(env.purelib).record
-        for name, session in sessions.items():
-            replace_module_file(Path(name), _pristine(env, Path(name), session),
-                                env.pycache_prefix)
+                environment=env.purelib, on_wait=request.on_wait):
+        record = _usable_record(env)
+        replace_module_files([(Path(n), _pristine(env, Path(n), s), edits[n])
+                              for n, s in sessions.items()], env.pycache_prefix,
+                             expected=identities)
+        for name in sessions:
             record = record.with_edit(name, None)
         save_record(env.purelib, record)
         for session in sessions.values():
