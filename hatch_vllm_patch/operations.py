@@ -371,8 +371,11 @@ class _Session:
         except TargetChanged as exc:
             for m in patch.parts:
                 self.forget(self.target_path(m))
-            return [self.outcome(m, Plan(Verdict.ERROR, f"{exc} (twice; retried once)"),
-                                 self.member_facts(m)) for m in patch.parts]
+            outcomes = [self.outcome(m, Plan(Verdict.ERROR, f"{exc} (twice; retried once)"),
+                                     self.member_facts(m)) for m in patch.parts]
+            for m, outcome in zip(patch.parts, outcomes, strict=True):
+                self.outcomes[(patch.id, m.target.module)] = outcome
+            return outcomes
 
     def one_attempt(self, patch: Patch) -> list[PatchOutcome]:
         members = patch.parts
