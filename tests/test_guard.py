@@ -615,7 +615,8 @@ def test_reinstall_during_an_edit_stops_error_and_heals_apply_in_vllm(
         assert json.loads((sp / RECORD).read_text())["edits"] == {}
 
 
-DUO_A = 'def compute(values):\n    if not values:\n        raise ValueError("empty")\n    return max(values)\n'
+DUO_A = ('def compute(values):\n    if not values:\n        raise ValueError("empty")\n'
+         '    return max(values)\n')
 DUO_B = 'def limit():\n    return 1\n'
 DUO_BLOCKS = {
     "duo_pkg.a": ('if "_hvp_duo_a" not in globals():\n    _hvp_duo_a = compute\n\n\n'
