@@ -33,6 +33,7 @@ from .operations import Request, run
 from .report import PatchOutcome, Report
 
 if TYPE_CHECKING:
+    from .authoring.update import UpdateResult
     from .doctor import DoctorReport
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -53,6 +54,8 @@ _AUTHORING = {
             "kept); prints its path",
     "create": "turn the edit of a module into a patch folder of the project, restore the "
               "module and apply the patch",
+    "update": "merge a project patch onto the installed release, symbol by symbol (three-way); "
+              "conflicts open the module for editing",
     "new": "scaffold a patch folder with a wrapper of MODULE:SYMBOL that calls the original",
     "check": "validate patch folders (default: the project's patch-dir)",
 }
@@ -139,6 +142,23 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
             p.add_argument("--removal", help="when to delete the patch")
             p.add_argument("--fixed-in", dest="fixed_in", metavar="VERSION",
                            help="the first release with the upstream fix")
+            p.add_argument("--from-diff", dest="from_diff", metavar="FILE",
+                           help="make the patch from a unified diff (git diff, gh pr diff, a "
+                                "GitHub .diff; - for stdin), applied to the installed modules "
+                                "with zero fuzz, instead of from an edit")
+            p.add_argument("--update", action="store_true",
+                           help="finish `vllm-patch update ID` after resolving its conflicts "
+                                "(the same as `update ID --continue`)")
+        elif name == "update":
+            p.add_argument("patch_id", metavar="ID", help="the project patch to update")
+            p.add_argument("--continue", dest="resume", action="store_true",
+                           help="finish an update whose conflicts were resolved")
+            p.add_argument("--base", type=Path, metavar="FILE",
+                           help="a pristine copy of the module from the release the patch was "
+                                "made on (for a patch made before create kept its base)")
+            p.add_argument("--set-fixed-in", dest="set_fixed_in", action="store_true",
+                           help="when the installed release already has the patched code, "
+                                "record it as the patch's fixed-in")
         elif name == "new":
             p.add_argument("patch_id", metavar="ID", help="the new patch's id (kebab-case)")
             p.add_argument("--target", required=True, metavar="MODULE:SYMBOL",
@@ -416,6 +436,44 @@ def _main(argv: Sequence[str] | None, written: list[Path], operation: list[str],
                   short=getattr(args, "short", False))
 
 
+def _print_update(updated: UpdateResult) -> None:
+    out = sys.stdout
+    by_status: dict[str, list[str]] = {}
+    for merge in updated.symbols:
+        by_status.setdefault(merge.status, []).append(merge.symbol)
+    words = {"merged": "merged", "unchanged": "unchanged upstream", "conflict": "CONFLICT",
+             "upstream": "already the patched code upstream", "added": "added by the patch"}
+    summary = "; ".join(f"{words[k]}: {', '.join(v)}" for k, v in by_status.items())
+    if updated.outcome == "not-needed":
+        print(f"not-needed  {updated.patch_id}: the installed {updated.installed} already has "
+              f"the patched code ({summary})", file=out)
+        for note in updated.notes:
+            print(f"note: {note}", file=out)
+        if not updated.notes:
+            print(f"next: run `vllm-patch update {updated.patch_id} --set-fixed-in` to record "
+                  f"fixed-in (the patch then says not-needed there), or delete the patch",
+                  file=out)
+        return
+    if updated.outcome == "current":
+        print(f"current  {updated.patch_id}: {updated.installed} has the code the patch was "
+              f"made on ({summary}); nothing to update", file=out)
+        return
+    if updated.outcome == "conflicts":
+        print(f"conflicts  {updated.patch_id} onto {updated.installed}: {summary}", file=out)
+        for path in updated.opened:
+            print(f"  opened for editing, with conflict markers: {path}", file=out)
+        print(f"next: resolve the <<<<<<< ... >>>>>>> regions, then `vllm-patch update "
+              f"{updated.patch_id} --continue` (or `vllm-patch edit MODULE --discard` to give "
+              "up); nothing was applied", file=out)
+        return
+    out.write(updated.diff)
+    print(f"updated {updated.folder} onto {updated.installed}: {summary}", file=out)
+    for note in updated.notes:
+        print(f"note: {note}", file=out)
+    if updated.report is not None:
+        _print_report(updated.report, out)
+
+
 def _author(args: argparse.Namespace, request: Request) -> int:
     """edit / create / new / check (imported only for them)."""
     from . import authoring
@@ -445,11 +503,41 @@ def _author(args: argparse.Namespace, request: Request) -> int:
                     "change it, run the server, then `vllm-patch create ID`")
             _write(lambda: print(edited.file))
         return EXIT_OK
+    if args.operation == "update" or (args.operation == "create" and args.update):
+        updated = authoring.update(request, args.patch_id, base=getattr(args, "base", None),
+                                   set_fixed_in=getattr(args, "set_fixed_in", False),
+                                   resume=getattr(args, "resume", True))
+        code = (EXIT_FAILED if updated.outcome == "conflicts" or (
+            updated.report is not None and not updated.report.ok) else EXIT_OK)
+        if args.json:
+            return as_json(code, {
+                "patch": updated.patch_id, "outcome": updated.outcome,
+                "folder": str(updated.folder), "installed": updated.installed,
+                "diff": updated.diff, "opened": [str(p) for p in updated.opened],
+                "symbols": [s._asdict() for s in updated.symbols]},
+                updated.notes, updated.report)
+        _write(partial(_print_update, updated))
+        return code
     if args.operation == "create":
-        made = authoring.create(request, args.patch_id, module=args.module,
-                                summary=args.summary, why=args.why, removal=args.removal,
-                                fixed_in=args.fixed_in,
-                                ask=None if args.json else authoring.interactive_ask())
+        texts = dict(summary=args.summary, why=args.why, removal=args.removal,
+                     fixed_in=args.fixed_in)
+        if args.from_diff is not None:
+            if args.module is not None:
+                raise UsageError("--from-diff takes its modules from the diff: drop --module")
+            source = "stdin" if args.from_diff == "-" else args.from_diff
+            try:
+                diff = (sys.stdin.read() if args.from_diff == "-"
+                        else Path(args.from_diff).read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError) as exc:
+                raise UsageError(f"--from-diff {args.from_diff}: cannot be read ({exc}); give "
+                                 "a unified diff file, or - for stdin") from None
+            made = authoring.create_from_diff(request, args.patch_id, diff, source=source,
+                                              ask=None if args.from_diff == "-" or args.json
+                                              else authoring.interactive_ask(), **texts)
+        else:
+            made = authoring.create(request, args.patch_id, module=args.module,
+                                    ask=None if args.json else authoring.interactive_ask(),
+                                    **texts)
         code = EXIT_OK if made.report is None or made.report.ok else EXIT_FAILED
         if args.json:
             return as_json(code, {
@@ -465,7 +553,7 @@ def _author(args: argparse.Namespace, request: Request) -> int:
             names = ", ".join(f"{c.symbol}{' (added)' if c.added else ''}" for c in made.changes)
             print(f"created {made.folder}: redefines {names}", file=out)
             for warning in made.warnings:
-                print(f"warning: {made.module}: {warning}", file=out)
+                print(f"warning: {warning}", file=out)
             for note in made.notes:
                 print(f"note: {note}", file=out)
             if made.report is not None:
