@@ -1,31 +1,34 @@
-"""What the fixes cost and win, in bytes, computed by vLLM's own code.
+"""What the fixes cost and win, in bytes, computed by vLLM's own code through doctor's probe.
 
-Two tables, both from real vLLM wheels on this machine's CPU:
+Both tables come from ``hatch_vllm_patch/_kv_probe.py`` (the in-environment half of
+``vllm-patch doctor``), run by the interpreter of an unpatched environment: every case as
+installed and with the catalog patch's block active in that child process only, so the table and
+the doctor cannot disagree.
 
 1. KV pages of hybrid models on vLLM 0.20.2 (patch kv-cache-page-unification). For each model,
    tensor-parallel size (1, 2, 4, 8), KV-cache dtype (bf16, fp8) and draft (none, the model's
-   MTP layer, an EAGLE-3 head with a bf16 KV cache) one row: the largest recurrent-state page,
-   the attention pages, the page our patched ``get_kv_cache_groups`` gives, the minimum
-   possible page, the page of the seed's LCM approach (a baseline, re-implemented here from its
-   description), and what unpatched vLLM does. Attention layers use vLLM's default block size of
-   16 tokens with no platform alignment, as on the CPU platform of vLLM 0.18-0.20.2; GPU
-   platforms first raise the attention block size until its page covers the state, and then only
-   a draft with other bytes per token reaches page unification.
+   MTP layer, an EAGLE-3 head with a bf16 KV cache) one row per platform path: the CPU path
+   (vLLM's CpuPlatform block-size hook, a no-op on 0.20.2, so the attention block stays at
+   --block-size 16) and the CUDA path (vLLM's hybrid alignment with FlashAttention's block
+   sizes: the attention block grows until its page covers the state, the state page is padded).
+   Per row: the state's bytes, the attention pages, our page, the minimum possible page, the
+   page of the seed's LCM approach (a baseline, re-implemented here from its description), and
+   what unpatched vLLM does. Then the same rows on vLLM 0.29.0 unpatched (upstream's own fix),
+   side by side with ours on 0.20.2: page, padding, tokens per GiB.
 2. The Neuron KV budget on vLLM 0.16.0 (patch neuron-runner-kv-spec) for the Gated DeltaNet
    models: bytes vLLM budgets per token and the resulting maximum concurrency for a fixed KV
-   memory budget, with the runner's spec unpatched and patched, through vLLM's real
+   memory budget, with the runner's spec as installed and with the patch, through vLLM's real
    ``get_kv_cache_configs`` with the hybrid KV-cache manager off, as on Neuron. The runner is
    the stand-in plugin of the tests (tests/fixtures/neuron/per_layer: one FullAttentionSpec per
    decoder layer, the runner shape of the vllm-neuron forks), installed into the environment.
 
     uv run python benchmarks/memory.py [--json FILE] [--workdir DIR] [--keep] [--only kv|neuron]
+                                       [--no-upstream]
 
-It creates (or, with --workdir, reuses) one uv environment per vLLM version, patches it with
-this checkout's CLI (``python -m hatch_vllm_patch apply --python ENV --patch ID``), writes each
-model's config.json, and runs ``memory_probe_kv.py`` / ``memory_probe_neuron.py`` with the
-environment's interpreter; this script only judges and formats. The environments are full vLLM
-installs (about 8 GB each, hardlinked from uv's cache); the run takes a few minutes on 2 cores.
-Exit status 1 when any row could not be computed or our page differs from the minimum.
+It creates (or, with --workdir, reuses) one uv environment per vLLM version (0.29.0 with the CPU
+build of torch 2.13 from /opt/wheels where it lies there), writes each model's config.json, and
+runs the probe with the environment's interpreter; this script only judges and formats. Exit
+status 1 when any row could not be computed or our page differs from the minimum.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ UV = shutil.which("uv") or "uv"
 GIB = 1 << 30
 
 KV_VLLM = "0.20.2"
+UPSTREAM_VLLM, UPSTREAM_TORCH = "0.29.0", "2.13.0"  # the first release with upstream's own fix
 NEURON_VLLM = "0.16.0"
 TP_SIZES = (1, 2, 4, 8)
 KV_DTYPES = ("bf16", "fp8")
@@ -452,12 +456,32 @@ def ensure_env(path: Path, requirements: Sequence[str], patches: Sequence[str]) 
               str(path)], what="uv venv", env=_uv_env())
     _run([UV, "pip", "install", "--quiet", "--python", str(python), *requirements],
          what="uv pip install", env=_uv_env())
+    if not patches:
+        print(f"environment {path} ready in {time.perf_counter() - start:.0f} s, unpatched",
+              flush=True)
+        return python
     apply = [sys.executable, "-m", "hatch_vllm_patch", "apply", "--python", str(python)]
     for patch in patches:
         apply += ["--patch", patch]
     result = _run(apply, what="vllm-patch apply", cwd=REPO)
     print(f"environment {path} ready in {time.perf_counter() - start:.0f} s: "
           f"{result.stdout.strip().splitlines()[-1]}", flush=True)
+    return python
+
+
+def upstream_env(path: Path) -> Path:
+    """vLLM's first release with its own fix, unpatched, with the CPU build of the torch it pins
+    where one lies in /opt/wheels (tests/venvs.py's environment)."""
+    python = path / "bin" / "python"
+    if python.exists():
+        return python
+    sys.path.insert(0, str(REPO / "tests"))
+    from venvs import vllm_venv
+
+    start = time.perf_counter()
+    python = vllm_venv(path, UPSTREAM_VLLM, torch=UPSTREAM_TORCH)
+    print(f"environment {path} ready in {time.perf_counter() - start:.0f} s, unpatched",
+          flush=True)
     return python
 
 
@@ -498,124 +522,204 @@ def _get(config: dict[str, Any], dotted: str) -> Any:
     return value
 
 
-def kv_part(workdir: Path, python: Path) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
+KV_PATCH = "kv-cache-page-unification"
+# The platform paths of the table (hatch_vllm_patch/_kv_probe.py): vLLM's CPU platform hook with
+# its attention backend (a no-op on 0.20.2), and the CUDA path (vLLM's hybrid alignment with
+# FlashAttention's block sizes).
+KV_PLATFORMS = ("cpu", "cuda")
+MAX_MODEL_LEN = 4096  # pages do not depend on it
+
+
+def kv_cases(workdir: Path, platform: str) -> list[dict[str, Any]]:
+    """The table's cases as doctor's probe takes them (one per model, TP, KV dtype, draft)."""
     models_dir = workdir / "models"
     eagle_dir = write_model(models_dir / "eagle3-head", EAGLE3_HEAD)
-    drafts = {name: {k: v for k, v in d.items() if k != "describe"} for name, d in DRAFTS.items()}
-    drafts["eagle3"]["model"] = eagle_dir
-    job = {
-        "block_size": ATTENTION_BLOCK,
-        "tp_sizes": list(TP_SIZES),
-        "kv_dtypes": list(KV_DTYPES),
-        "drafts": drafts,
-        "models": [
-            {
-                "name": m.name,
-                "dir": write_model(models_dir / m.name, m.config, m.remote_code),
-                "trust_remote_code": bool(m.remote_code),
-                "drafts": list(m.drafts),
-                "mamba_type": m.mamba_type,
-                "layer_prefix": m.layer_prefix,
-                "state_layer": m.state_layer,
-                "attention_layer": m.attention_layer,
-                "defaults_of": m.defaults_of,
-                # dtype fields are not class defaults (a config class has no weights)
-                "fields": [f for f in m.kv_fields if "." not in f and "dtype" not in f],
-            }
-            for m in MODELS
-        ],
-    }
-    report = run_probe(python, "memory_probe_kv.py", job, workdir)
+    cases = []
+    for m in MODELS:
+        model_dir = write_model(models_dir / m.name, m.config, m.remote_code)
+        for tp in TP_SIZES:
+            for kv_dtype in KV_DTYPES:
+                for draft_name in [None, *m.drafts]:
+                    draft = None
+                    if draft_name:
+                        draft = {k: v for k, v in DRAFTS[draft_name].items()
+                                 if k not in ("describe", "layer_name")}
+                        if draft_name == "eagle3":
+                            draft["model"] = eagle_dir
+                    cases.append({
+                        "name": f"{platform}|{m.name}|{tp}|{kv_dtype}|{draft_name or 'none'}",
+                        "model": model_dir, "trust_remote_code": bool(m.remote_code),
+                        "tp": tp, "kv_cache_dtype": CACHE_DTYPES[kv_dtype],
+                        "block_size": ATTENTION_BLOCK, "max_model_len": MAX_MODEL_LEN,
+                        "speculative_config": draft, "platform": platform,
+                        "layer_names": {"prefix": m.layer_prefix, "state": m.state_layer,
+                                        "attention": m.attention_layer,
+                                        "draft": DRAFTS[draft_name]["layer_name"]
+                                        if draft_name else None},
+                    })
+    return cases
+
+
+CACHE_DTYPES = {"bf16": "auto", "fp8": "fp8"}  # every model here has bf16 weights
+
+
+TORCHVISION_STUB = REPO / "tests" / "fixtures" / "torchvision_stub"
+
+
+def _stub_env(python: Path) -> dict[str, str]:
+    """PYTHONPATH with a torchvision stand-in where the environment has none (a CPU torch
+    build from /opt/wheels): transformers' Qwen2-VL image processor imports it when vLLM
+    inspects a Qwen3.5 architecture, and nothing on the KV path calls it."""
+    site = next(python.parent.parent.glob("lib/python3*/site-packages"), None)
+    if site is None or (site / "torchvision").is_dir():
+        return {}
+    return {"PYTHONPATH": str(TORCHVISION_STUB)}
+
+
+def run_kv_probe(python: Path, workdir: Path, with_patch: bool,
+                 only: set[str] | None = None) -> dict[str, Any]:
+    """Doctor's probe (hatch_vllm_patch/_kv_probe.py) on every case of both platform paths
+    (or the cases named in ``only``): as installed and, with ``with_patch``, with the catalog's
+    block active in the child."""
+    from hatch_vllm_patch.catalog import load_catalog
+    from hatch_vllm_patch.doctor import run_child, variants
+
+    patches = [load_catalog()[KV_PATCH]] if with_patch else []
+    job = {"cases": [c for platform in KV_PLATFORMS for c in kv_cases(workdir, platform)
+                     if only is None or c["name"] in only],
+           "variants": variants(patches)}
+    start = time.perf_counter()
+    answer = run_child(python, job, workdir=workdir, extra_env=_stub_env(python))
+    print(f"doctor's probe in {python}: {time.perf_counter() - start:.0f} s", flush=True)
+    return answer
+
+
+def config_defaults(workdir: Path, python: Path, output: dict[str, Any]) -> list[str]:
+    """The config classes' defaults (memory_probe_defaults.py) into ``output``."""
+    job = {"models": [{"name": m.name, "defaults_of": m.defaults_of,
+                       # dtype fields are not class defaults (a config class has no weights)
+                       "fields": [f for f in m.kv_fields if "." not in f and "dtype" not in f]}
+                      for m in MODELS]}
+    report = run_probe(python, "memory_probe_defaults.py", job, workdir)
+    output["config_defaults"] = report["config_defaults"]
+    return []
+
+
+def outcome_of(raw: dict[str, Any]) -> int | str:
+    """The one page of a variant, or what happened instead (as the table prints it)."""
+    failed = raw.get("failed")
+    if failed:
+        return f"{failed['type']}: {failed['message']}" if failed["message"] else failed["type"]
+    pages = raw["kv"]["pages"]
+    return pages[0] if len(pages) == 1 else "non-uniform: " + ", ".join(map(str, pages))
+
+
+def kv_rows(answer: dict[str, Any], ours: str | None
+            ) -> tuple[dict[str, list[dict[str, Any]]], list[str]]:
+    """The table's rows per platform path from the probe's answer; ``ours`` is the variant
+    with our patch (None: the release as installed only, e.g. upstream's own fix)."""
     problems: list[str] = []
-    rows: list[dict[str, Any]] = []
-    for raw in report["rows"]:
-        label = f"{raw['model']} TP{raw['tp']} {raw['kv_dtype']} draft={raw['draft']}"
-        if "error" in raw:
-            problems.append(f"{label}: could not build the specs: {raw['error']}")
+    by_platform: dict[str, list[dict[str, Any]]] = {p: [] for p in KV_PLATFORMS}
+    for entry in answer["cases"]:
+        platform, model, tp, kv_dtype, draft = entry["case"].split("|")
+        rows = by_platform[platform]
+        installed = entry["variants"]["installed"]
+        note = (installed.get("platform") or {}).get("note")
+        if note:
+            problems.append(f"{entry['case']}: {note}")
+        if "layers" not in installed:
+            label = f"{model} TP{tp} {kv_dtype} draft={draft} ({platform})"
+            problems.append(f"{label}: could not build the specs: {installed.get('failed')}")
             continue
-        layers = [(kind, page) for kind, page in raw["layers"]]
+        layers = [(kind, page) for kind, page in installed["layers"]]
         state_pages = sorted({page for kind, page in layers if kind == "state"})
         attention_pages = sorted({page for kind, page in layers if kind == "attention"})
-        patched, unpatched = raw["patched"], raw["unpatched"]
-        ours: int | str
-        if patched["raised"]:
-            ours = patched["raised"]
-        elif len(patched["pages"]) != 1:
-            ours = "non-uniform: " + ", ".join(map(str, patched["pages"]))
-        else:
-            ours = patched["pages"][0]
-        if unpatched["raised"]:
-            vllm_result: int | str = unpatched["raised"]
-        elif len(unpatched["pages"]) != 1:
-            vllm_result = "non-uniform: " + ", ".join(map(str, unpatched["pages"]))
-        else:
-            vllm_result = unpatched["pages"][0]
-        if isinstance(ours, int) and any(
-            g["type"] != "MambaSpec" and g["padded"] is not None for g in patched["groups"]
-        ):
-            problems.append(f"{label}: our page pads an attention layer")
-        minimum = minimum_page(state_pages, attention_pages)
-        state = max(state_pages)
-        pct, per_gib = overhead(ours, state)
-        seed = seed_lcm_baseline(layers)
-        seed_pct, seed_per_gib = overhead(seed, state)
-        row = {
-            "model": raw["model"],
-            "tp": raw["tp"],
-            "kv_dtype": raw["kv_dtype"],
-            "draft": raw["draft"],
-            "state_page": state,
-            "attention_pages": attention_pages,
-            "ours": ours,
-            "minimum": minimum,
-            "ours_is_minimum": ours == minimum,
-            "seed": seed,
-            "unpatched": vllm_result,
-            "overhead_pct": pct,
-            "overhead_bytes_per_gib": per_gib,
-            "seed_overhead_pct": seed_pct,
-            "seed_overhead_bytes_per_gib": seed_per_gib,
-            "draft_page": raw["facts"]["draft_page"],
-            "num_speculative_tokens": raw["facts"]["num_speculative_tokens"],
-            "state_shapes": raw["facts"]["state_shapes"],
-            "state_dtypes": raw["facts"]["state_dtypes"],
-            "kv_heads_per_rank": raw["facts"]["num_kv_heads_per_rank"],
-            "head_size": raw["facts"]["head_size"],
-            "groups": patched.get("groups"),
+        facts = installed["facts"]
+        state = facts["state_bytes"]
+        minimum = minimum_page([state], attention_pages)
+        row: dict[str, Any] = {
+            "platform": platform, "model": model, "tp": int(tp),
+            "kv_dtype": {"auto": "bf16"}.get(kv_dtype, kv_dtype), "draft": draft,
+            "state_page": state, "state_pages": state_pages,
+            "attention_pages": attention_pages, "attention_block": facts["block_size"],
+            "minimum": minimum, "unpatched": outcome_of(installed),
+            "draft_page": facts["draft_page"],
+            "num_speculative_tokens": facts["num_speculative_tokens"],
+            "state_shapes": facts["state_shapes"], "state_dtypes": facts["state_dtypes"],
+            "kv_heads_per_rank": facts["num_kv_heads_per_rank"],
+            "head_size": facts["head_size"],
+            "unpatched_tokens_per_gib": (installed.get("kv") or {}).get("tokens_per_gib")
+            if not installed.get("failed") else None,
+            "unpatched_blocks_per_gib": (installed.get("kv") or {}).get("num_blocks_per_gib")
+            if not installed.get("failed") else None,
         }
-        if ours != minimum:
-            problems.append(f"{label}: ours {ours} != minimum {minimum}")
+        seed = seed_lcm_baseline(layers)  # the pages vLLM's unification gets
+        row["seed"] = seed
+        row["seed_overhead_pct"], row["seed_overhead_bytes_per_gib"] = overhead(seed, state)
+        if ours is not None:
+            patched = entry["variants"][ours]
+            result = outcome_of(patched)
+            row["ours"] = result
+            row["ours_is_minimum"] = result == minimum
+            row["overhead_pct"], row["overhead_bytes_per_gib"] = overhead(result, state)
+            row["ours_tokens_per_gib"] = (patched.get("kv") or {}).get("tokens_per_gib") \
+                if not patched.get("failed") else None
+            row["ours_blocks_per_gib"] = (patched.get("kv") or {}).get("num_blocks_per_gib") \
+                if not patched.get("failed") else None
+            row["groups"] = (patched.get("kv") or {}).get("groups")
+            if isinstance(result, int) and any(
+                g["type"] != "MambaSpec" and g["padded"] is not None for g in row["groups"]
+            ):
+                problems.append(f"{entry['case']} ({platform}): our page pads an attention "
+                                "layer")
+            if result != minimum:
+                problems.append(f"{entry['case']} ({platform}): ours {result} != minimum "
+                                f"{minimum}")
         rows.append(row)
-    return rows, report, problems
+    return by_platform, problems
+
+
+def kv_part(workdir: Path, python: Path, *, with_patch: bool = True
+            ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any], list[str]]:
+    """Rows per platform path, the probe's answer, problems."""
+    answer = run_kv_probe(python, workdir, with_patch)
+    by_platform, problems = kv_rows(answer, KV_PATCH if with_patch else None)
+    return by_platform, answer, problems
+
+
+NEURON_PATCH = "neuron-runner-kv-spec"
 
 
 def neuron_part(workdir: Path, python: Path) -> tuple[list[dict[str, Any]], dict[str, Any],
                                                        list[str]]:
+    """The Neuron budget from doctor's probe: the stand-in runner of an unpatched environment,
+    as installed and with the catalog's block active in the child."""
+    from hatch_vllm_patch.catalog import load_catalog
+    from hatch_vllm_patch.doctor import run_child, variants
+
     models_dir = workdir / "models-neuron"
-    job = {
-        "tp_sizes": list(NEURON_TP_SIZES),
-        "max_model_len": NEURON_MAX_MODEL_LEN,
-        "kv_memory_per_rank": NEURON_KV_MEMORY_PER_RANK,
-        "models": [
-            {"name": m.name,
-             "dir": write_model(models_dir / m.name, m.neuron_config or m.config)}
-            for m in MODELS if m.gated_deltanet
-        ],
-    }
-    report = run_probe(python, "memory_probe_neuron.py", job, workdir)
+    cases = [{"name": f"{m.name}|{tp}", "tp": tp, "max_model_len": NEURON_MAX_MODEL_LEN,
+              "kv_cache_memory": NEURON_KV_MEMORY_PER_RANK,
+              "model": write_model(models_dir / m.name, m.neuron_config or m.config)}
+             for m in MODELS if m.gated_deltanet for tp in NEURON_TP_SIZES]
+    job = {"cases": cases, "variants": variants([load_catalog()[NEURON_PATCH]]),
+           "kv": False, "neuron": True}
+    start = time.perf_counter()
+    report = run_child(python, job, workdir=workdir)
+    print(f"doctor's probe (Neuron) in {python}: {time.perf_counter() - start:.0f} s", flush=True)
     problems: list[str] = []
     rows: list[dict[str, Any]] = []
     for case in report["cases"]:
-        label = f"Neuron {case['model']} TP{case['tp']}"
-        errors = [case.get("error"), *(case.get(part, {}).get("error")
-                                        for part in ("unpatched", "patched"))]
+        model, tp = case["case"].split("|")
+        label = f"Neuron {model} TP{tp}"
+        before, after = case["neuron"]["installed"], case["neuron"][NEURON_PATCH]
+        errors = [before.get("error"), after.get("error")]
         if any(errors):
-            problems.append(f"{label}: " + "; ".join(e for e in errors if e))
+            problems.append(f"{label}: " + "; ".join(str(e) for e in errors if e))
             continue
-        before, after = case["unpatched"], case["patched"]
         rows.append({
-            "model": case["model"],
-            "tp": case["tp"],
+            "model": model,
+            "tp": int(tp),
             "bytes_per_token_unpatched": before["bytes_per_token"],
             "bytes_per_token_patched": after["bytes_per_token"],
             "ratio": before["bytes_per_token"] / after["bytes_per_token"],
@@ -623,9 +727,7 @@ def neuron_part(workdir: Path, python: Path) -> tuple[list[dict[str, Any]], dict
             "max_concurrency_patched": after["max_concurrency"],
             "layers_unpatched": before["layers"],
             "layers_patched": after["layers"],
-            "kv_heads_per_rank": case["num_kv_heads_per_rank"],
-            "head_size": case["head_size"],
-            "hybrid_kv_cache_manager_disabled": case["hybrid_kv_cache_manager_disabled"],
+            "hybrid_kv_cache_manager_disabled": before["hybrid_kv_cache_manager_disabled"],
         })
     return rows, report, problems
 
@@ -662,9 +764,9 @@ def _short(result: int | str, same_as: int) -> str:
     return result.split(":")[0] if len(result) > 40 else result
 
 
-def print_kv(rows: list[dict[str, Any]], report: dict[str, Any]) -> None:
+def print_kv(rows: list[dict[str, Any]], report: dict[str, Any], platform: str) -> None:
     print(f"\n== KV pages of hybrid models, vLLM {report['vllm']} (torch {report['torch']}), "
-          f"bytes per layer page, attention block {ATTENTION_BLOCK} tokens ==")
+          f"{PATH_NAMES[platform]}, bytes per layer page, --block-size {ATTENTION_BLOCK} ==")
     print("ours: our patched get_kv_cache_groups; +% and B/GiB: its padding over the state page "
           "and per GiB of KV cache holding state pages; minimum: brute force (only state pages "
           "padded, attention pages x integer); seed (baseline): the xinference PR's LCM approach "
@@ -713,9 +815,11 @@ def kv_summary(rows: list[dict[str, Any]]) -> list[list[Any]]:
     return lines
 
 
-def print_kv_summary(rows: list[dict[str, Any]]) -> None:
-    print(f"\n== KV pages, per model over TP {'/'.join(map(str, TP_SIZES))}, "
-          f"{'/'.join(KV_DTYPES)} KV and its drafts ==")
+def print_kv_summary(rows: list[dict[str, Any]], platform: str) -> None:
+    refused = sum(not isinstance(r["unpatched"], int) for r in rows)
+    print(f"\n== KV pages, {PATH_NAMES[platform]}, per model over TP "
+          f"{'/'.join(map(str, TP_SIZES))}, {'/'.join(KV_DTYPES)} KV and its drafts: unpatched "
+          f"vLLM refuses to start on {refused} of the {len(rows)} rows ==")
     print(table(["model", "rows", "ours = minimum", "ours: +% over state", "max padding per GiB",
                  "unpatched vLLM", "seed LCM (baseline)"], kv_summary(rows)))
 
@@ -734,7 +838,78 @@ def print_neuron(rows: list[dict[str, Any]], report: dict[str, Any]) -> None:
     ))
 
 
-def print_models(report: dict[str, Any] | None) -> list[str]:
+PATH_NAMES = {
+    "cpu": "CPU path (CpuPlatform's block-size hook, CPU attention backend)",
+    "cuda": "CUDA path (vLLM's hybrid block-size alignment, FlashAttention block sizes)",
+}
+
+
+def upstream_rows(ours: list[dict[str, Any]], upstream: list[dict[str, Any]]
+                  ) -> list[dict[str, Any]]:
+    """Ours on KV_VLLM next to upstream's own handling on UPSTREAM_VLLM, row by row."""
+    key = ("model", "tp", "kv_dtype", "draft")
+    theirs = {tuple(r[k] for k in key): r for r in upstream}
+    out = []
+    for row in ours:
+        other = theirs.get(tuple(row[k] for k in key))
+        if other is None:
+            continue
+        state = row["state_page"]
+        up = other["unpatched"]
+        out.append({
+            **{k: row[k] for k in key}, "state_page": state,
+            "ours": row["ours"], "ours_padding": (row["ours"] - state
+                                                  if isinstance(row["ours"], int) else None),
+            "ours_tokens_per_gib": row.get("ours_tokens_per_gib"),
+            "ours_blocks_per_gib": row.get("ours_blocks_per_gib"),
+            "patch_acts": not isinstance(row["unpatched"], int),
+            "upstream": up, "upstream_padding": (up - other["state_page"]
+                                                 if isinstance(up, int) else None),
+            "upstream_attention_block": other["attention_block"],
+            "upstream_tokens_per_gib": other.get("unpatched_tokens_per_gib"),
+            "upstream_blocks_per_gib": other.get("unpatched_blocks_per_gib"),
+        })
+    return out
+
+
+def _compare(rows: list[dict[str, Any]]) -> str:
+    """Where our patch acts (0.20.2 refuses) and where it does not (0.20.2 starts: our page is
+    vLLM 0.20.2's own, so a difference there is the release's other changes)."""
+    parts = []
+    for acts, label in ((True, "where 0.20.2 refuses (our patch acts)"),
+                        (False, "where 0.20.2 starts (ours = 0.20.2's own result)")):
+        both = [r for r in rows if r["patch_acts"] is acts and r["ours_blocks_per_gib"]
+                and r["upstream_blocks_per_gib"]]
+        if not both:
+            continue
+        ours_less = sum(r["ours_padding"] < r["upstream_padding"] for r in both)
+        up_less = sum(r["ours_padding"] > r["upstream_padding"] for r in both)
+        ratios = sorted(r["upstream_blocks_per_gib"] / r["ours_blocks_per_gib"] for r in both)
+        extra = sorted(r["upstream_padding"] - r["ours_padding"] for r in both)
+        parts.append(
+            f"{label}, {len(both)} rows: ours pads less on {ours_less}, upstream on {up_less}, "
+            f"equal on {len(both) - ours_less - up_less}; upstream's padding minus ours per "
+            f"page: median {extra[len(extra) // 2]} B, max {extra[-1]} B, min {extra[0]} B; "
+            f"upstream's blocks per GiB / ours: median {ratios[len(ratios) // 2]:.2f}x, "
+            f"min {ratios[0]:.2f}x, max {ratios[-1]:.2f}x")
+    return "\n".join(parts) or "no comparable rows"
+
+
+def print_upstream(rows: list[dict[str, Any]], platform: str) -> None:
+    print(f"\n== Ours on vLLM {KV_VLLM} vs vLLM {UPSTREAM_VLLM}'s own fix (unpatched), "
+          f"{PATH_NAMES[platform]} ==")
+    print(_compare(rows))
+    print(table(
+        ["model", "TP", "KV", "draft", "state", "ours page", "ours pad", "blocks/GiB",
+         "tok/GiB", f"{UPSTREAM_VLLM} page", "pad", "blocks/GiB", "tok/GiB"],
+        [[r["model"], r["tp"], r["kv_dtype"], r["draft"], r["state_page"], r["ours"],
+          r["ours_padding"], r["ours_blocks_per_gib"], r["ours_tokens_per_gib"], r["upstream"],
+          r["upstream_padding"], r["upstream_blocks_per_gib"], r["upstream_tokens_per_gib"]]
+         for r in rows]))
+
+
+def print_models(report: dict[str, Any] | None,
+                 defaults: dict[str, Any] | None) -> list[str]:
     problems: list[str] = []
     print("\n== Models: where their dimensions come from ==")
     for m in MODELS:
@@ -745,14 +920,16 @@ def print_models(report: dict[str, Any] | None) -> list[str]:
             print(f"    note: {note}")
         if m.neuron_config is not None:
             print(f"    Neuron table: {m.neuron_note}")
-        facts = next((r["facts"] for r in (report or {}).get("rows", [])
-                      if r["model"] == m.name and "facts" in r), None)
+        facts = next((c["variants"]["installed"]["facts"]
+                      for c in (report or {}).get("cases", [])
+                      if c["case"].split("|")[1] == m.name
+                      and "facts" in c["variants"]["installed"]), None)
         if facts:
             print(f"    vLLM read: {facts['architecture']} ({facts['hf_text_config']}), "
                   f"{facts['num_layers']} layers: {facts['state_layers']} state, "
                   f"{facts['attention_layers']} attention; state dtypes "
                   f"{'/'.join(facts['state_dtypes'])}")
-        check = (report or {}).get("config_defaults", {}).get(m.name)
+        check = (defaults or {}).get(m.name)
         if check is None:
             continue
         if "error" in check:
@@ -784,6 +961,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="where the environments live (reused when present; kept)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary work directory")
     parser.add_argument("--only", choices=("kv", "neuron"), help="compute one table only")
+    parser.add_argument("--no-upstream", action="store_true",
+                        help=f"skip the comparison with vLLM {UPSTREAM_VLLM}'s own fix")
     args = parser.parse_args(argv)
 
     workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="hvp-memory-"))).resolve()
@@ -807,25 +986,37 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         def kv() -> None:
             nonlocal kv_report
-            python = ensure_env(workdir / f"vllm-{KV_VLLM}", [f"vllm=={KV_VLLM}"],
-                                ["kv-cache-page-unification"])
-            rows, kv_report, found = kv_part(workdir, python)
+            python = ensure_env(workdir / f"vllm-{KV_VLLM}", [f"vllm=={KV_VLLM}"], [])
+            by_platform, kv_report, found = kv_part(workdir, python)
             problems.extend(found)
             output["kv_vllm"] = kv_report["vllm"]
-            output["kv"] = rows
-            print_kv(rows, kv_report)
-            print_kv_summary(rows)
+            output["kv_paths"] = by_platform
+            output["kv"] = by_platform["cpu"]
+            for path, rows in by_platform.items():
+                print_kv(rows, kv_report, path)
+                print_kv_summary(rows, path)
+            problems.extend(config_defaults(workdir, python, output))
+            if args.no_upstream:
+                return
+            fixed = upstream_env(workdir / f"vllm-{UPSTREAM_VLLM}")
+            upstream, upstream_report, found = kv_part(workdir, fixed, with_patch=False)
+            problems.extend(found)
+            output["upstream_vllm"] = upstream_report["vllm"]
+            output["upstream"] = {}
+            for path, rows in upstream.items():
+                compared = upstream_rows(by_platform[path], rows)
+                output["upstream"][path] = {"rows": compared, "summary": _compare(compared)}
+                print_upstream(compared, path)
 
         def neuron() -> None:
             python = ensure_env(workdir / f"vllm-{NEURON_VLLM}",
-                                [f"vllm=={NEURON_VLLM}", str(NEURON_STANDIN)],
-                                ["neuron-runner-kv-spec"])
+                                [f"vllm=={NEURON_VLLM}", str(NEURON_STANDIN)], [])
             rows, report, found = neuron_part(workdir, python)
             problems.extend(found)
             output["neuron_vllm"] = report["vllm"]
             output["neuron_budget"] = {"max_model_len": NEURON_MAX_MODEL_LEN,
                                        "kv_memory_per_rank": NEURON_KV_MEMORY_PER_RANK,
-                                       "runner": report["runner_file"]}
+                                       "runner": str(NEURON_STANDIN)}
             output["neuron"] = rows
             print_neuron(rows, report)
 
@@ -835,7 +1026,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             steps.append(("neuron", neuron))
         for _, step in steps:
             step()
-        problems.extend(print_models(kv_report))
+        problems.extend(print_models(kv_report, output.get("config_defaults")))
     finally:
         if args.workdir or args.keep:
             print(f"\nwork directory kept: {workdir}")
@@ -849,9 +1040,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problems:
         print("\nPROBLEMS:\n" + "\n".join(f"- {p}" for p in problems))
         return 1
-    kv_rows = output.get("kv", [])
-    if kv_rows:
-        print(f"\nours = minimum on all {len(kv_rows)} KV rows")
+    for path, kv_rows in output.get("kv_paths", {}).items():
+        print(f"ours = minimum on all {len(kv_rows)} KV rows of the {path.upper()} path")
     return 0
 
 

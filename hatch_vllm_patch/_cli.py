@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple, NoReturn, TextIO
+from typing import TYPE_CHECKING, NamedTuple, NoReturn, TextIO
 
 from . import __version__
 from .errors import (
@@ -31,6 +31,10 @@ from .errors import (
 )
 from .operations import Request, run
 from .report import PatchOutcome, Report
+
+if TYPE_CHECKING:
+    from .authoring.update import UpdateResult
+    from .doctor import DoctorReport
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 # The version of the --json document (schema/output.schema.json); raised on incompatible change.
@@ -50,9 +54,14 @@ _AUTHORING = {
             "kept); prints its path",
     "create": "turn the edit of a module into a patch folder of the project, restore the "
               "module and apply the patch",
+    "update": "merge a project patch onto the installed release, symbol by symbol (three-way); "
+              "conflicts open the module for editing",
     "new": "scaffold a patch folder with a wrapper of MODULE:SYMBOL that calls the original",
     "check": "validate patch folders (default: the project's patch-dir)",
 }
+
+_DOCTOR = ("will MODEL start on the installed vLLM, and which patch does it need? (runs vLLM's "
+           "start-up KV steps in the target environment, on CPU, offline, without weights)")
 
 
 class _ArgumentError(Exception):
@@ -116,6 +125,8 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
         if name == "status":
             p.add_argument("--short", action="store_true",
                            help="one line per patch: id, verdict, file")
+    if only is None or only == "doctor":
+        _doctor_parser(sub, where)
     for name, text in _AUTHORING.items():
         if only is not None and name != only:
             continue
@@ -134,6 +145,23 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
             p.add_argument("--removal", help="when to delete the patch")
             p.add_argument("--fixed-in", dest="fixed_in", metavar="VERSION",
                            help="the first release with the upstream fix")
+            p.add_argument("--from-diff", dest="from_diff", metavar="FILE",
+                           help="make the patch from a unified diff (git diff, gh pr diff, a "
+                                "GitHub .diff; - for stdin), applied to the installed modules "
+                                "with zero fuzz, instead of from an edit")
+            p.add_argument("--update", action="store_true",
+                           help="finish `vllm-patch update ID` after resolving its conflicts "
+                                "(the same as `update ID --continue`)")
+        elif name == "update":
+            p.add_argument("patch_id", metavar="ID", help="the project patch to update")
+            p.add_argument("--continue", dest="resume", action="store_true",
+                           help="finish an update whose conflicts were resolved")
+            p.add_argument("--base", type=Path, metavar="FILE",
+                           help="a pristine copy of the module from the release the patch was "
+                                "made on (for a patch made before create kept its base)")
+            p.add_argument("--set-fixed-in", dest="set_fixed_in", action="store_true",
+                           help="when the installed release already has the patched code, "
+                                "record it as the patch's fixed-in")
         elif name == "new":
             p.add_argument("patch_id", metavar="ID", help="the new patch's id (kebab-case)")
             p.add_argument("--target", required=True, metavar="MODULE:SYMBOL",
@@ -366,7 +394,8 @@ def _main(argv: Sequence[str] | None, written: list[Path], operation: list[str],
     as_json = "--json" in arguments[:arguments.index("--")] if "--" in arguments else \
         "--json" in arguments
     command = next((a for a in arguments if not a.startswith("-")), None)
-    known = command if command in _HELP or command in _AUTHORING else None
+    known = (command if command in _HELP or command in _AUTHORING or command == "doctor"
+             else None)
     finish = partial(_finish, as_json=as_json, final=final)
     try:
         args = _parser(known).parse_args(arguments)
@@ -380,6 +409,8 @@ def _main(argv: Sequence[str] | None, written: list[Path], operation: list[str],
             return finish(_Outcome(EXIT_USAGE, failure=failure), args.operation)
     else:
         project = find_project_dir(Path.cwd()) or Path.cwd()
+    if args.operation == "doctor":
+        return _doctor(args, project, finish)
     try:
         request = Request(
             project_dir=project,
@@ -407,6 +438,44 @@ def _main(argv: Sequence[str] | None, written: list[Path], operation: list[str],
     code = EXIT_OK if report.ok else EXIT_FAILED
     return finish(_Outcome(code, report=report), args.operation,
                   short=getattr(args, "short", False))
+
+
+def _print_update(updated: UpdateResult) -> None:
+    out = sys.stdout
+    by_status: dict[str, list[str]] = {}
+    for merge in updated.symbols:
+        by_status.setdefault(merge.status, []).append(merge.symbol)
+    words = {"merged": "merged", "unchanged": "unchanged upstream", "conflict": "CONFLICT",
+             "upstream": "already the patched code upstream", "added": "added by the patch"}
+    summary = "; ".join(f"{words[k]}: {', '.join(v)}" for k, v in by_status.items())
+    if updated.outcome == "not-needed":
+        print(f"not-needed  {updated.patch_id}: the installed {updated.installed} already has "
+              f"the patched code ({summary})", file=out)
+        for note in updated.notes:
+            print(f"note: {note}", file=out)
+        if not updated.notes:
+            print(f"next: run `vllm-patch update {updated.patch_id} --set-fixed-in` to record "
+                  f"fixed-in (the patch then says not-needed there), or delete the patch",
+                  file=out)
+        return
+    if updated.outcome == "current":
+        print(f"current  {updated.patch_id}: {updated.installed} has the code the patch was "
+              f"made on ({summary}); nothing to update", file=out)
+        return
+    if updated.outcome == "conflicts":
+        print(f"conflicts  {updated.patch_id} onto {updated.installed}: {summary}", file=out)
+        for path in updated.opened:
+            print(f"  opened for editing, with conflict markers: {path}", file=out)
+        print(f"next: resolve the <<<<<<< ... >>>>>>> regions, then `vllm-patch update "
+              f"{updated.patch_id} --continue` (or `vllm-patch edit MODULE --discard` to give "
+              "up); nothing was applied", file=out)
+        return
+    out.write(updated.diff)
+    print(f"updated {updated.folder} onto {updated.installed}: {summary}", file=out)
+    for note in updated.notes:
+        print(f"note: {note}", file=out)
+    if updated.report is not None:
+        _print_report(updated.report, out)
 
 
 def _author(args: argparse.Namespace, request: Request) -> int:
@@ -438,11 +507,41 @@ def _author(args: argparse.Namespace, request: Request) -> int:
                     "change it, run the server, then `vllm-patch create ID`")
             _write(lambda: print(edited.file))
         return EXIT_OK
+    if args.operation == "update" or (args.operation == "create" and args.update):
+        updated = authoring.update(request, args.patch_id, base=getattr(args, "base", None),
+                                   set_fixed_in=getattr(args, "set_fixed_in", False),
+                                   resume=getattr(args, "resume", True))
+        code = (EXIT_FAILED if updated.outcome == "conflicts" or (
+            updated.report is not None and not updated.report.ok) else EXIT_OK)
+        if args.json:
+            return as_json(code, {
+                "patch": updated.patch_id, "outcome": updated.outcome,
+                "folder": str(updated.folder), "installed": updated.installed,
+                "diff": updated.diff, "opened": [str(p) for p in updated.opened],
+                "symbols": [s._asdict() for s in updated.symbols]},
+                updated.notes, updated.report)
+        _write(partial(_print_update, updated))
+        return code
     if args.operation == "create":
-        made = authoring.create(request, args.patch_id, module=args.module,
-                                summary=args.summary, why=args.why, removal=args.removal,
-                                fixed_in=args.fixed_in,
-                                ask=None if args.json else authoring.interactive_ask())
+        texts = dict(summary=args.summary, why=args.why, removal=args.removal,
+                     fixed_in=args.fixed_in)
+        if args.from_diff is not None:
+            if args.module is not None:
+                raise UsageError("--from-diff takes its modules from the diff: drop --module")
+            source = "stdin" if args.from_diff == "-" else args.from_diff
+            try:
+                diff = (sys.stdin.read() if args.from_diff == "-"
+                        else Path(args.from_diff).read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError) as exc:
+                raise UsageError(f"--from-diff {args.from_diff}: cannot be read ({exc}); give "
+                                 "a unified diff file, or - for stdin") from None
+            made = authoring.create_from_diff(request, args.patch_id, diff, source=source,
+                                              ask=None if args.from_diff == "-" or args.json
+                                              else authoring.interactive_ask(), **texts)
+        else:
+            made = authoring.create(request, args.patch_id, module=args.module,
+                                    ask=None if args.json else authoring.interactive_ask(),
+                                    **texts)
         code = EXIT_OK if made.report is None or made.report.ok else EXIT_FAILED
         if args.json:
             return as_json(code, {
@@ -458,7 +557,7 @@ def _author(args: argparse.Namespace, request: Request) -> int:
             names = ", ".join(f"{c.symbol}{' (added)' if c.added else ''}" for c in made.changes)
             print(f"created {made.folder}: redefines {names}", file=out)
             for warning in made.warnings:
-                print(f"warning: {made.module}: {warning}", file=out)
+                print(f"warning: {warning}", file=out)
             for note in made.notes:
                 print(f"note: {note}", file=out)
             if made.report is not None:
@@ -504,3 +603,164 @@ def _author(args: argparse.Namespace, request: Request) -> int:
 
     _write(show_checks)
     return code
+
+
+# --- doctor -------------------------------------------------------------------------------------
+
+
+def _doctor_parser(sub: argparse._SubParsersAction[_Parser],
+                   where: _Parser) -> None:
+    p = sub.add_parser("doctor", parents=[where], help=_DOCTOR, description=_DOCTOR)
+    p.add_argument("--model", required=True, metavar="DIR|HUB_ID",
+                   help="a model directory with config.json, or a hub id in the local Hugging "
+                        "Face cache (HF_HOME / HF_HUB_CACHE); never downloaded")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                   help="as vLLM takes it: auto, fp8, fp8_e4m3, ... (default auto)")
+    p.add_argument("--block-size", type=int, default=None, metavar="TOKENS",
+                   help="attention block size (default: the platform's choice)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="as vLLM takes it, e.g. '{\"method\": \"mtp\", "
+                        "\"num_speculative_tokens\": 2}' or an EAGLE-3 head "
+                        "'{\"method\": \"eagle3\", \"model\": DIR, ...}'")
+    p.add_argument("--kv-cache-memory", default=None, metavar="BYTES",
+                   help="KV-cache memory per rank (bytes, or e.g. 8GiB): maximum concurrency "
+                        "at --max-model-len")
+    p.add_argument("--hf-overrides", default=None, metavar="JSON",
+                   help="as vLLM takes it (default: a fine-tune's unregistered architecture is "
+                        "run as the base architecture its model_type names)")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--platform", choices=("cuda", "cpu"), default="cuda",
+                   help="whose block-size rules: cuda (vLLM's hybrid alignment with "
+                        "FlashAttention's block sizes, the default) or cpu (vLLM's CPU "
+                        "platform and attention backend)")
+    p.add_argument("--json", action="store_true", help="print one machine-readable JSON object")
+
+
+def _doctor(args: argparse.Namespace, project: Path, finish: Callable[..., int]) -> int:
+    """``doctor``: text through :func:`_print_doctor`; ``--json`` and every error through
+    :func:`_finish`, in the schema of the other commands (the diagnosis under ``result``)."""
+    from .doctor import DoctorRequest, parse_json_object, parse_memory, run_doctor
+
+    try:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "block_size",
+                     "max_model_len"):
+            value = getattr(args, name)
+            if value is not None and value < 1:
+                raise UsageError(f"--{name.replace('_', '-')} {value}: must be 1 or more")
+        request = DoctorRequest(
+            model=args.model,
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            kv_cache_dtype=args.kv_cache_dtype,
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            speculative_config=(parse_json_object("--speculative-config",
+                                                  args.speculative_config)
+                                if args.speculative_config else None),
+            kv_cache_memory=parse_memory(args.kv_cache_memory) if args.kv_cache_memory
+            else None,
+            platform=args.platform,
+            hf_overrides=(parse_json_object("--hf-overrides", args.hf_overrides)
+                          if args.hf_overrides else None),
+            trust_remote_code=args.trust_remote_code,
+        )
+        _notice("doctor: running vLLM's start-up steps in the target environment "
+                "(imports vLLM: about a minute)")
+        report = run_doctor(request, project_dir=project, python=args.python)
+    except (ConfigurationError, UsageError, InterpreterNotFoundError, UnusableInterpreterError,
+            TargetEnvironmentError, CatalogError) as exc:
+        failure = _failure(exc)
+        return finish(_Outcome(failure.code, failure=failure), "doctor", project=project)
+    code = EXIT_OK if report.ok else EXIT_FAILED
+    if args.json:
+        return finish(_Outcome(code, result=report.to_json()), "doctor", project=project)
+    _write(lambda: _print_doctor(report, sys.stdout))
+    return code
+
+
+def _size(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(value) >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{int(value)} B"
+
+
+def _print_doctor(report: DoctorReport, out: TextIO) -> None:
+    r = report.request
+    draft = json.dumps(dict(r.speculative_config)) if r.speculative_config else "none"
+    installed = report.installed
+    path = {"cuda": "CUDA", "cpu": "CPU"}[r.platform]
+    print(f"vLLM {report.vllm} ({report.environment.python}), {path} path"
+          + (f": {installed.platform}" if installed.platform else ""), file=out)
+    max_len = installed.max_model_len or r.max_model_len
+    print(f"model: {report.model_dir} as {report.architecture}; TP {r.tensor_parallel_size}, "
+          f"PP {r.pipeline_parallel_size}, KV {r.kv_cache_dtype}, draft {draft}"
+          + (f", max_model_len {max_len}" if max_len else ""), file=out)
+    in_place = f" ({', '.join(report.in_place)} in place)" if report.in_place else ""
+    chain = " > ".join(s.name if s.ok else f"{s.name} FAILED" for s in installed.steps)
+    print(f"as installed{in_place}: {chain}", file=out)
+    if installed.failed is not None:
+        print(f"  {_clip(installed.failed.error)}", file=out)
+    singles_start = any(one.starts for one in report.runs[1:] if len(one.patches) == 1)
+    shown = [one for one in report.runs[1:]
+             if len(one.patches) == 1 or not (installed.starts or singles_start)]
+    for one in shown:
+        if one.activation_error:
+            result = f"could not be activated: {_clip(one.activation_error)}"
+        elif one.starts:
+            result = "starts" if not installed.starts else (
+                "starts, same KV cache" if one.cost == installed.cost
+                and one.state_shapes == installed.state_shapes else "starts, other KV cache")
+        else:
+            assert one.failed is not None
+            same = (installed.failed is not None and one.failed == installed.failed)
+            result = f"fails at {one.failed.name}" + (
+                " (the same)" if same else f": {_clip(one.failed.error)}")
+        print(f"with {one.name}: {result}", file=out)
+    costs = [("as installed" if one.name == "installed" else f"with {one.name}", one.cost)
+             for one in (installed, *shown) if one.cost is not None
+             and (one.name == "installed" or one.cost != installed.cost)]
+    if costs:
+        header = ["KV cache per rank", "page B", "padding", "block", "blocks/GiB",
+                  "tokens/GiB"] + ([f"max concurrency ({_size(r.kv_cache_memory)})"]
+                                   if r.kv_cache_memory else [])
+        rows = [header]
+        for label, cost in costs:
+            pad = ("-" if cost.padding_bytes is None else
+                   f"{cost.padding_bytes} B ({cost.padding_pct:.2f}%)")
+            row = [label, str(cost.page), pad, str(cost.attention_block),
+                   str(cost.blocks_per_gib), str(cost.tokens_per_gib)]
+            if r.kv_cache_memory:
+                row.append("-" if cost.max_concurrency is None
+                           else f"{cost.max_concurrency:.2f}x")
+            rows.append(row)
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        for row in rows:
+            print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
+                  .rstrip(), file=out)
+    if report.neuron_note:
+        print(report.neuron_note, file=out)
+    for budget in report.neuron:
+        label = "as installed" if budget.name == "installed" else f"with {budget.name}"
+        if budget.error:
+            print(f"Neuron runner {label}: {_clip(budget.error)}", file=out)
+        elif budget.bytes_per_token is not None:
+            print(f"Neuron runner {label}: {budget.bytes_per_token:.0f} B per token budgeted, "
+                  f"max concurrency {budget.max_concurrency}", file=out)
+    for note in report.notes:
+        print(f"note: {note}", file=out)
+    print(f"verdict: {report.verdict}", file=out)
+    if report.config_lines:
+        print("select it in pyproject.toml:", file=out)
+        for line in report.config_lines:
+            print(f"  {line}", file=out)
+
+
+def _clip(text: str | None, limit: int = 220) -> str:
+    text = text or ""
+    return text if len(text) <= limit else text[:limit - 3] + "..."

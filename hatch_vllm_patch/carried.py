@@ -108,7 +108,7 @@ def write_carried(directory: Path, name: str, version: str, config: Config,
         "distribution": name,
         "version": version,
         "guard": config.guard,
-        "patches": [{"id": p.id, "block_sha256": p.block_digest,
+        "patches": [{"id": p.id, "block_sha256": p.blocks_digest,
                      "why": list(selection.why.get(p.id, ())),
                      "own": str(p.folder.parent.resolve()) in own}
                     for p in selection.patches],
@@ -122,7 +122,7 @@ def write_carried(directory: Path, name: str, version: str, config: Config,
             continue  # a catalog patch: the installed hatch-vllm-patch has it
         target = root / PATCHES_DIR / patch.id
         target.mkdir(parents=True, exist_ok=True)
-        for file_name in _PATCH_FILES:
+        for file_name in dict.fromkeys((*_PATCH_FILES, *(m.block_name for m in patch.parts))):
             source = patch.folder / file_name
             if source.is_file():
                 write_atomic(target / file_name, source.read_bytes())
@@ -237,14 +237,14 @@ def join_carried(purelib: Path, catalog: Catalog,
     for pid in sorted(blocks):
         if pid not in merged:
             continue
-        target = merged[pid].target
-        for symbol in target.symbols:
-            key = (target.distribution, target.module, symbol)
-            other = by_symbol.setdefault(key, pid)
-            if other != pid:
-                errors.append(f"{target.module}.{symbol}: patches {other!r} "
-                              f"({blocks[other][1]}) and {pid!r} ({blocks[pid][1]}) both replace "
-                              "it")
+        for target in (m.target for m in merged[pid].parts):
+            for symbol in target.symbols:
+                key = (target.distribution, target.module, symbol)
+                other = by_symbol.setdefault(key, pid)
+                if other != pid:
+                    errors.append(f"{target.module}.{symbol}: patches {other!r} "
+                                  f"({blocks[other][1]}) and {pid!r} ({blocks[pid][1]}) both "
+                                  "replace it")
     if errors:
         raise ConfigurationError([*errors, "the installed distributions' selections clash: "
                                   "install one of them, or apply a project that selects for "
@@ -262,4 +262,4 @@ def join_carried(purelib: Path, catalog: Catalog,
 
 
 def _content(patch: Patch) -> tuple[str, bytes]:
-    return patch.block_digest, (patch.folder / "patch.toml").read_bytes()
+    return patch.blocks_digest, (patch.folder / "patch.toml").read_bytes()

@@ -11,7 +11,7 @@ import hashlib
 import importlib.util
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -50,6 +50,9 @@ class Target(NamedTuple):
     optional: bool = False
     version: str | None = None  # the version the patch was made on (informational)
     install_from: str | None = None  # where the real distribution comes from (a hint)
+    # Module-level names the block adds (imports, constants, classes): the module must not
+    # bind them already.
+    adds: tuple[str, ...] = ()
 
     @property
     def symbol(self) -> str:
@@ -88,12 +91,23 @@ class Patch(NamedTuple):
     # False in the guard: it never imports classify.py; a shape the record does not remember as
     # "known" is then unknown to it (see classifier()).
     run_classifier: bool = True
+    block_name: str = "block.py"  # the file of ``block`` in the folder
+    # A patch over several modules: one member per target (each with its own target, shapes
+    # and block), applied, verified and reverted together. Empty for a patch of one module.
+    members: tuple[Patch, ...] = ()
+
+    @property
+    def parts(self) -> tuple[Patch, ...]:
+        """Each target of the patch as a patch of one module (this patch itself when it has
+        one target)."""
+        return self.members or (self,)
 
     @property
     def shape_fingerprint(self) -> str:
         """A digest of everything that decides the shape verdict (the known digests, or the
         classifier's code): equal fingerprints on equal code give equal verdicts."""
         parts = [f"{s}={','.join(sorted(d))}" for s, d in sorted(self.symbol_shapes.items())]
+        parts += [f"adds={n}" for n in self.target.adds]
         if self.classifier_path is not None:
             parts.append(hashlib.sha256(self.classifier_path.read_bytes()).hexdigest())
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
@@ -112,6 +126,12 @@ class Patch(NamedTuple):
     def block_digest(self) -> str:
         return hashlib.sha256(self.block.encode("utf-8")).hexdigest()
 
+    @property
+    def blocks_digest(self) -> str:
+        """What a record or a wheel selects: the block's digest (for a patch over several
+        modules, one digest of its targets' block digests, see :func:`blocks_digest`)."""
+        return blocks_digest(m.block_digest for m in self.parts)
+
     def classifier(self) -> ShapeClassifier | None:
         """The structural shape classifier of ``classify.py``, loaded once."""
         if self.classifier_path is None:
@@ -119,6 +139,15 @@ class Patch(NamedTuple):
         if not self.run_classifier:
             return _not_run
         return _load_classifier(self.classifier_path)
+
+
+def blocks_digest(digests: Iterable[str]) -> str:
+    """One digest for the blocks of a patch: the block's own digest when it has one target,
+    else the sha256 of its targets' block digests (sorted, space-separated)."""
+    listed = sorted(digests)
+    if len(listed) == 1:
+        return listed[0]
+    return hashlib.sha256(" ".join(listed).encode("ascii")).hexdigest()
 
 
 def _not_run(source: str) -> tuple[str, str]:
@@ -150,7 +179,9 @@ class Catalog(Mapping[str, Patch]):
 
     def without_classifiers(self) -> Catalog:
         """The same patches, none of which will import its ``classify.py`` (the guard's)."""
-        return Catalog(tuple(p._replace(run_classifier=False) for p in self.patches), self.root)
+        return Catalog(tuple(p._replace(run_classifier=False, members=tuple(
+            m._replace(run_classifier=False) for m in p.members)) for p in self.patches),
+            self.root)
 
     def merged(self, other: Catalog) -> Catalog:
         """This catalog and ``other`` (a project's own patch folders) as one, in id order.
@@ -287,39 +318,80 @@ def _load_patch(folder: Path, require_trust: bool = False) -> Patch:
         return tuple(value)
 
     known = {"id", "summary", "description", "links", "removal", "architectures", "target",
-             "applies"}
+             "targets", "applies"}
     for key in sorted(set(data) - known):
         errors.append(f"{where}: unknown key {key!r}")
     patch_id = text(data, "id", "id")
     if patch_id and (patch_id != folder.name or not _ID.match(patch_id)):
         errors.append(f"{where}: id {patch_id!r} must equal the folder name and be kebab-case")
-    target_table = data.get("target")
     applies = data.get("applies", {})
-    if not isinstance(target_table, dict):
-        errors.append(f"{where}: [target] table is required")
-        target_table = {}
     if not isinstance(applies, dict):
         errors.append(f"{where}: [applies] must be a table")
         applies = {}
-    for key in sorted(set(target_table) - {"distribution", "module", "symbol", "symbols",
-                                           "optional", "version", "install-from"}):
-        errors.append(f"{where}: unknown key target.{key}")
     for key in sorted(set(applies) - {"fixed-in", "fixed-shapes", "shapes", "classifier"}):
         errors.append(f"{where}: unknown key applies.{key}")
-
-    module = text(target_table, "module", "target.module")
-    if module and not _MODULE.match(module):
-        errors.append(f"{where}: target.module {module!r} is not a dotted module path")
-    symbols = _symbols(target_table, where, errors)
-    optional = target_table.get("optional", False)
-    if not isinstance(optional, bool):
-        errors.append(f"{where}: target.optional must be true or false")
-        optional = False
-    version = target_table.get("version")
-    if version is not None and not isinstance(version, str):
-        errors.append(f"{where}: target.version must be a string")
-        version = None
-    install_from = text(target_table, "install-from", "target.install-from", required=False)
+    # One target: [target] + applies.shapes + block.py. Several (one patch over several
+    # modules, applied and reverted all together): [[targets]], each with its shapes and block.
+    several = "targets" in data
+    tables: list[tuple[str, dict[str, Any]]] = []
+    if several:
+        raw_targets = data["targets"]
+        if "target" in data or "shapes" in applies or "classifier" in applies:
+            errors.append(f"{where}: [[targets]] carries each target's shapes and block: it "
+                          "excludes [target], applies.shapes and applies.classifier")
+        if not isinstance(raw_targets, list) or not raw_targets or not all(
+                isinstance(t, dict) for t in raw_targets):
+            errors.append(f"{where}: [[targets]] must be a non-empty array of tables")
+            raw_targets = []
+        tables = [(f"targets[{i}]", t) for i, t in enumerate(raw_targets)]
+    else:
+        target_table = data.get("target")
+        if not isinstance(target_table, dict):
+            errors.append(f"{where}: [target] table is required")
+            target_table = {}
+        tables = [("target", target_table)]
+    parsed_targets: list[tuple[Target, dict[str, frozenset[str]], str]] = []
+    for label, table in tables:
+        allowed = {"distribution", "module", "symbol", "symbols", "optional", "version",
+                   "install-from", "adds"} | ({"shapes", "block"} if several else set())
+        for key in sorted(set(table) - allowed):
+            errors.append(f"{where}: unknown key {label}.{key}")
+        module = text(table, "module", f"{label}.module")
+        if module and not _MODULE.match(module):
+            errors.append(f"{where}: {label}.module {module!r} is not a dotted module path")
+        symbols = _symbols(table, where, errors, label)
+        optional = table.get("optional", False)
+        if not isinstance(optional, bool):
+            errors.append(f"{where}: {label}.optional must be true or false")
+            optional = False
+        version = table.get("version")
+        if version is not None and not isinstance(version, str):
+            errors.append(f"{where}: {label}.version must be a string")
+            version = None
+        install_from = text(table, "install-from", f"{label}.install-from", required=False)
+        distribution = text(table, "distribution", f"{label}.distribution")
+        adds = strings(table, "adds", f"{label}.adds")
+        for i, name in enumerate(adds):
+            if not name.isidentifier():
+                errors.append(f"{where}: {label}.adds[{i}] {name!r} is not a name")
+        target = Target(distribution=distribution, module=module, symbols=symbols,
+                        optional=optional, version=version, install_from=install_from or None,
+                        adds=adds)
+        if several:
+            shapes = _shapes(table.get("shapes"), symbols, where, errors, f"{label}.shapes")
+            if not shapes:
+                errors.append(f"{where}: {label} needs `shapes` (known digests)")
+            block_name = table.get("block", f"{module}.py")
+            if not isinstance(block_name, str) or "/" in block_name or block_name.startswith("."):
+                errors.append(f"{where}: {label}.block must be a file name in the folder")
+                block_name = f"{module}.py"
+            parsed_targets.append((target, shapes, block_name))
+        else:
+            parsed_targets.append((target, {}, "block.py"))
+    modules = [t.module for t, _, _ in parsed_targets]
+    for module in sorted({m for m in modules if modules.count(m) > 1}):
+        errors.append(f"{where}: [[targets]] names {module} twice: list every symbol of a "
+                      "module in one target")
 
     fixed_in: str | None = None
     if "fixed-in" in applies:
@@ -329,7 +401,9 @@ def _load_patch(folder: Path, require_trust: bool = False) -> Patch:
         if not _RELEASE.match(fixed_in):
             errors.append(f"{where}: applies.fixed-in {applies['fixed-in']!r} is not a release "
                           "version (e.g. 0.29.0, 1.0rc1)")
-    symbol_shapes = _shapes(applies.get("shapes"), symbols, where, errors)
+    if not several:
+        parsed_targets[0] = (parsed_targets[0][0], _shapes(
+            applies.get("shapes"), parsed_targets[0][0].symbols, where, errors), "block.py")
     fixed_shapes = strings(applies, "fixed-shapes", "applies.fixed-shapes")
     for i, entry in enumerate(fixed_shapes):
         owner, _, digest = entry.rpartition(":")
@@ -346,20 +420,23 @@ def _load_patch(folder: Path, require_trust: bool = False) -> Patch:
             _check(classifier_path, folder, require_trust)
         if not classifier_path.is_file():
             errors.append(f"{where}: applies.classifier {classifier_path} does not exist")
-    if not symbol_shapes and classifier_path is None:
+    if not several and not parsed_targets[0][1] and classifier_path is None:
         errors.append(f"{where}: [applies] needs `shapes` (known digests) or `classifier`")
 
-    block_path = folder / "block.py"
-    block = ""
-    if block_path.exists() or block_path.is_symlink():
-        _check(block_path, folder, require_trust)
-    try:
-        block = block_path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        errors.append(f"{where}: block.py is missing")
-    if block and not block.endswith("\n"):
-        errors.append(f"{block_path}: must end with a newline")
-    # Whether the block compiles is checked where it matters, and only there: before it is
+    blocks: list[str] = []
+    for _, _, block_name in parsed_targets:
+        block_path = folder / block_name
+        block = ""
+        if block_path.exists() or block_path.is_symlink():
+            _check(block_path, folder, require_trust)
+        try:
+            block = block_path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            errors.append(f"{where}: {block_name} is missing")
+        if block and not block.endswith("\n"):
+            errors.append(f"{block_path}: must end with a newline")
+        blocks.append(block)
+    # Whether a block compiles is checked where it matters, and only there: before it is
     # written (plan_apply) and by `vllm-patch check` (compiling it on every load would cost
     # every verify and every vLLM process's guard a few milliseconds for nothing).
     probe = folder / "probe.py"
@@ -370,36 +447,37 @@ def _load_patch(folder: Path, require_trust: bool = False) -> Patch:
     links = strings(data, "links", "links")
     removal = text(data, "removal", "removal", required=False)
     architectures = strings(data, "architectures", "architectures")
-    distribution = text(target_table, "distribution", "target.distribution")
 
     if errors:
         raise CatalogError("\n".join(errors))
-    return Patch(
+    members = tuple(Patch(
         id=patch_id,
         summary=summary,
         description=description,
         links=links,
         removal=removal,
         architectures=architectures,
-        target=Target(distribution=distribution, module=module, symbols=symbols,
-                      optional=optional, version=version, install_from=install_from or None),
+        target=target,
         fixed_in=fixed_in,
-        symbol_shapes=symbol_shapes,
+        symbol_shapes=shapes,
         fixed_shapes=frozenset(fixed_shapes),
         block=block,
         folder=folder,
         classifier_path=classifier_path,
         probe_path=probe if probe.is_file() else None,
-    )
+        block_name=block_name,
+    ) for (target, shapes, block_name), block in zip(parsed_targets, blocks, strict=True))
+    return members[0]._replace(members=members) if several else members[0]
 
 
-def _symbols(target: dict[str, Any], where: str, errors: list[str]) -> tuple[str, ...]:
+def _symbols(target: dict[str, Any], where: str, errors: list[str], label: str = "target"
+             ) -> tuple[str, ...]:
     """``target.symbol`` (one) or ``target.symbols`` (several), each 'name' or 'Class.name'."""
     if ("symbol" in target) == ("symbols" in target):
-        errors.append(f"{where}: [target] needs exactly one of `symbol` or `symbols`")
+        errors.append(f"{where}: [{label}] needs exactly one of `symbol` or `symbols`")
         return ("?",)
     raw = [target["symbol"]] if "symbol" in target else target["symbols"]
-    key = "target.symbol" if "symbol" in target else "target.symbols"
+    key = f"{label}.symbol" if "symbol" in target else f"{label}.symbols"
     if not isinstance(raw, list) or not raw:
         errors.append(f"{where}: {key} must be a non-empty list of names")
         return ("?",)
@@ -412,8 +490,8 @@ def _symbols(target: dict[str, Any], where: str, errors: list[str]) -> tuple[str
     return tuple(str(n) for n in raw)
 
 
-def _shapes(raw: object, symbols: tuple[str, ...], where: str, errors: list[str]
-            ) -> dict[str, frozenset[str]]:
+def _shapes(raw: object, symbols: tuple[str, ...], where: str, errors: list[str],
+            label: str = "applies.shapes") -> dict[str, frozenset[str]]:
     """``applies.shapes``: a list of digests of the one target symbol, or a table from each
     target symbol to its digests (``"absent"``: a symbol the patch adds must not exist)."""
     if raw is None:
@@ -421,21 +499,21 @@ def _shapes(raw: object, symbols: tuple[str, ...], where: str, errors: list[str]
     table: dict[str, object]
     if isinstance(raw, list):
         if len(symbols) != 1:
-            errors.append(f"{where}: applies.shapes must be a table (symbol = [digests]) when "
+            errors.append(f"{where}: {label} must be a table (symbol = [digests]) when "
                           "target.symbols lists several")
             return {}
         table = {symbols[0]: raw}
     elif isinstance(raw, dict):
         table = dict(raw)
         for name in sorted(set(table) ^ set(symbols)):
-            errors.append(f"{where}: applies.shapes.{name}: "
+            errors.append(f"{where}: {label}.{name}: "
                           + ("not a target symbol" if name in table else "missing"))
     else:
-        errors.append(f"{where}: applies.shapes must be a list of digests or a table")
+        errors.append(f"{where}: {label} must be a list of digests or a table")
         return {}
     shapes: dict[str, frozenset[str]] = {}
     for name, digests in table.items():
-        path = "applies.shapes" if isinstance(raw, list) else f"applies.shapes.{name}"
+        path = label if isinstance(raw, list) else f"{label}.{name}"
         if not isinstance(digests, list) or not digests:
             errors.append(f"{where}: {path} must be a non-empty list of digests")
             continue

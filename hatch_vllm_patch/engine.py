@@ -48,14 +48,18 @@ __all__ = [
     "inspect",
     "locate_function",
     "locate_in",
+    "module_names",
     "node_source",
     "parse_file",
     "plain_parameters",
     "plan_apply",
     "plan_remove_blocks",
     "plan_revert",
+    "plan_together",
     "plan_verify",
     "render_block",
+    "scope_classes",
+    "scope_defs",
     "sha256_hex",
     "shape_key",
     "symbol_digest",
@@ -81,6 +85,7 @@ class Verdict(str, enum.Enum):
     STALE = "stale"
     UNKNOWN_SHAPE = "unknown-shape"
     MODIFIED = "modified"
+    EDITING = "editing"  # the file is open for editing (`vllm-patch edit`): not ours to judge
     UNKNOWN_PATCH = "unknown-patch"  # a block of ours whose patch this catalog does not know
     BLOCKED = "blocked"  # refused: such a block sits in the target file
     OUTSIDE = "outside-distribution"  # refused: the target is no file of its distribution
@@ -129,22 +134,78 @@ def locate_function(source: str, symbol: str) -> tuple[FunctionNode | None, str]
 
 def locate_in(tree: ast.Module, symbol: str) -> tuple[FunctionNode | None, str]:
     """:func:`locate_function` in an already parsed module."""
-    import ast
-
     scope: list[ast.stmt] = tree.body
     *classes, name = symbol.split(".")
     for class_name in classes:
-        found = [n for n in scope if isinstance(n, ast.ClassDef) and n.name == class_name]
-        if not found:
-            names = [n.name for n in scope if isinstance(n, ast.ClassDef)]
+        found = scope_classes(scope).get(class_name)
+        if found is None:
+            names = list(scope_classes(scope))
             return None, f"no module-level class {class_name}{_did_you_mean(class_name, names)}"
-        scope = found[-1].body
-    functions = [n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    defs = [n for n in functions if n.name == name]
-    if not defs:
+        scope = found.body
+    node = scope_defs(scope).get(name)
+    if node is None:
         owner = f"{classes[-1]} defines no method" if classes else "no module-level function"
-        return None, f"{owner} {name}{_did_you_mean(name, [n.name for n in functions])}"
-    return defs[-1], ""
+        names = list(scope_defs(scope))
+        return None, f"{owner} {name}{_did_you_mean(name, names)}"
+    return node, ""
+
+
+def scope_defs(body: list[ast.stmt]) -> dict[str, FunctionNode]:
+    """The ``def``s of one scope (a module's or a class's body) by name, the last binding
+    winning: the one walker that both locating a target and diffing an edit use."""
+    import ast
+
+    return {n.name: n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def scope_classes(body: list[ast.stmt]) -> dict[str, ast.ClassDef]:
+    """The classes of one scope by name, the last binding winning."""
+    import ast
+
+    return {n.name: n for n in body if isinstance(n, ast.ClassDef)}
+
+
+def module_names(tree: ast.Module) -> tuple[frozenset[str], bool]:
+    """The names a module binds at module level (in ``if``/``try``/``with``/``for`` blocks
+    too, and through ``global`` in its functions), and whether it has a ``from x import *``
+    (then its names cannot all be known)."""
+    import ast
+
+    names: set[str] = set()
+    star = False
+
+    def visit(body: list[ast.stmt]) -> None:
+        nonlocal star
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+                for inner in ast.walk(node):
+                    if isinstance(inner, ast.Global):
+                        names.update(inner.names)
+                continue
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for alias in node.names:
+                    if alias.name == "*":
+                        star = True
+                    else:
+                        names.add(alias.asname or alias.name.split(".")[0])
+                continue
+            for inner in ast.walk(node):  # targets, walrus, with/except/for names
+                if isinstance(inner, ast.Name) and isinstance(inner.ctx, ast.Store):
+                    names.add(inner.id)
+                elif isinstance(inner, ast.ExceptHandler) and inner.name:
+                    names.add(inner.name)
+                elif isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.add(inner.name)  # defined inside if/try at module level
+                elif isinstance(inner, (ast.Import, ast.ImportFrom)):
+                    for alias in inner.names:
+                        if alias.name == "*":
+                            star = True
+                        else:
+                            names.add(alias.asname or alias.name.split(".")[0])
+
+    visit(tree.body)
+    return frozenset(names), star
 
 
 def _did_you_mean(name: str, names: list[str]) -> str:
@@ -217,6 +278,12 @@ def classify_shape(patch: Patch, original: bytes) -> tuple[str, str]:
             return "unknown", f"{symbol} {what} (sha256 {digest[:12]})"
         seen.append(f"sha256 {digest[:12]}" if len(patch.symbol_shapes) == 1
                     else f"{symbol} {digest[:12]}")
+    if patch.target.adds:
+        bound = module_names(tree)[0]
+        taken = [n for n in patch.target.adds if n in bound]
+        if taken:
+            return "unknown", (f"{', '.join(taken)} already defined in this module, but the "
+                               "patch adds it")
     if len(patch.symbol_shapes) == 1:
         return "known", f"{patch.target.symbol} has a known shape ({seen[0]})"
     return "known", f"every target symbol has a known shape ({', '.join(seen)})"
@@ -454,3 +521,23 @@ def plan_verify(patch: Patch, facts: FileFacts) -> Plan:
     if state.verdict is Verdict.MISSING:
         return Plan(Verdict.MISSING, f"not patched ({state.reason})")
     return Plan(state.verdict, state.reason)
+
+
+def plan_together(parts: list[tuple[str, Plan, bool]]) -> list[Plan]:
+    """One verdict for a patch over several modules, from each module's (module, plan, fine):
+    when one part is not fine (``unknown-shape``, ``modified``, ...), no part writes, and every
+    fine part reports that part's verdict, naming its module."""
+    bad = [(module, plan) for module, plan, fine in parts if not fine]
+    if not bad:
+        return [plan for _, plan, _ in parts]
+    module, cause = bad[0]
+    shared = []
+    for _, plan, fine in parts:
+        if not fine:
+            shared.append(plan._replace(new_content=None))
+            continue
+        what = "nothing written to any of its modules" if any(
+            p.new_content is not None for _, p, _ in parts) else f"here: {plan.reason}"
+        shared.append(Plan(cause.verdict, f"{cause.verdict} in {module}, another target of "
+                                          f"this patch ({cause.reason}); {what}"))
+    return shared

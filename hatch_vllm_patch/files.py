@@ -25,7 +25,7 @@ import errno
 import os
 import stat
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from .errors import TargetEnvironmentError, UsageError
@@ -187,6 +187,39 @@ def drop_bytecode(module_file: Path, pycache_prefix: str | None = None) -> list[
                 pyc.unlink()  # unlinking drops this environment's link only, never the cache's
                 removed.append(pyc)
     return removed
+
+
+def replace_module_file(path: Path, data: bytes, pycache_prefix: str | None = None, *,
+                        expected: FileIdentity | None = None) -> None:
+    """The one way a module file is written: leftovers of killed runs removed, ``data``
+    written atomically (a new inode: uv's cache never sees it; owner, group and mode kept),
+    the stale bytecode dropped. With ``expected`` the file must still be the one read
+    (:class:`TargetChanged` otherwise, nothing written)."""
+    remove_stale_temps(path.parent)
+    write_atomic(path, data, expected=expected)
+    drop_bytecode(path, pycache_prefix)
+
+
+def replace_module_files(writes: Sequence[tuple[Path, bytes, bytes]],
+                         pycache_prefix: str | None = None, *,
+                         expected: Mapping[str, FileIdentity] | None = None) -> None:
+    """Write several module files as one change: ``writes`` is (path, new bytes, bytes now).
+    ``expected`` maps ``str(path)`` to the identity of the file read: each is re-checked
+    just before its replace. When a write fails (an OSError, or :class:`TargetChanged`),
+    the files written before it get their bytes back and the error is raised (an OSError's
+    ``filename`` names the file): all of them change, or none."""
+    identities = expected or {}
+    done: list[tuple[Path, bytes]] = []
+    for path, new, old in writes:
+        try:
+            replace_module_file(path, new, pycache_prefix, expected=identities.get(str(path)))
+        except (OSError, TargetChanged) as exc:
+            for written, before in reversed(done):
+                replace_module_file(written, before, pycache_prefix)
+            if isinstance(exc, OSError) and exc.filename is None:
+                exc.filename = str(path)
+            raise
+        done.append((path, old))
 
 
 def lock_timeout(environ: Mapping[str, str] | None = None) -> float:

@@ -136,13 +136,14 @@ def _check(logger: logging.Logger, override: str | None, started: float) -> None
         if changed is None:
             return  # could not check: logged (warn); error and apply stopped
         if not changed:
-            checked = [p.id for p in selection.patches if p.file not in editing]
+            checked = list(dict.fromkeys(  # a patch over several modules: one entry per target
+                p.id for p in selection.patches if p.file not in editing))
             unchecked = [(p.id, p.file) for p in selection.patches if p.file in editing]
             ids = ", ".join(checked) or ("none checked" if unchecked else "none selected")
             logger.info("hatch-vllm-patch: patches in place (%s) [guard %s, %.1f ms]%s", ids,
                         mode, (time.perf_counter() - started) * 1000, _editing(unchecked))
             return
-        blocks = {p.id: p.block_sha256 for p in selection.patches}
+        blocks = _recorded_blocks(selection)
         _guarded(logger, mode, changed, lambda: _full_check(
             logger, mode, started, changed, _recorded_request(selection, logger), blocks))
         return
@@ -222,9 +223,22 @@ def _recorded_request(selection: Selection, logger: logging.Logger) -> Request:
     missing = [f"{p.id} (recorded from {p.folder})" for p in selection.patches
                if p.id not in catalog]
     if missing:
-        raise _CannotCheck(f"recorded patches not found: {', '.join(missing)}")
-    return Request(python=sys.executable, patches=tuple(p.id for p in selection.patches),
+        raise _CannotCheck(f"recorded patches not found: {', '.join(dict.fromkeys(missing))}")
+    ids = tuple(dict.fromkeys(p.id for p in selection.patches))  # one entry per target
+    return Request(python=sys.executable, patches=ids,
                    catalog=catalog.without_classifiers(), on_wait=logger.info)
+
+
+def _recorded_blocks(selection: Selection) -> dict[str, str | None]:
+    """The block digest the record selected for each patch (one entry per target: a patch
+    over several modules gets the digest of its targets' digests, as ``Patch.blocks_digest``)."""
+    from .catalog import blocks_digest
+
+    digests: dict[str, list[str | None]] = {}
+    for entry in selection.patches:
+        digests.setdefault(entry.id, []).append(entry.block_sha256)
+    return {pid: None if None in found else blocks_digest(d for d in found if d is not None)
+            for pid, found in digests.items()}
 
 
 def _config_request(config: Config, logger: logging.Logger) -> Request:
@@ -337,9 +351,10 @@ def _full_check(logger: logging.Logger, mode: str, started: float, why: str,
                     "%.1f ms]%s", _ids(report), mode, why,
                     (time.perf_counter() - started) * 1000, _editing(unchecked))
         return
-    failing = [o.patch_id for o in report.outcomes if not o.ok and o.patch_id in catalog]
+    failing = list(dict.fromkeys(  # a patch over several modules: one outcome per target
+        o.patch_id for o in report.outcomes if not o.ok and o.patch_id in catalog))
     changed = {pid: blocks.get(pid) for pid in failing if blocks is not None
-               and blocks.get(pid) != catalog[pid].block_digest}
+               and blocks.get(pid) != catalog[pid].blocks_digest}
     if mode == "apply":
         healable = tuple(pid for pid in failing if pid not in changed)
         if healable:
@@ -391,7 +406,7 @@ def _message(report: Report, mode: str, why: str, changed: Mapping[str, str | No
             lines.append(
                 f"  {o.patch_id}: {o.verdict.value} in {o.file or 'its target'}, and its patch "
                 f"folder changed since it was selected (block "
-                f"{catalog[o.patch_id].block_digest[:12]}, selected "
+                f"{catalog[o.patch_id].blocks_digest[:12]}, selected "
                 f"{recorded[:12] if recorded else 'none'}): the guard heals only to the "
                 f"selected block; fix: review {catalog[o.patch_id].folder}, then run: python -m "
                 f"hatch_vllm_patch apply --python {sys.executable}")
@@ -416,8 +431,13 @@ def _reload_in_memory(report: Report, catalog: Catalog, logger: logging.Logger) 
     from .engine import Verdict
 
     for outcome in report.outcomes:
-        patch = catalog.get(outcome.patch_id)
-        if outcome.verdict is not Verdict.APPLIED or patch is None:
+        found = catalog.get(outcome.patch_id)
+        if outcome.verdict is not Verdict.APPLIED or found is None:
+            continue
+        # The target written (a patch over several modules has one outcome per module).
+        patch = next((m for m in found.parts if len(found.parts) == 1 or str(outcome.file)
+                      == getattr(sys.modules.get(m.target.module), "__file__", None)), None)
+        if patch is None:
             continue
         module = sys.modules.get(patch.target.module)
         if module is None:

@@ -29,6 +29,7 @@ from .engine import (
     plan_apply,
     plan_remove_blocks,
     plan_revert,
+    plan_together,
     plan_verify,
     shape_key,
 )
@@ -44,25 +45,26 @@ from .errors import CatalogError, ConfigurationError, TargetEnvironmentError, Us
 from .files import (
     FileIdentity,
     TargetChanged,
-    drop_bytecode,
     locked,
     read_identified,
-    remove_stale_temps,
-    write_atomic,
+    replace_module_file,
+    replace_module_files,
 )
 from .markers import MarkerError, parse_file, sha256_hex
 from .record import (
     CARRIED,
     COMMAND_LINE,
     DEFAULT_GUARD,
+    RECORD_NAME,
     EnvironmentRecord,
     FileEntry,
     RecordRead,
     SelectedPatch,
+    drop_pristine,
     edit_state,
     merge_selection,
-    pristine_copy,
     read_record,
+    save_record,
 )
 from .record import Selection as SelectionRecord
 from .report import PatchOutcome, Report
@@ -207,8 +209,9 @@ def run(operation: str, request: Request) -> Report:
     if not patches and operation in {"revert", "status"}:
         patches = catalog.patches  # revert/status everything we know by default
         why = {p.id: ("all catalog patches",) for p in patches}
-    queries = {p.target.module: ModuleQuery(p.target.distribution, p.target.module,
-                                            p.target.relative_path) for p in patches}
+    queries = {m.target.module: ModuleQuery(m.target.distribution, m.target.module,
+                                            m.target.relative_path)
+               for p in patches for m in p.parts}
     for p in patches:  # where a fixed release keeps the symbol now (fixed-shapes)
         for module in p.fixed_modules:
             queries.setdefault(module, ModuleQuery(p.target.distribution, module,
@@ -269,7 +272,8 @@ def run(operation: str, request: Request) -> Report:
         notes = [f"{n}: {tail}" if n.endswith("selects no patch for what it serves") else n
                  for n in notes]
     if operation == "verify" and request.deep:
-        outcomes = [_deep(o, catalog, env) for o in outcomes]
+        deep: dict[str, tuple[bool | None, str]] = {}  # one probe per patch, for all its targets
+        outcomes = [_deep(o, catalog, env, deep) for o in outcomes]
     return Report(operation, env, tuple(outcomes), tuple(notes), request.project_dir,
                   config.source if config else None, tuple(errors))
 
@@ -289,6 +293,7 @@ class _Session:
         self.contents: dict[str, bytes | None] = {}  # path -> bytes as last read or written
         self.identities: dict[str, FileIdentity] = {}  # path -> the file they were read from
         self.known: dict[tuple[str, str], str] = {}  # (path, patch id) -> a "known" shape key
+        self.outcomes: dict[tuple[str, str], PatchOutcome] = {}  # (patch id, module) -> outcome
         self.wrote_targets = False
         self.stale: dict[str, str] = {}  # file -> why its edit session is over
         self.ended: list[str] = []  # pristine copies to drop once the record says so
@@ -309,12 +314,15 @@ class _Session:
         return Path(patch.target.relative_path)
 
     def confined(self) -> list[Patch]:
-        """The patches whose target is a file of their distribution (the others are refused)."""
-        return [p for p in self.patches if self.env.modules[p.target.module].refused is None]
+        """The targets (of every patch) that are a file of their distribution (the others are
+        refused)."""
+        return [m for p in self.patches for m in p.parts
+                if self.env.modules[m.target.module].refused is None]
 
     def lock_dirs(self, record: EnvironmentRecord) -> set[str]:
         dirs = {str(self.env.purelib)}
-        paths = [self.target_path(p) for p in self.confined()] + [Path(f) for f in record.files]
+        paths = [self.target_path(m) for m in self.confined()]
+        paths += [Path(f) for f in record.files]
         if self.converge and record.selection is not None:
             paths += [Path(e.file) for e in record.selection.patches if e.file]
         for path in paths:
@@ -353,7 +361,7 @@ class _Session:
         self.record = self.initial = state.record
         self.edit_sessions()
         removed = self.remove_unselected()  # first: an apply must not find the dropped block
-        outcomes = [self.one(patch) for patch in self.patches] + removed
+        outcomes = [o for patch in self.patches for o in self.one(patch)] + removed
         outcomes += self.foreign_blocks({o.patch_id for o in outcomes})
         errors = self.save_record(outcomes)
         return outcomes, errors
@@ -426,51 +434,126 @@ class _Session:
         self.contents.pop(str(path), None)
         self.identities.pop(str(path), None)
 
-    def one(self, patch: Patch) -> PatchOutcome:
+    def one(self, patch: Patch) -> list[PatchOutcome]:
+        """The outcomes of ``patch``, one per target module, with one verdict: a patch over
+        several modules is planned in all of them first, and written to all or to none. When
+        an installer replaces a file between our read and our write, once more on what it left."""
         try:
             return self.one_attempt(patch)
-        except TargetChanged:  # an installer replaced the file between our read and write
-            self.forget(self.target_path(patch))
+        except TargetChanged:  # an installer replaced a file between our read and write
+            for m in patch.parts:  # (every file of the patch: the others were put back)
+                self.forget(self.target_path(m))
         try:
             return self.one_attempt(patch)  # once more, on what the installer left
         except TargetChanged as exc:
-            facts = self.facts(patch)
-            return self.outcome(patch, Plan(Verdict.ERROR, f"{exc} (twice; retried once)"),
-                                facts)
+            for m in patch.parts:
+                self.forget(self.target_path(m))
+            outcomes = [self.outcome(m, Plan(Verdict.ERROR, f"{exc} (twice; retried once)"),
+                                     self.member_facts(m)) for m in patch.parts]
+            for m, outcome in zip(patch.parts, outcomes, strict=True):
+                self.outcomes[(patch.id, m.target.module)] = outcome
+            return outcomes
 
-    def one_attempt(self, patch: Patch) -> PatchOutcome:
+    def one_attempt(self, patch: Patch) -> list[PatchOutcome]:
+        members = patch.parts
+        facts = [self.member_facts(m) for m in members]
+        plans = [self.plan(m, f) for m, f in zip(members, facts, strict=True)]
+        fine = [self.fine(m, plan) for m, plan in zip(members, plans, strict=True)]
+        if len(members) > 1:
+            plans = plan_together([(m.target.module, plan, ok) for m, plan, ok
+                                   in zip(members, plans, fine, strict=True)])
+        if self.operation in _WRITES:
+            plans = self.write_all(members, plans, facts)
+        outcomes = [self.finish(m, plan, f)
+                    for m, plan, f in zip(members, plans, facts, strict=True)]
+        cause = next((o for o, ok in zip(outcomes, fine, strict=True) if not ok), None)
+        if cause is not None:  # the next step is the one of the target that decided
+            outcomes = [o._replace(next_step=cause.next_step) if not o.ok else o
+                        for o in outcomes]
+        for m, outcome in zip(members, outcomes, strict=True):
+            self.outcomes[(patch.id, m.target.module)] = outcome
+        return outcomes
+
+    def member_facts(self, patch: Patch) -> FileFacts:
+        """The facts of one target; a target refused (no file of its distribution) is never
+        read."""
+        if self.env.modules[patch.target.module].refused is not None:
+            return FileFacts(str(self.target_path(patch)), None, None, None)
+        return self.facts(patch)
+
+    def plan(self, patch: Patch, facts: FileFacts) -> Plan:
+        op = self.operation
         refused = self.env.modules[patch.target.module].refused
         if refused is not None:  # confined to its distribution: never read, never written
-            facts = FileFacts(str(self.target_path(patch)), None, None, None)
-            return self.outcome(patch, Plan(Verdict.OUTSIDE, (
-                f"refused: {patch.target.module} resolves to {refused}; nothing was read or "
-                "written")), facts)
-        facts = self.facts(patch)
+            return Plan(Verdict.OUTSIDE, f"refused: {patch.target.module} resolves to "
+                                         f"{refused}; nothing was read or written")
+        session = self.record.edits.get(facts.path)
+        if session is not None and facts.path not in self.stale:
+            # the user's work in progress (a live session): never written, never "modified";
+            # a session that is over is checked like any file (edit_sessions says why)
+            return Plan(Verdict.EDITING, f"{patch.target.module} is open for editing "
+                                         f"(`vllm-patch edit`, from {session.distribution} "
+                                         f"{session.version}); nothing of {patch.id} is checked "
+                                         "or written until the edit ends: finish with "
+                                         "`vllm-patch create ID`, or end it with `vllm-patch "
+                                         "edit MODULE --discard`")
+        if op == "revert":
+            return plan_revert(patch, facts)
+        if op in {"apply", "diff"}:
+            return plan_apply(patch, facts)
+        return plan_verify(patch, facts)
+
+    def fine(self, patch: Patch, plan: Plan) -> bool:
+        return plan.verdict in _FINE[self.operation] or (
+            plan.verdict is Verdict.NOT_INSTALLED and patch.target.optional)
+
+    def write_all(self, members: tuple[Patch, ...], plans: list[Plan], facts: list[FileFacts]
+                  ) -> list[Plan]:
+        """Write every planned file of one patch, or (when one write fails) none of them."""
+        writes = [(Path(f.path), plan.new_content, f.content or b"")
+                  for plan, f in zip(plans, facts, strict=True) if plan.new_content is not None]
+        if not writes:
+            return plans
+        try:  # TargetChanged (an installer): every file put back, raised to one()
+            with _no_interrupt():  # the writes and the word of them, together
+                replace_module_files(writes, self.env.pycache_prefix, expected=self.identities)
+                if self.request.on_write is not None:
+                    for path, _, _ in writes:
+                        self.request.on_write(path)
+        except OSError as exc:
+            where = f" {exc.filename}" if exc.filename else ""
+            several = " (every file of the patch was left as it was)" if len(members) > 1 else ""
+            return [Plan(Verdict.ERROR, f"could not write{where}: {exc.strerror or exc}; the "
+                                        f"file was left as it was{several}") for _ in plans]
+        self.wrote_targets = True
+        for path, new, _ in writes:
+            self.contents[str(path)] = new
+            self.identify(path, new)
+        return plans
+
+    def identify(self, path: Path, content: bytes) -> None:
+        """Remember the file just written as the one read (what a second patch of the file
+        must find)."""
+        with contextlib.suppress(OSError):
+            info = path.stat()
+            self.identities[str(path)] = FileIdentity(info.st_ino, info.st_size,
+                                                      info.st_mtime_ns, sha256_hex(content))
+
+    def finish(self, patch: Patch, plan: Plan, facts: FileFacts) -> PatchOutcome:
+        if plan.verdict is Verdict.OUTSIDE:
+            return self.outcome(patch, plan, facts)
         path = Path(facts.path)
         op = self.operation
-        if op == "revert":
-            plan = plan_revert(patch, facts)
-        elif op in {"apply", "diff"}:
-            plan = plan_apply(patch, facts)
-        else:
-            plan = plan_verify(patch, facts)
         diff = None
         if op == "diff" and plan.new_content is not None and facts.content is not None:
             diff = _unified_diff(path, self.env, facts.content, plan.new_content)
             plan = plan._replace(verdict=Verdict.WOULD_APPLY, reason=f"would apply: {plan.reason}")
-        elif op in _WRITES and plan.new_content is not None:
-            plan = self.write(plan, path, patch.target.distribution, facts)
         if op == "apply" and plan.verdict in {Verdict.APPLIED, Verdict.ALREADY_APPLIED}:
             content = self.contents.get(str(path))
             if content is not None:  # remember the "known" for verify
                 self.known[(str(path), patch.id)] = shape_key(patch, parse_file(content).original)
         if op in _WRITES and plan.verdict not in {Verdict.MODIFIED, Verdict.ERROR}:
             self.reconcile(path, patch.target.distribution)
-        if plan.verdict is Verdict.MODIFIED and str(path) in self.record.edits \
-                and str(path) not in self.stale:
-            plan = plan._replace(reason=f"{plan.reason}; it is open for editing (`vllm-patch "
-                                        "edit`): finish with `vllm-patch create ID`, or end it "
-                                        "with `vllm-patch edit MODULE --discard`")
         return self.outcome(patch, plan, facts, diff)
 
     def reconcile(self, path: Path, distribution: str) -> None:
@@ -508,9 +591,9 @@ class _Session:
     def write(self, plan: Plan, path: Path, distribution: str, facts: FileFacts) -> Plan:
         assert plan.new_content is not None and facts.content is not None
         try:
-            remove_stale_temps(path.parent)
             with _no_interrupt():  # the write and the word of it, together
-                write_atomic(path, plan.new_content, expected=self.identities.get(str(path)))
+                replace_module_file(path, plan.new_content, self.env.pycache_prefix,
+                                    expected=self.identities.get(str(path)))
                 if self.request.on_write is not None:
                     self.request.on_write(path)
         except OSError as exc:
@@ -518,12 +601,7 @@ class _Session:
                                        "the file was left as it was")
         self.wrote_targets = True
         self.contents[str(path)] = plan.new_content
-        with contextlib.suppress(OSError):  # what a second patch of this file must find
-            info = path.stat()
-            self.identities[str(path)] = FileIdentity(info.st_ino, info.st_size,
-                                                      info.st_mtime_ns,
-                                                      sha256_hex(plan.new_content))
-        drop_bytecode(path, self.env.pycache_prefix)
+        self.identify(path, plan.new_content)
         self.reconcile(path, distribution)
         return plan
 
@@ -553,7 +631,8 @@ class _Session:
         patch the catalog does not know, or (besides ``revert``) one it knows or the record
         names (another project's, an ``apply --patch`` addition) — present but not selected.
         Named with a verdict; ``revert`` of everything removes them."""
-        files = {str(self.target_path(p)) for p in self.confined()} | set(self.record.files)
+        files = {str(self.target_path(m)) for m in self.confined()}
+        files |= set(self.record.files)
         revert_all = self.operation == "revert" and not self.request.command_line_selection
         outcomes = []
         if self.operation != "revert":
@@ -695,7 +774,7 @@ class _Session:
                        f"{entry.id}"))
 
     def _record_hash(self, path: Path) -> str | None:
-        for patch in self.patches:
+        for patch in (m for p in self.patches for m in p.parts):
             location = self.env.modules.get(patch.target.module)
             if location is not None and location.file == path:
                 return location.record_sha256
@@ -718,16 +797,15 @@ class _Session:
             return []
         if not self.wrote_targets and not all(o.ok for o in outcomes):
             return []  # a refusal or a failure that wrote nothing leaves the record alone too
-        path = self.env.purelib / ".hatch-vllm-patch.json"
+        path = self.env.purelib / RECORD_NAME
         try:
-            remove_stale_temps(self.env.purelib)
             with _no_interrupt():
-                write_atomic(path, new.render())
+                save_record(self.env.purelib, new)
                 if self.request.on_write is not None:
                     self.request.on_write(path)
             for digest in self.ended:  # the sessions they belonged to are over now
                 if not any(e.pristine_sha256 == digest for e in new.edits.values()):
-                    pristine_copy(self.env.purelib, digest).unlink(missing_ok=True)
+                    drop_pristine(self.env.purelib, digest)
         except OSError as exc:
             problem = f"could not save the environment's record {path}: {exc.strerror or exc}"
             if not self.wrote_targets:
@@ -753,8 +831,8 @@ class _Session:
             kept = tuple(p for p in previous.patches if p.id not in ids) \
                 if previous and partial else ()
             return previous._replace(patches=kept) if previous and partial else None
-        by_id = {o.patch_id: o for o in outcomes}
-        entries = tuple(self.selected(patch, by_id[patch.id]) for patch in self.patches)
+        entries = tuple(self.selected(m, self.outcomes[(patch.id, m.target.module)])
+                        for patch in self.patches for m in patch.parts)
         before = previous.patches if previous else ()
         merged, removed = merge_selection(before, self.origin, entries, self.converge)
         merged = (*merged, *(e for e in removed if (e.id, e.file) in self.unremoved))
@@ -873,6 +951,10 @@ def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: Fi
     version = env.version_of(target)
     if verdict is Verdict.MISSING or verdict is Verdict.STALE:
         return f"run: python -m hatch_vllm_patch apply --python {python} --patch {patch.id}"
+    if verdict is Verdict.EDITING:
+        return (f"finish the edit with `vllm-patch create ID` (or `vllm-patch update "
+                f"{patch.id} --continue` after a conflicting update), or end it with "
+                f"`vllm-patch edit {patch.target.module} --discard`")
     if verdict is Verdict.MODIFIED:
         info = env.distributions.get(target)
         if facts.record_sha256 is None or (info is not None and info.editable):
@@ -898,15 +980,19 @@ def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: Fi
     return None
 
 
-def _deep(outcome: PatchOutcome, catalog: Catalog, env: TargetEnvironment) -> PatchOutcome:
-    """Run the patch's deep probe for an applied patch; a probe that cannot run on this machine
-    says why and does not fail the patch; a probe that ran and failed does."""
+def _deep(outcome: PatchOutcome, catalog: Catalog, env: TargetEnvironment,
+          done: dict[str, tuple[bool | None, str]]) -> PatchOutcome:
+    """Run the patch's deep probe for an applied patch — its ``probe.py``, or without one the
+    check that the patched modules import and that each target symbol is the block's; a probe
+    that cannot run on this machine says why and does not fail the patch; a probe that ran and
+    failed does."""
     if outcome.verdict is not Verdict.APPLIED or outcome.patch_id not in catalog:
         return outcome
     patch = catalog[outcome.patch_id]
-    if patch.probe_path is None:
-        return outcome._replace(reason=f"{outcome.reason}; no deep probe for this patch")
-    passed, detail = run_probe(patch, env)
+    if patch.id not in done:
+        done[patch.id] = (run_probe(patch, env) if patch.probe_path is not None
+                          else run_binding_probe(patch, env))
+    passed, detail = done[patch.id]
     if passed is None:
         return outcome._replace(reason=f"{outcome.reason}; deep probe could not run {detail}")
     if passed:
@@ -915,6 +1001,84 @@ def _deep(outcome: PatchOutcome, catalog: Catalog, env: TargetEnvironment) -> Pa
                    reason=f"deep probe failed: {detail}",
                    next_step=f"the patched code does not behave as {patch.id} expects here; "
                              "run `vllm-patch revert` and report it")
+
+
+# Run in the target: import each patched module and find where each target symbol's code was
+# defined (through staticmethod/classmethod/property and decorators' ``__wrapped__``).
+_BINDING_PROBE = """\
+import importlib, json, os, sys
+found = []
+for module_name, symbols in json.loads(sys.argv[1]):
+    module = importlib.import_module(module_name)
+    for symbol in symbols:
+        *owners, name = symbol.split(".")
+        scope = module
+        for owner in owners:
+            scope = getattr(scope, owner)
+        value = vars(scope).get(name)
+        places = []
+        for _ in range(16):
+            if value is None:
+                break
+            inner = getattr(value, "__func__", None) or getattr(value, "fget", None)
+            if inner is not None:
+                value = inner
+                continue
+            code = getattr(value, "__code__", None)
+            if code is not None:
+                places.append([os.path.realpath(code.co_filename), code.co_firstlineno])
+            value = getattr(value, "__wrapped__", None)
+        found.append([module_name, symbol, os.path.realpath(module.__file__ or ""), places])
+print(json.dumps(found))
+"""
+
+
+def run_binding_probe(patch: Patch, env: TargetEnvironment) -> tuple[bool | None, str]:
+    """Without a ``probe.py``: import the patched modules in the target and confirm that each
+    target symbol is defined by the patch's block (its code lies between the block's markers
+    in the module's file), not the original nor anything else."""
+    import subprocess
+
+    from .markers import BEGIN, END
+
+    begin, end_marker = BEGIN.decode().strip() + " ", END.decode().strip() + " "
+    spans: dict[str, tuple[str, int, int]] = {}
+    for member in patch.parts:
+        location = env.modules.get(member.target.module)
+        if location is None or location.file is None:
+            continue
+        lines = location.file.read_bytes().decode("utf-8", "replace").splitlines()
+        head = f"{begin}{patch.id} "
+        start = next((i + 1 for i, line in enumerate(lines) if line.startswith(head)), None)
+        if start is None:
+            return False, f"no block of {patch.id} in {location.file}"
+        end = next((i + 1 for i in range(start, len(lines))
+                    if lines[i].startswith(end_marker)), len(lines))
+        spans[member.target.module] = (os.path.realpath(location.file), start, end)
+    query = [[m.target.module, list(m.target.symbols)] for m in patch.parts
+             if m.target.module in spans]
+    try:
+        proc = run_bounded([str(env.python), "-c", _BINDING_PROBE, json.dumps(query)],
+                           timeout=PROBE_TIMEOUT,
+                           env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"the patched modules did not import: {exc}"
+    try:
+        found = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return False, f"the patched modules did not import: {tail}"
+    wrong = []
+    for module, symbol, _, places in found:
+        path, start, end = spans[module]
+        if not any(p == path and start <= line <= end for p, line in places):
+            wrong.append(f"{module}.{symbol}")
+    if wrong:
+        return False, (f"{', '.join(wrong)} is not the block's after import (rebound by "
+                       "someone else, or captured before the block ran)")
+    count = sum(len(m.target.symbols) for m in patch.parts)
+    return True, (f"imported {', '.join(spans)}; {count} symbol(s) are the block's "
+                  "(no probe.py: the binding check)")
 
 
 PROBE_TIMEOUT = 900.0

@@ -37,6 +37,7 @@ NamedTuples at import in a vLLM 0.20.2 process, and next to nothing as plain cla
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -205,9 +206,10 @@ class EditSession(_Value):
     """A file opened with ``vllm-patch edit``: where its pristine bytes are, and what was taken
     out of it (our blocks, re-applied after ``create``)."""
 
-    _fields = ("module", "distribution", "version", "pristine_sha256", "removed", "opened")
+    _fields = ("module", "distribution", "version", "pristine_sha256", "removed", "opened",
+               "updating")
     __slots__ = _fields
-    _defaults: ClassVar[dict[str, Any]] = {"removed": (), "opened": None}
+    _defaults: ClassVar[dict[str, Any]] = {"removed": (), "opened": None, "updating": None}
 
     module: str
     distribution: str
@@ -215,6 +217,7 @@ class EditSession(_Value):
     pristine_sha256: str  # also the hash of what edit wrote
     removed: tuple[str, ...]
     opened: tuple[int, int, int] | None  # (inode, size, mtime_ns) of the file edit wrote
+    updating: str | None  # the patch whose `update` left conflicts here to resolve
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -222,6 +225,8 @@ class EditSession(_Value):
             "pristine_sha256": self.pristine_sha256, "removed": list(self.removed)}
         if self.opened is not None:
             data["opened"] = dict(zip(("inode", "size", "mtime_ns"), self.opened, strict=True))
+        if self.updating is not None:
+            data["updating"] = self.updating
         return data
 
 
@@ -324,6 +329,35 @@ def edit_state(path: str, session: EditSession,
 def pristine_copy(directory: Path, digest: str) -> Path:
     """Where the pristine bytes with ``digest`` are kept while a file is edited."""
     return directory / EDITS_DIR / f"{digest}.py"
+
+
+def keep_pristine(directory: Path, data: bytes, digest: str) -> Path:
+    """Keep ``data`` (whose sha256 is ``digest``) as the pristine copy of a file under edit."""
+    from .files import remove_stale_temps, write_atomic
+
+    copy = pristine_copy(directory, digest)
+    if not copy.parent.is_dir():
+        copy.parent.mkdir()
+        if os.geteuid() == 0:  # root made it in a user's environment: theirs, as it is
+            info = directory.stat()
+            with contextlib.suppress(OSError):
+                os.chown(copy.parent, info.st_uid, info.st_gid)
+    remove_stale_temps(copy.parent)
+    write_atomic(copy, data)
+    return copy
+
+
+def drop_pristine(directory: Path, digest: str) -> None:
+    """Forget the pristine copy with ``digest`` (the edit ended)."""
+    pristine_copy(directory, digest).unlink(missing_ok=True)
+
+
+def save_record(directory: Path, record: EnvironmentRecord) -> None:
+    """Write ``record`` as ``<directory>/.hatch-vllm-patch.json``, atomically (OSError as is)."""
+    from .files import remove_stale_temps, write_atomic
+
+    remove_stale_temps(directory)
+    write_atomic(directory / RECORD_NAME, record.render())
 
 
 class EnvironmentRecord(_Value):
@@ -483,6 +517,7 @@ def _edit(path: str, raw: object) -> EditSession:
         pristine_sha256=_digest(raw.get("pristine_sha256"), f"{where}.pristine_sha256"),
         removed=tuple(removed),
         opened=opened,
+        updating=_text(raw.get("updating"), f"{where}.updating", optional=True),
     )
 
 

@@ -225,8 +225,10 @@ def pristine_environment(python: Path) -> Iterator[None]:
         if record.exists():
             for session in json.loads(record.read_text()).get("edits", {}).values():
                 run([str(python), "-m", "hatch_vllm_patch", "edit", session["module"],
-                     "--discard"], check=False)
-        run([str(python), "-m", "hatch_vllm_patch", "revert"], check=False)
+                     "--discard", "--python", str(python)], check=False)
+        # --python: from a folder with a project's .venv (the checkout) that would be the target
+        run([str(python), "-m", "hatch_vllm_patch", "revert", "--python", str(python)],
+            check=False)
         record.unlink(missing_ok=True)
 
 

@@ -292,6 +292,26 @@ def test_deep_probe_outcomes(tmp_path: Path, demo_venv: Path, payload: str, code
     assert outcome["verdict"] == ("error" if exit_code else "applied")
 
 
+@pytest.mark.parametrize("tail, exit_code, expected", [
+    ("", 0, "deep probe passed: imported demo_pkg.core; 1 symbol(s) are the block's"),
+    ("compute = _hvp_demo_original\n", 1,
+     "deep probe failed: demo_pkg.core.compute is not the block's after import"),
+])
+def test_deep_without_a_probe_checks_the_binding(tmp_path: Path, demo_venv: Path, tail: str,
+                                                 exit_code: int, expected: str) -> None:
+    """verify --deep of a patch with no probe.py imports the patched module in the target and
+    confirms the symbol is the block's; a block that leaves the original bound fails."""
+    from conftest import DEMO_BLOCK
+
+    catalog = write_demo_catalog(tmp_path / "catalog", block=DEMO_BLOCK + tail)
+    assert cli("apply", "--python", str(demo_venv), "--patch", "demo-fix",
+               catalog=catalog).returncode == 0
+    proc = cli("verify", "--deep", "--python", str(demo_venv), "--patch", "demo-fix", "--json",
+               catalog=catalog)
+    [outcome] = json.loads(proc.stdout)["patches"]
+    assert proc.returncode == exit_code and expected in outcome["reason"], outcome
+
+
 @pytest.mark.parametrize("patch_id", ["neuron-runner-kv-spec", "neuron-platform-prefix-caching"])
 def test_neuron_probes_say_when_the_neuron_sdk_is_absent(tmp_path: Path, patch_id: str) -> None:
     """The Neuron probes report `skipped` (exit 0) when the plugin imports the Neuron SDK and it

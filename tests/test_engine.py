@@ -216,3 +216,33 @@ def test_not_needed_says_whether_the_fixed_code_is_known(tmp_path: Path) -> None
     other = fixed.replace(b"return 0", b"return -1")
     unknown = plan_verify(patch, facts(other, version="2.1.0", record=None))
     assert unknown.verdict is Verdict.NOT_NEEDED and "never checked" in unknown.reason
+
+
+def test_a_patch_over_several_modules_has_one_verdict() -> None:
+    """plan_together: when one module's plan is refused, no module writes and each fine one
+    reports the refusal, naming the module; when all are fine, the plans stand."""
+    from hatch_vllm_patch.engine import Plan, plan_together
+
+    write = Plan(Verdict.APPLIED, "known shape", b"new")
+    refused = Plan(Verdict.UNKNOWN_SHAPE, "g has a shape this patch does not know")
+    shared = plan_together([("pkg.a", write, True), ("pkg.b", refused, False)])
+    assert [p.verdict for p in shared] == [Verdict.UNKNOWN_SHAPE, Verdict.UNKNOWN_SHAPE]
+    assert all(p.new_content is None for p in shared)
+    assert shared[0].reason.startswith("unknown-shape in pkg.b, another target of this patch")
+    assert "nothing written to any of its modules" in shared[0].reason
+    assert plan_together([("pkg.a", write, True), ("pkg.b", write, True)]) == [write, write]
+
+
+def test_added_names_must_be_absent_from_the_module(tmp_path: Path) -> None:
+    """A patch that adds a module-level name (target.adds) is unknown-shape where the module
+    already binds it, known where it does not."""
+    root = write_demo_catalog(tmp_path / "catalog")
+    manifest = root / "demo-fix" / "patch.toml"
+    manifest.write_text(manifest.read_text().replace(
+        'symbol = "compute"', 'symbol = "compute"\nadds = ["LIMIT"]'))
+    from hatch_vllm_patch.engine import classify_shape
+
+    patch = load_catalog(root)["demo-fix"]
+    assert classify_shape(patch, DEMO_SOURCE.encode())[0] == "known"
+    status, reason = classify_shape(patch, (DEMO_SOURCE + "LIMIT = 1\n").encode())
+    assert status == "unknown" and "LIMIT already defined in this module" in reason

@@ -129,6 +129,32 @@ def test_two_phase_uv_keeps_vllm_patched_through_every_change(tmp_path: Path) ->
     assert "hatch-vllm-patch: clearer-kv-memory-error" not in content
     assert f"hatch-vllm-patch: {PATCH}" in content
 
+    # Step 5 of "Carry your own fix": update merges the patch onto 0.22.1; the message 0.22.1
+    # rewords too is a conflict, marked in the installed file; resolved the patch's way,
+    # --continue finishes, and the project verifies on 0.22.1.
+    own = "clearer-kv-memory-error"
+    updated = uv(project, "run", "--no-sync", "vllm-patch", "update", own, check=False)
+    assert updated.returncode == 1 and "CONFLICT: _check_enough_kv_cache_memory" in \
+        updated.stdout, updated.stdout + updated.stderr
+    target = site_packages(project / ".venv") / TARGET
+    lines, side = [], None
+    for line in target.read_text().splitlines(keepends=True):  # keep the patch's side
+        if line.startswith("<<<<<<< "):
+            side = "ours"
+        elif line.startswith(("||||||| ", "=======")) and side:
+            side = "other"
+        elif line.startswith(">>>>>>> ") and side:
+            side = None
+        elif side in (None, "ours"):
+            lines.append(line)
+    target.write_text("".join(lines))
+    finished = uv(project, "run", "--no-sync", "vllm-patch", "update", own, "--continue",
+                  check=False)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    result = verify(project, "--deep", sync=False)
+    assert result.returncode == 0, result.stdout
+    assert re.search(rf"applied\s+{own}", result.stdout), result.stdout
+
 
 def test_without_two_phase_setting_apply_fixes_what_sync_left(tmp_path: Path) -> None:
     """Without the two-phase setting vLLM stays unpatched; verify says so; apply fixes it."""

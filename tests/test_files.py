@@ -1,8 +1,11 @@
 """The effects of files.py: lock files no other user can hold, writes that keep owner, group and
-mode (new files follow the umask), and the re-check against an installer racing our write."""
+mode (new files follow the umask), the re-check against an installer racing our write, and
+module writes (one function writes a module file: new inode, bytecode dropped; several files of
+one patch are written all together or not at all)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -18,7 +21,17 @@ import pytest
 from conftest import cli
 from venvs import UV, run, site_packages
 
-from hatch_vllm_patch.files import LOCK_NAME, LockError, locked, write_atomic
+from hatch_vllm_patch import files
+from hatch_vllm_patch.files import (
+    LOCK_NAME,
+    LockError,
+    TargetChanged,
+    locked,
+    read_identified,
+    replace_module_file,
+    replace_module_files,
+    write_atomic,
+)
 
 NOBODY = 65534
 needs_setpriv = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
@@ -203,3 +216,77 @@ def test_patch_folders_follow_the_umask(tmp_path: Path) -> None:
         os.umask(old)
     assert folder.stat().st_mode & 0o777 == 0o755
     assert (folder / "block.py").stat().st_mode & 0o777 == 0o644
+
+
+def test_a_module_write_gets_a_new_inode_and_drops_its_bytecode(tmp_path: Path) -> None:
+    """The cache's inode (a hardlink) is never written through; a stale .pyc is removed."""
+    module = tmp_path / "mod.py"
+    module.write_text("x = 1\n")
+    linked = tmp_path / "cache-copy.py"
+    os.link(module, linked)
+    stale = Path(importlib.util.cache_from_source(str(module)))
+    stale.parent.mkdir()
+    stale.write_bytes(b"stale")
+    replace_module_file(module, b"x = 2\n")
+    assert module.read_text() == "x = 2\n" and linked.read_text() == "x = 1\n"
+    assert not stale.exists()
+
+
+def test_a_failed_write_puts_the_earlier_files_back(tmp_path: Path) -> None:
+    """When the second file cannot be written, the first gets its bytes back and the error
+    names the file that failed."""
+    first = tmp_path / "a.py"
+    first.write_bytes(b"old a\n")
+    missing = tmp_path / "gone" / "b.py"  # its directory does not exist: the write fails
+    with pytest.raises(OSError) as info:
+        replace_module_files([(first, b"new a\n", b"old a\n"), (missing, b"new b\n", b"")])
+    assert first.read_bytes() == b"old a\n"
+    assert "b.py" in str(info.value.filename)
+    replace_module_files([(first, b"new a\n", b"old a\n")])
+    assert first.read_bytes() == b"new a\n"
+
+
+def test_several_files_are_rechecked_and_put_back_when_an_installer_replaced_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """replace_module_files re-checks each file against the identity it was read with: when an
+    installer replaced the second file meanwhile, TargetChanged is raised, the first file gets
+    its bytes back, and the installer's file is left as it is."""
+    first, second = tmp_path / "a.py", tmp_path / "b.py"
+    first.write_bytes(b"old a\n")
+    second.write_bytes(b"old b\n")
+    read = {str(p): read_identified(p) for p in (first, second)}
+
+    def installer(path: Path) -> None:
+        if path == second:
+            tmp = tmp_path / "installer.tmp"
+            tmp.write_bytes(b"installer's b\n")
+            os.replace(tmp, second)
+
+    monkeypatch.setattr(files, "_before_replace", installer)
+    with pytest.raises(TargetChanged):
+        replace_module_files([(first, b"new a\n", read[str(first)][0]),
+                              (second, b"new b\n", read[str(second)][0])],
+                             expected={k: v[1] for k, v in read.items()})
+    assert first.read_bytes() == b"old a\n"
+    assert second.read_bytes() == b"installer's b\n"
+    monkeypatch.setattr(files, "_before_replace", None)
+    read = {str(p): read_identified(p) for p in (first, second)}
+    replace_module_files([(first, b"new a\n", read[str(first)][0]),
+                          (second, b"new b\n", read[str(second)][0])],
+                         expected={k: v[1] for k, v in read.items()})
+    assert (first.read_bytes(), second.read_bytes()) == (b"new a\n", b"new b\n")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
+def test_several_files_keep_their_owner_group_and_mode(tmp_path: Path) -> None:
+    """Each file written by replace_module_files keeps the owner, group and mode it had."""
+    paths = [tmp_path / "a.py", tmp_path / "b.py"]
+    for i, path in enumerate(paths):
+        path.write_bytes(b"old\n")
+        os.chown(path, NOBODY, NOBODY)
+        path.chmod(0o640 + i)
+    replace_module_files([(p, b"new\n", b"old\n") for p in paths])
+    for i, path in enumerate(paths):
+        info = path.stat()
+        assert (info.st_uid, info.st_gid, info.st_mode & 0o777) == (NOBODY, NOBODY, 0o640 + i)
+        assert path.read_bytes() == b"new\n"

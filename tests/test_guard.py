@@ -652,3 +652,117 @@ def test_after_convergence_the_guard_demands_what_is_selected(guarded: Path, tmp
     assert "healed (demo-other)" in healed.stdout, healed.stdout + healed.stderr
     core = (site_packages(guarded.parent.parent) / "demo_pkg" / "core.py").read_text()
     assert OTHER_BLOCK.splitlines()[-1].strip() in core and "_hvp_demo_original" not in core
+
+
+DUO_A = ('def compute(values):\n    if not values:\n        raise ValueError("empty")\n'
+         '    return max(values)\n')
+DUO_B = 'def limit():\n    return 1\n'
+DUO_BLOCKS = {
+    "duo_pkg.a": ('if "_hvp_duo_a" not in globals():\n    _hvp_duo_a = compute\n\n\n'
+                  'def compute(values):\n    return _hvp_duo_a(values) if values else 0\n'),
+    "duo_pkg.b": ('if "_hvp_duo_b" not in globals():\n    _hvp_duo_b = limit\n\n\n'
+                  'def limit():\n    return _hvp_duo_b() + 1\n'),
+}
+DUO_PROCESS = textwrap.dedent("""\
+    import importlib.metadata, logging, sys
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if sys.argv[1:] == ["pre"]:
+        import duo_pkg.a, duo_pkg.b
+    for ep in importlib.metadata.entry_points(group="vllm.general_plugins"):
+        ep.load()()
+    import duo_pkg.a, duo_pkg.b
+    print("patched:", duo_pkg.a.compute([]) == 0, duo_pkg.b.limit() == 2)
+    """)
+
+
+def _digest(source: str, symbol: str) -> str:
+    import ast
+    import hashlib
+
+    from hatch_vllm_patch.engine import locate_in, node_source
+
+    node, _ = locate_in(ast.parse(source), symbol)
+    assert node is not None
+    return hashlib.sha256(node_source(source, node).encode("utf-8")).hexdigest()
+
+
+def test_a_patch_over_two_modules_heals_to_its_recorded_blocks(
+        tmp_path: Path, project_wheel: Path) -> None:
+    """A patch over two modules: the record holds each target's block; the guard heals both
+    files and re-runs each block in its already imported module, and refuses to heal when
+    either block changed since apply (nothing written)."""
+    project = tmp_path / "duo"
+    (project / "duo_pkg").mkdir(parents=True)
+    (project / "duo_pkg" / "__init__.py").write_text("")
+    (project / "duo_pkg" / "a.py").write_text(DUO_A)
+    (project / "duo_pkg" / "b.py").write_text(DUO_B)
+    (project / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["hatchling"]\nbuild-backend = "hatchling.build"\n\n'
+        '[project]\nname = "duo-pkg"\nversion = "1.0.0"\n')
+    run([UV, "build", "--wheel", "--quiet", "--out-dir", str(tmp_path / "dist"), str(project)])
+    wheel = next((tmp_path / "dist").glob("duo_pkg-1.0.0-*.whl"))
+    python = create_venv(tmp_path / "venv", str(wheel), str(project_wheel))
+    catalog = tmp_path / "catalog"
+    folder = catalog / "duo-fix"
+    folder.mkdir(parents=True)
+    (folder / "patch.toml").write_text(textwrap.dedent(f"""\
+        id = "duo-fix"
+        summary = "One fix over two modules"
+        links = ["https://example.invalid/duo"]
+        architectures = ["DemoForCausalLM"]
+
+        [[targets]]
+        distribution = "duo-pkg"
+        module = "duo_pkg.a"
+        symbol = "compute"
+        shapes = ["{_digest(DUO_A, "compute")}"]
+
+        [[targets]]
+        distribution = "duo-pkg"
+        module = "duo_pkg.b"
+        symbol = "limit"
+        shapes = ["{_digest(DUO_B, "limit")}"]
+        """))
+    for module, block in DUO_BLOCKS.items():
+        (folder / f"{module}.py").write_text(block)
+    applied = cli_in(python, "apply", "--patch", "duo-fix", catalog=catalog, cwd=tmp_path)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    site = site_packages(python.parent.parent)
+    record = json.loads((site / RECORD).read_text())
+    entries = [p for p in record["selection"]["patches"] if p["id"] == "duo-fix"]
+    assert len(entries) == 2 and len({p["block_sha256"] for p in entries}) == 2, entries
+    program_dir = tmp_path / "prog"
+    program_dir.mkdir()
+    (program_dir / "serve.py").write_text(DUO_PROCESS)
+
+    def serve(*args: str, mode: str) -> subprocess.CompletedProcess[str]:
+        environ = {k: v for k, v in os.environ.items() if k not in {"VIRTUAL_ENV"}}
+        environ.update({"HATCH_VLLM_PATCH_GUARD": mode, "HATCH_VLLM_PATCH_CATALOG": str(catalog)})
+        return subprocess.run([str(python), str(program_dir / "serve.py"), *args], cwd=tmp_path,
+                              env=environ, capture_output=True, text=True, timeout=300,
+                              check=False)
+
+    in_place = serve(mode="error")
+    assert in_place.returncode == 0, in_place.stdout + in_place.stderr
+    assert "patches in place (duo-fix) [guard error" in in_place.stdout
+    assert "patched: True True" in in_place.stdout
+    run([UV, "pip", "install", "--quiet", "--reinstall", "--no-deps", "--python", str(python),
+         str(wheel)])
+    files = [site / "duo_pkg" / "a.py", site / "duo_pkg" / "b.py"]
+    assert [f.read_text() for f in files] == [DUO_A, DUO_B]
+    second = folder / "duo_pkg.b.py"
+    second.write_text(DUO_BLOCKS["duo_pkg.b"] + "print('a block nobody applied')\n")
+    refused = serve(mode="apply")
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "its patch folder changed since it was selected" in refused.stderr
+    assert "a block nobody applied" not in refused.stdout + refused.stderr
+    assert [f.read_text() for f in files] == [DUO_A, DUO_B]  # neither file written
+    second.write_text(DUO_BLOCKS["duo_pkg.b"])
+    healed = serve("pre", mode="apply")
+    assert healed.returncode == 0, healed.stdout + healed.stderr
+    assert "healed (duo-fix" in healed.stdout
+    for module in ("duo_pkg.a", "duo_pkg.b"):
+        assert f"duo-fix re-run in the already imported {module}" in healed.stdout, healed.stdout
+    assert "patched: True True" in healed.stdout
+    assert all(b"# >>> hatch-vllm-patch: duo-fix" in f.read_bytes() for f in files)

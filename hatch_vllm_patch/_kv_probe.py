@@ -1,0 +1,643 @@
+"""The in-environment half of ``vllm-patch doctor`` and ``benchmarks/memory.py``: vLLM's KV-cache
+start-up steps for a model, on CPU, without weights.
+
+Run by the target interpreter as a script (``python _kv_probe.py JOB.json OUT.json``): standard
+library and vLLM only, no import of this package (it may not be installed there). vLLM logs to
+stdout, so the answer goes to OUT.json.
+
+For every case of JOB.json it builds what vLLM builds at start-up, with vLLM's own code:
+
+1. ``config``: a real ``VllmConfig`` (``ModelConfig`` reads the config.json; vLLM's per-model
+   config hooks run; ``SpeculativeConfig`` for a draft);
+2. ``platform``: the platform's block-size hook, ``update_block_size_for_backend`` of vLLM's
+   ``Platform`` class with FlashAttention's backend (``cuda``, the path of CUDA GPUs: it raises
+   the attention block until its page covers the state page and pads the state page) or of
+   ``CpuPlatform`` with the CPU attention backend (``cpu``); ``none`` skips it. The hook asks
+   the model's layers for their backend; the probe has no layers, so it answers that question
+   with the backend named here and lets vLLM's own method do the rest;
+3. ``state shapes``: the model class's own ``get_mamba_state_shape_from_config`` /
+   ``get_mamba_state_dtype_from_config``;
+4. ``layer specs``: ``MambaSpec`` for each state layer, ``FullAttentionSpec`` for each attention
+   layer (``get_num_kv_heads`` / ``get_head_size`` / vLLM's KV torch dtype), one more attention
+   layer for a draft; split over pipeline stages with vLLM's ``get_pp_indices``;
+5. ``grouping`` and ``page unification``: vLLM's ``get_kv_cache_groups`` (hybrid KV-cache
+   manager on, as on GPU platforms), whose call of ``unify_kv_cache_spec_page_size`` is watched
+   so that a failure there is named as that step;
+6. ``kv config``: ``get_kv_cache_config_from_groups`` for 1 GiB per rank (blocks per GiB) and,
+   with a memory budget, ``get_kv_cache_configs`` (the engine's call, with its check that one
+   request of max_model_len fits) and ``get_max_concurrency_for_kv_cache_config``.
+
+The first step that raises ends the case, with vLLM's exception and message.
+
+Every case runs once as installed and once per *variant*: a list of patch blocks (source text
+and target module) executed into the already imported target modules, in this process only —
+nothing is written. After each variant the modules' namespaces and the attributes of the classes
+they define are put back as they were.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+GIB = 1 << 30
+STEPS = ("config", "platform", "state shapes", "layer specs", "kv layout", "grouping",
+         "page unification", "kv config")
+
+# Layer kinds by the config fields vLLM's model classes read (hf_text_config).
+_STATE_KINDS = {"linear_attention", "mamba", "conv", "mamba2", "m"}
+_ATTENTION_KINDS = {"full_attention", "attention", "*"}
+# The kind of recurrent state a family keeps (MambaSpec.mamba_type; an enum from vLLM 0.21).
+_MAMBA_TYPE_BY_MODEL_TYPE = {
+    "qwen3_next": "gdn_attention", "qwen3_5": "gdn_attention", "qwen3_5_moe": "gdn_attention",
+    "qwen3_5_text": "gdn_attention", "qwen3_5_moe_text": "gdn_attention",
+    "olmo_hybrid": "gdn_attention", "kimi_linear": "gdn_attention",
+    "jamba": "mamba1", "lfm2": "short_conv", "lfm2_moe": "short_conv",
+    "minimax": "linear_attention", "minimax_text_01": "linear_attention",
+}
+_MAMBA_ENUM_NAMES = {"gdn_attention": "GDN_ATTN", "mamba2": "MAMBA2", "mamba1": "MAMBA1",
+                     "short_conv": "SHORT_CONV", "linear_attention": "LINEAR"}
+
+
+# Speculative methods without a draft model: no draft attention layer, only the tokens.
+_NO_DRAFT_LAYER = {"ngram", "ngram_gpu", "suffix"}
+
+
+class StepFailed(Exception):
+    """A start-up step raised: ``step`` names it, ``__cause__`` is vLLM's exception."""
+
+    def __init__(self, step: str) -> None:
+        super().__init__(step)
+        self.step = step
+
+
+def _error(exc: BaseException) -> dict[str, str]:
+    text = " ".join(line.strip() for line in str(exc).strip().splitlines())
+    return {"type": type(exc).__name__, "message": text[:600]}
+
+
+# --- patches, active in this process only ---------------------------------------------------------
+
+
+class _Snapshot:
+    """The namespace of modules and the attributes of the classes defined in them, to put back."""
+
+    def __init__(self, modules: list[Any]) -> None:
+        self.items: list[tuple[Any, dict[str, Any], dict[type, dict[str, Any]]]] = []
+        for module in modules:
+            classes = {value: dict(vars(value)) for value in vars(module).values()
+                       if isinstance(value, type) and value.__module__ == module.__name__}
+            self.items.append((module, dict(vars(module)), classes))
+
+    def restore(self) -> None:
+        for module, namespace, classes in self.items:
+            for cls, attributes in classes.items():
+                for name in set(vars(cls)) - set(attributes):
+                    delattr(cls, name)
+                for name, value in attributes.items():
+                    if vars(cls).get(name) is not value and name not in ("__dict__",
+                                                                          "__weakref__"):
+                        setattr(cls, name, value)
+            vars(module).clear()
+            vars(module).update(namespace)
+
+
+def activate(blocks: list[dict[str, str]]) -> _Snapshot:
+    """Execute each block (``{"id", "module", "source"}``) in its module's namespace, as the
+    appended block runs when the patched file is imported; returns what to restore."""
+    import importlib
+
+    modules = [importlib.import_module(b["module"]) for b in blocks]
+    snapshot = _Snapshot(list({id(m): m for m in modules}.values()))
+    try:
+        for block, module in zip(blocks, modules, strict=True):
+            code = compile(block["source"], f"<{block['id']} in {module.__name__}>", "exec")
+            exec(code, vars(module))  # the patch's own block, as apply appends it
+    except BaseException:
+        snapshot.restore()
+        raise
+    return snapshot
+
+
+# --- the steps ------------------------------------------------------------------------------------
+
+
+def _model_config(case: dict[str, Any]) -> Any:
+    from vllm.config import ModelConfig
+
+    kwargs: dict[str, Any] = {"model": case["model"], "skip_tokenizer_init": True,
+                              "trust_remote_code": bool(case.get("trust_remote_code"))}
+    if case.get("max_model_len"):
+        kwargs["max_model_len"] = case["max_model_len"]
+    if case.get("hf_overrides"):
+        kwargs["hf_overrides"] = case["hf_overrides"]
+    return ModelConfig(**kwargs)
+
+
+def build_config(case: dict[str, Any]) -> Any:
+    """Step 1: the VllmConfig the engine would build."""
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        ParallelConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
+
+    model_config = _model_config(case)
+    parallel_config = ParallelConfig(tensor_parallel_size=case.get("tp", 1),
+                                     pipeline_parallel_size=case.get("pp", 1))
+    speculative_config = None
+    draft = case.get("speculative_config")
+    if draft:
+        options = dict(draft)
+        options.pop("kv_cache_dtype", None)  # ours: the draft layer's KV dtype
+        speculative_config = SpeculativeConfig(
+            **options, target_model_config=model_config,
+            target_parallel_config=parallel_config)
+    cache: dict[str, Any] = {"cache_dtype": case.get("kv_cache_dtype") or "auto"}
+    if case.get("block_size"):
+        cache["block_size"] = case["block_size"]
+    import inspect
+
+    if "swap_space" in inspect.signature(CacheConfig).parameters:
+        cache["swap_space"] = 0  # CPU swap per rank is this host's memory, not the server's
+    cache_config = CacheConfig(**cache)
+    if case.get("block_size") and hasattr(cache_config, "user_specified_block_size"):
+        cache_config.user_specified_block_size = True
+    config = VllmConfig(
+        model_config=model_config,
+        parallel_config=parallel_config,
+        cache_config=cache_config,
+        device_config=DeviceConfig(device="cpu"),
+        speculative_config=speculative_config,
+    )
+    # vLLM's scheduler config turns the hybrid manager off on platforms without hybrid KV
+    # support (this CPU); GPU platforms leave it on, the path that unifies page sizes.
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    return config
+
+
+def _backend(platform: str) -> Any:
+    if platform == "cuda":
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+        return FlashAttentionBackend
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return CPUAttentionBackend
+
+
+def align_for_platform(config: Any, platform: str) -> dict[str, Any]:
+    """Step 2: the platform's own block-size hook, with the attention backend named here."""
+    cache = config.cache_config
+    before = {"block_size": cache.block_size, "mamba_page_size_padded":
+              getattr(cache, "mamba_page_size_padded", None)}
+    if platform == "none":
+        return {"hook": None, **before}
+    from vllm.platforms.interface import Platform
+
+    base: Any = Platform
+    if platform == "cpu":
+        from vllm.platforms.cpu import CpuPlatform
+
+        base = CpuPlatform
+    if not hasattr(base, "update_block_size_for_backend"):
+        return {"hook": None, "note": f"{base.__name__} has no update_block_size_for_backend "
+                                      "in this vLLM", **before}
+    backend = _backend(platform)
+
+    class _Platform(base):  # type: ignore[misc]
+        @classmethod
+        def _find_non_ssm_backend(cls, vllm_config: Any) -> Any:
+            return backend
+
+    _Platform.update_block_size_for_backend(config)
+    return {"hook": f"{base.__name__}.update_block_size_for_backend", "backend": backend.__name__,
+            "block_size_before": before["block_size"], "block_size": cache.block_size,
+            "mamba_block_size": getattr(cache, "mamba_block_size", None),
+            "mamba_page_size_padded": getattr(cache, "mamba_page_size_padded", None)}
+
+
+def layer_kinds(config: Any) -> list[list[str]]:
+    """For every decoder layer, the KV-holding parts it has: 'state', 'attention' (both for a
+    parallel or shared-attention hybrid layer), none for an MLP layer."""
+    text = config.model_config.hf_text_config
+    model_type = getattr(text, "model_type", "")
+    layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+    if model_type == "falcon_h1":  # every layer: Mamba2 mixer and attention side by side
+        return [["state", "attention"] for _ in range(layers)]
+    for field in ("layer_types", "layers_block_type"):
+        try:
+            kinds = getattr(text, field, None)
+        except Exception:  # a property that needs fields this config has not
+            kinds = None
+        if kinds:
+            out = []
+            for kind in kinds:
+                kind = str(kind).lower()
+                if kind == "hybrid":  # Zamba2: a Mamba layer with the shared attention block
+                    out.append(["state", "attention"])
+                elif kind in _STATE_KINDS:
+                    out.append(["state"])
+                elif kind in _ATTENTION_KINDS or "attention" in kind:
+                    out.append(["attention"])
+                else:
+                    out.append([])
+            return out
+    pattern = getattr(text, "hybrid_override_pattern", None)
+    if isinstance(pattern, str):
+        return [["state"] if c == "M" else ["attention"] if c == "*" else [] for c in pattern]
+    indices = getattr(text, "attn_layer_indices", None)
+    if indices is not None:  # Bamba
+        return [["attention"] if i in indices else ["state"] for i in range(layers)]
+    raise ValueError(f"{type(text).__name__} ({model_type}): no layer_types, layers_block_type, "
+                     "hybrid_override_pattern or attn_layer_indices: not a hybrid model this "
+                     "probe can lay out")
+
+
+def _attention_spec(config: Any, model_config: Any, parallel_config: Any,
+                    cache_dtype: str) -> Any:
+    import inspect
+
+    from vllm.utils.torch_utils import get_kv_cache_torch_dtype
+    from vllm.v1 import kv_cache_interface as kvi
+
+    kwargs: dict[str, Any] = {
+        "block_size": config.cache_config.block_size,
+        "num_kv_heads": model_config.get_num_kv_heads(parallel_config),
+        "head_size": model_config.get_head_size(),
+        "dtype": get_kv_cache_torch_dtype(cache_dtype, model_config.dtype),
+    }
+    if hasattr(kvi, "get_kv_quant_mode"):
+        kwargs["kv_quant_mode"] = kvi.get_kv_quant_mode(cache_dtype)
+    fields = inspect.signature(kvi.FullAttentionSpec).parameters
+    return kvi.FullAttentionSpec(**{k: v for k, v in kwargs.items() if k in fields})
+
+
+def _mamba_type(model_type: str) -> Any:
+    name = _MAMBA_TYPE_BY_MODEL_TYPE.get(model_type, "mamba2")
+    try:
+        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    except ImportError:
+        return name
+    return MambaAttentionBackendEnum[_MAMBA_ENUM_NAMES[name]]
+
+
+def state_shapes(config: Any) -> tuple[Any, tuple[Any, ...], tuple[Any, ...]]:
+    """Step 3: the model class and its state shapes and dtypes, by its own functions."""
+    from vllm.model_executor.models import ModelRegistry
+
+    model_config = config.model_config
+    model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture,
+                                                   model_config=model_config)
+    if not hasattr(model_cls, "get_mamba_state_shape_from_config"):
+        return model_cls, (), ()
+    shapes = tuple(tuple(s) for s in model_cls.get_mamba_state_shape_from_config(config))
+    dtypes = tuple(model_cls.get_mamba_state_dtype_from_config(config))
+    return model_cls, shapes, dtypes
+
+
+def layer_specs(config: Any, case: dict[str, Any], shapes: tuple[Any, ...],
+                dtypes: tuple[Any, ...]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Step 4: the specs of every layer, one dict per pipeline stage."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    model_config = config.model_config
+    cache = config.cache_config
+    spec_config = config.speculative_config
+    names = case.get("layer_names") or {}
+    prefix = names.get("prefix", "model.layers")
+    text_type = getattr(model_config.hf_text_config, "model_type", "")
+    kinds = layer_kinds(config) if shapes else [["attention"]] * int(
+        model_config.hf_text_config.num_hidden_layers)
+    num_spec = spec_config.num_speculative_tokens if spec_config else 0
+    state = None
+    if shapes:
+        kwargs: dict[str, Any] = dict(
+            shapes=shapes, dtypes=dtypes,
+            block_size=getattr(cache, "mamba_block_size", None) or model_config.max_model_len,
+            page_size_padded=getattr(cache, "mamba_page_size_padded", None),
+            mamba_type=_mamba_type(text_type),
+            mamba_cache_mode=getattr(cache, "mamba_cache_mode", "none"),
+            num_speculative_blocks=num_spec,
+        )
+        import inspect
+
+        fields = inspect.signature(MambaSpec).parameters
+        state = MambaSpec(**{k: v for k, v in kwargs.items() if k in fields})
+    attention = _attention_spec(config, model_config, config.parallel_config,
+                                cache.cache_dtype)
+    pp = config.parallel_config.pipeline_parallel_size
+    try:
+        from vllm.distributed.utils import get_pp_indices
+    except ImportError:  # pragma: no cover - every release here has it
+        get_pp_indices = None
+    stages: list[dict[str, Any]] = [{} for _ in range(pp)]
+    for rank in range(pp):
+        start, end = (get_pp_indices(len(kinds), rank, pp) if get_pp_indices and pp > 1
+                      else (0, len(kinds)))
+        for index in range(start, end):
+            for kind in kinds[index]:
+                if kind == "state":
+                    stages[rank][f"{prefix}.{index}.{names.get('state', 'mixer')}"] = state
+                else:
+                    stages[rank][f"{prefix}.{index}.{names.get('attention', 'self_attn.attn')}"] \
+                        = attention
+    facts: dict[str, Any] = {
+        "architecture": model_config.architecture,
+        "hf_text_config": type(model_config.hf_text_config).__name__,
+        "model_type": text_type,
+        "num_layers": len(kinds),
+        "state_layers": sum("state" in k for k in kinds),
+        "attention_layers": sum("attention" in k for k in kinds),
+        "num_kv_heads_per_rank": model_config.get_num_kv_heads(config.parallel_config),
+        "head_size": model_config.get_head_size(),
+        "model_dtype": str(model_config.dtype),
+        "kv_cache_dtype": cache.cache_dtype,
+        "mamba_ssm_cache_dtype": getattr(cache, "mamba_ssm_cache_dtype", None),
+        "state_shapes": [list(s) for s in shapes],
+        "state_dtypes": [str(d) for d in dtypes],
+        "state_page": state.page_size_bytes if state is not None else None,
+        "state_bytes": (sum(_nbytes(s, d) for s, d in zip(shapes, dtypes, strict=True))
+                        if state is not None else None),
+        "attention_page": attention.page_size_bytes,
+        "block_size": cache.block_size,
+        "num_speculative_tokens": num_spec,
+        "draft_page": None,
+    }
+    if spec_config is not None and spec_config.method not in _NO_DRAFT_LAYER:
+        # a draft model (MTP, EAGLE, a small model) brings its own attention layer; n-gram and
+        # suffix drafts have none, only the speculative tokens
+        draft = case.get("speculative_config") or {}
+        draft_cache_dtype = draft.get("kv_cache_dtype") or cache.cache_dtype
+        draft_model = spec_config.draft_model_config or model_config
+        draft_parallel = getattr(spec_config, "draft_parallel_config", None) \
+            or config.parallel_config
+        draft_attention = _attention_spec(config, draft_model, draft_parallel,
+                                          draft_cache_dtype)
+        stages[-1][names.get("draft", "drafter.model.layers.0.self_attn.attn")] = \
+            draft_attention
+        facts.update(
+            draft_method=spec_config.method,
+            draft_architecture=draft_model.architecture,
+            draft_num_kv_heads_per_rank=draft_attention.num_kv_heads,
+            draft_head_size=draft_attention.head_size,
+            draft_kv_cache_dtype=draft_cache_dtype,
+            draft_page=draft_attention.page_size_bytes,
+        )
+    return stages, facts
+
+
+def _nbytes(shape: Any, dtype: Any) -> int:
+    import math
+
+    import torch
+
+    return int(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+
+
+def _kind(spec: Any) -> str:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return "state" if isinstance(spec, MambaSpec) else "attention"
+
+
+def resolve_layout(config: Any, specs: dict[str, Any], platform: str) -> str | None:
+    """The engine core's KV-cache layout resolution, in releases that have one (0.29: it must
+    run before the KV-cache config), for the attention backend of the platform path."""
+    try:
+        from vllm.v1.attention.backends import utils
+    except ImportError:
+        return None
+    if not hasattr(utils, "resolve_kv_cache_layout"):
+        return None
+    backend = _backend("cuda" if platform == "cuda" else "cpu")
+    names = [layout.name for layout in utils.get_supported_kv_cache_layouts([backend])]
+    layout = utils.resolve_kv_cache_layout(config, [names], list(specs.values()))
+    utils.record_kv_cache_layout(config.cache_config, layout.name)
+    return str(layout.name)
+
+
+def kv_steps(config: Any, stages: list[dict[str, Any]], case: dict[str, Any]
+             ) -> dict[str, Any]:
+    """Steps 5-6: vLLM's grouping (page unification watched) and KV-cache config."""
+    import vllm.v1.core.kv_cache_utils as kcu
+
+    merged: dict[str, Any] = {}
+    for stage in stages:
+        merged.update(stage)
+    unify = getattr(kcu, "unify_kv_cache_spec_page_size", None)
+    calls: list[str] = []
+    out: dict[str, Any] = {}
+
+    def watched(kv_cache_spec: Any) -> Any:
+        calls.append("called")
+        assert unify is not None
+        try:
+            return unify(kv_cache_spec)
+        except BaseException as exc:
+            raise StepFailed("page unification") from exc
+
+    try:
+        out["kv_layout"] = resolve_layout(config, merged, case.get("platform", "cuda"))
+    except BaseException as exc:
+        raise StepFailed("kv layout") from exc
+    if unify is not None:
+        kcu.unify_kv_cache_spec_page_size = watched
+    try:
+        try:
+            groups = kcu.get_kv_cache_groups(config, dict(merged))
+        except StepFailed:
+            raise
+        except BaseException as exc:
+            raise StepFailed("grouping") from exc
+    finally:
+        if unify is not None:
+            kcu.unify_kv_cache_spec_page_size = unify
+    out["unification_called"] = bool(calls)
+    out["groups"] = [
+        {"type": type(g.kv_cache_spec).__name__, "layers": len(g.layer_names),
+         "block_size": g.kv_cache_spec.block_size, "page": g.kv_cache_spec.page_size_bytes,
+         "padded": getattr(g.kv_cache_spec, "page_size_padded", None)}
+        for g in groups
+    ]
+    out["pages"] = sorted({g["page"] for g in out["groups"]})
+    try:
+        per_gib = kcu.get_kv_cache_config_from_groups(config, groups, GIB)
+        out["num_blocks_per_gib"] = per_gib.num_blocks
+        out["max_concurrency_per_gib"] = kcu.get_max_concurrency_for_kv_cache_config(
+            config, per_gib)
+        # vLLM's own "KV cache size in tokens" (its _report_kv_cache_config): max concurrency
+        # times max_model_len.
+        out["tokens_per_gib"] = int(out["max_concurrency_per_gib"]
+                                    * config.model_config.max_model_len)
+        memory = case.get("kv_cache_memory")
+        if memory:
+            import copy
+
+            configs = kcu.get_kv_cache_configs(config, [copy.deepcopy(s) for s in stages],
+                                               [memory] * len(stages))
+            out["num_blocks"] = configs[0].num_blocks
+            out["max_concurrency"] = kcu.get_max_concurrency_for_kv_cache_config(
+                config, configs[0])
+    except BaseException as exc:
+        raise StepFailed("kv config") from exc
+    return out
+
+
+def run_case(case: dict[str, Any]) -> dict[str, Any]:
+    """Every step for one case, until the first that raises."""
+    result: dict[str, Any] = {"steps": []}
+    steps: list[dict[str, Any]] = result["steps"]
+
+    def done(name: str, detail: Any = None) -> None:
+        steps.append({"step": name, "ok": True, **({"detail": detail} if detail else {})})
+
+    step = "config"
+    try:
+        config = build_config(case)
+        done("config", {"max_model_len": config.model_config.max_model_len,
+                        "architecture": config.model_config.architecture})
+        step = "platform"
+        result["platform"] = align_for_platform(config, case.get("platform", "cuda"))
+        done("platform", result["platform"])
+        step = "state shapes"
+        _, shapes, dtypes = state_shapes(config)
+        done("state shapes", {"shapes": [list(s) for s in shapes],
+                              "dtypes": [str(d) for d in dtypes]})
+        step = "layer specs"
+        stages, facts = layer_specs(config, case, shapes, dtypes)
+        result["facts"] = facts
+        result["layers"] = [[_kind(s), s.page_size_bytes] for st in stages for s in st.values()]
+        done("layer specs", {"layers": len(result["layers"]), "stages": len(stages)})
+        step = "grouping"
+        kv = kv_steps(config, stages, case)
+        if kv.get("kv_layout"):
+            done("kv layout", {"layout": kv["kv_layout"]})
+        result["kv"] = kv
+        done("grouping", {"groups": len(kv["groups"])})
+        if kv["unification_called"]:
+            done("page unification", {"pages": kv["pages"]})
+        done("kv config", {k: kv[k] for k in ("num_blocks_per_gib", "max_concurrency")
+                           if k in kv})
+        result["failed"] = None
+    except StepFailed as failed:
+        cause = failed.__cause__ or failed
+        if failed.step == "page unification":
+            steps.append({"step": "grouping", "ok": True, "detail": "reached"})
+        steps.append({"step": failed.step, "ok": False, "error": _error(cause)})
+        result["failed"] = {"step": failed.step, **_error(cause)}
+        result["traceback"] = "".join(traceback.format_exception(cause))[-4000:]
+    except Exception as exc:
+        steps.append({"step": step, "ok": False, "error": _error(exc)})
+        result["failed"] = {"step": step, **_error(exc)}
+        result["traceback"] = traceback.format_exc()[-4000:]
+    return result
+
+
+# --- the Neuron plugin's runner ---------------------------------------------------------------
+
+NEURON_RUNNER = "vllm_neuron.worker.neuronx_distributed_model_runner"
+NEURON_MAX_MODEL_LEN = 32768
+NEURON_KV_MEMORY = 16 * GIB
+
+
+def neuron_budget(case: dict[str, Any]) -> dict[str, Any]:
+    """The Neuron runner's KV-cache spec and what vLLM budgets for it: the engine config as
+    ``vllm serve`` builds it (the plugin's platform hook runs; vLLM turns the hybrid manager
+    off, as Neuron does not support it), the runner's ``get_kv_cache_spec``, then vLLM's
+    ``get_kv_cache_configs`` for the memory per rank."""
+    import copy
+    import importlib
+
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    max_model_len = case.get("max_model_len") or NEURON_MAX_MODEL_LEN
+    memory = case.get("kv_cache_memory") or NEURON_KV_MEMORY
+    out: dict[str, Any] = {"max_model_len": max_model_len, "kv_cache_memory": memory}
+    try:
+        runner_cls = importlib.import_module(NEURON_RUNNER).NeuronxDistributedModelRunner
+        kwargs: dict[str, Any] = dict(
+            model=case["model"], skip_tokenizer_init=True, load_format="dummy",
+            max_model_len=max_model_len, tensor_parallel_size=case.get("tp", 1),
+            enable_prefix_caching=False, block_size=case.get("block_size") or 16,
+            trust_remote_code=bool(case.get("trust_remote_code")))
+        if case.get("hf_overrides"):
+            kwargs["hf_overrides"] = case["hf_overrides"]
+        try:
+            config = EngineArgs(**kwargs, swap_space=0).create_engine_config()
+        except TypeError:  # releases without swap_space
+            config = EngineArgs(**kwargs).create_engine_config()
+        spec = runner_cls(config, torch.device("cpu")).get_kv_cache_spec()
+    except Exception as exc:
+        out["error"] = _error(exc)
+        return out
+    per_request = sum(layer.max_memory_usage_bytes(config) for layer in spec.values())
+    out.update(layers=len(spec), bytes_per_request=per_request,
+               bytes_per_token=per_request / config.model_config.max_model_len,
+               hybrid_kv_cache_manager_disabled=
+               config.scheduler_config.disable_hybrid_kv_cache_manager)
+    try:
+        (kv_config,) = kcu.get_kv_cache_configs(config, [copy.deepcopy(spec)], [memory])
+    except Exception as exc:
+        out["error"] = _error(exc)
+        return out
+    out["num_blocks"] = kv_config.num_blocks
+    out["max_concurrency"] = kcu.get_max_concurrency_for_kv_cache_config(config, kv_config)
+    return out
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import vllm
+
+    logging.getLogger("vllm.v1.core.kv_cache_utils").setLevel(logging.WARNING)
+    variants: list[dict[str, Any]] = job.get("variants") or [{"name": "installed", "blocks": []}]
+    answer: dict[str, Any] = {"vllm": vllm.__version__, "torch": torch.__version__,
+                              "cases": []}
+    for case in job["cases"]:
+        entry: dict[str, Any] = {"case": case.get("name"), "variants": {}}
+        for variant in variants:
+            start = time.perf_counter()
+            try:
+                snapshot = activate(variant["blocks"])
+            except Exception as exc:
+                entry["variants"][variant["name"]] = {"activation_failed": _error(exc),
+                                                      "steps": [], "failed": None}
+                continue
+            try:
+                result = run_case(case) if job.get("kv", True) else {"steps": []}
+                if job.get("neuron"):
+                    entry.setdefault("neuron", {})[variant["name"]] = neuron_budget(case)
+            finally:
+                snapshot.restore()
+            result["seconds"] = round(time.perf_counter() - start, 2)
+            entry["variants"][variant["name"]] = result
+        answer["cases"].append(entry)
+    return answer
+
+
+def main(argv: list[str]) -> int:
+    job = json.loads(Path(argv[1]).read_text(encoding="utf-8"))
+    answer = run_job(job)
+    out = Path(argv[2])
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(answer, indent=1, default=str), encoding="utf-8")
+    os.replace(tmp, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,207 @@
+"""``vllm-patch check``: patch folders validated as the engine will load them, the block
+compiled and its bindings checked, the shapes compared with the installed code, the probe and
+the classifier imported."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..catalog import Patch, _load_patch
+from ..config import DEFAULT_PATCH_DIR
+from ..environment import ModuleQuery, TargetEnvironment, inspect_environment, run_bounded
+from ..errors import CatalogError, UsageError, VllmPatchError
+from ..markers import MarkerError, parse_file
+from ..operations import Request, resolve
+from .render import PLACEHOLDER
+from .symbols import unresolved_names
+
+
+@dataclass(frozen=True)
+class FolderCheck:
+    folder: Path
+    errors: tuple[str, ...]
+    warnings: tuple[str, ...]
+    info: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def check(request: Request, folders: list[Path]) -> list[FolderCheck]:
+    """Validate patch folders (given, or every folder of the project's patch-dir): the schema,
+    that the block compiles and binds nothing but its symbols and ``_hvp_`` names, the id, the
+    shape digests (against the installed code, when it is installed), and that the probe and
+    the classifier import."""
+    if not folders:
+        _, config, _, _ = resolve(request)
+        project = request.project_dir or Path.cwd()
+        dirs = config.patch_dirs if config and config.patch_dirs else (project / DEFAULT_PATCH_DIR,)
+        folders = [d for d in dirs if d.is_dir()]
+        if not folders:
+            raise UsageError(f"no patch folder to check: {dirs[0]} does not exist; pass "
+                             "PATCH_DIR")
+    patches: list[Path] = []
+    for folder in folders:
+        if not folder.is_dir():
+            raise UsageError(f"{folder}: not a folder")
+        if (folder / "patch.toml").is_file():
+            patches.append(folder)
+        else:
+            patches += sorted(p for p in folder.iterdir() if p.is_dir()
+                              and not p.name.startswith((".", "_")))
+    if not patches:
+        raise UsageError(f"no patch folder (with a patch.toml) in {', '.join(map(str, folders))}")
+    loaded: list[tuple[Path, Patch | None, str]] = []
+    for folder in patches:
+        try:
+            loaded.append((folder, _load_patch(folder), ""))
+        except CatalogError as exc:
+            problems = [str(exc)]
+            block = folder / "block.py"
+            if block.is_file():  # what the loader does not look at: does the block compile?
+                try:
+                    compile(block.read_text(encoding="utf-8"), str(block), "exec")
+                except (SyntaxError, UnicodeDecodeError) as error:
+                    problems.append(f"{block}: not valid Python: {error}")
+            loaded.append((folder, None, "\n".join(problems)))
+    env: TargetEnvironment | None = None
+    try:  # the target is optional for check: the folders are checked regardless
+        _, _, _, choice = resolve(request)
+        env = inspect_environment(choice, [
+            ModuleQuery(m.target.distribution, m.target.module, m.target.relative_path)
+            for _, p, _ in loaded if p is not None for m in p.parts],
+            in_process=request.in_process)
+    except VllmPatchError:
+        env = None
+    return [FolderCheck(folder, tuple(problem.splitlines()), (), ()) if patch is None
+            else _check_one(patch, env) for folder, patch, problem in loaded]
+
+
+def _check_one(patch: Patch, env: TargetEnvironment | None) -> FolderCheck:
+    folder = patch.folder
+    errors: list[str] = []
+    warnings: list[str] = []
+    info: list[str] = []
+    manifest = folder / "patch.toml"
+    for key, value in (("summary", patch.summary), ("description", patch.description),
+                       ("removal", patch.removal)):
+        if value.startswith(PLACEHOLDER):
+            warnings.append(f"{manifest}: {key} is still a placeholder")
+    for member in patch.parts:
+        block_path = folder / member.block_name
+        try:
+            compile(member.block, str(block_path), "exec")
+        except SyntaxError as exc:
+            errors.append(f"{block_path}: not valid Python: {exc}")
+            continue
+        errors += _block_bindings(member.block, block_path,
+                                  (*member.target.symbols, *member.target.adds))
+    if errors:
+        return FolderCheck(folder, tuple(errors), tuple(warnings), ())
+    for name in ("probe.py", "classify.py"):
+        script = folder / name
+        if not script.is_file():
+            continue
+        try:
+            compile(script.read_text(encoding="utf-8"), str(script), "exec")
+        except SyntaxError as exc:
+            errors.append(f"{script}: not valid Python: {exc}")
+    if patch.classifier_path is not None and not errors:
+        try:
+            patch.classifier()
+        except Exception as exc:
+            errors.append(f"{patch.classifier_path}: cannot be loaded: {type(exc).__name__}: "
+                          f"{exc}")
+    if env is None:
+        info.append("no target environment found: the code and the probe were not checked")
+        return FolderCheck(folder, tuple(errors), tuple(warnings), tuple(info))
+    for member in patch.parts:
+        _check_target(member, env, errors, warnings, info)
+    if patch.probe_path is not None and not errors:
+        proc = run_bounded([str(env.python), "-c", _IMPORT_PROBE, str(patch.probe_path)],
+                           timeout=600)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            errors.append(f"{patch.probe_path}: does not import in {env.python}: {last}")
+        else:
+            info.append(f"probe.py imports in {env.python}")
+    return FolderCheck(folder, tuple(errors), tuple(warnings), tuple(info))
+
+
+def _check_target(member: Patch, env: TargetEnvironment, errors: list[str],
+                  warnings: list[str], info: list[str]) -> None:
+    """One target against the installed code: its shape, and that every name its block reads
+    is defined (by the module, the block, or the builtins)."""
+    from ..engine import classify_shape
+
+    target = member.target
+    location = env.modules[target.module]
+    version = env.version_of(target.distribution)
+    several = len(member.parts) > 1 or member.block_name != "block.py"
+    where = f" ({target.module})" if several else ""
+    if location.refused is not None:
+        manifest = member.folder / "patch.toml"
+        errors.append(f"{manifest}: [target]{where} resolves to {location.refused}: "
+                      "hatch-vllm-patch writes only into its target distribution's own files")
+        return
+    if location.file is None or version is None:
+        info.append(f"{target.distribution} is not installed in {env.python}: shapes{where} "
+                    "and names not compared")
+        return
+    try:
+        original = parse_file(location.file.read_bytes()).original
+    except (OSError, MarkerError) as exc:
+        warnings.append(f"{location.file}: cannot be read as a target ({exc})")
+        return
+    status, reason = classify_shape(member, original)
+    line = f"on the installed {target.distribution} {version}{where}: {status}: {reason}"
+    (info if status == "known" else warnings).append(line)
+    try:
+        source = original.decode("utf-8")
+        missing = unresolved_names(member.block, source)
+    except (UnicodeDecodeError, SyntaxError):
+        return
+    block_path = member.folder / member.block_name
+    errors += [f"{block_path}:{number}: reads {name!r}, which neither {target.module}, the "
+               "block nor the builtins define (a typo?): NameError when it runs"
+               for number, name in missing]
+
+
+_IMPORT_PROBE = (
+    "import importlib.util, sys\n"
+    "spec = importlib.util.spec_from_file_location('hvp_probe_check', sys.argv[1])\n"
+    "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+)
+
+
+def _block_bindings(block: str, path: Path, symbols: tuple[str, ...]) -> list[str]:
+    """A block may bind, at module level, only its target functions and ``_hvp_`` names: any
+    other name would change the module for everything else in it."""
+    allowed = {s for s in symbols if "." not in s}
+    tree = ast.parse(block)
+    bound: list[tuple[str, int]] = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.append((node.name, node.lineno))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound += [((a.asname or a.name).split(".")[0], node.lineno) for a in node.names]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            bound += [(n.id, node.lineno) for t in targets for n in ast.walk(t)
+                      if isinstance(n, ast.Name)]
+    return [f"{path}:{line}: binds {name!r} at module level (only the target's functions and "
+            "_hvp_ names may be bound there)" for name, line in bound
+            if name not in allowed and not name.startswith("_hvp_")
+            and not (name == "TYPE_CHECKING" or name.startswith("__"))]
+
+
+def interactive_ask() -> Callable[[str], str] | None:
+    """A prompt when stdin and stdout are terminals; None otherwise (never wait for input)."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return None
+    return lambda prompt: input(f"{prompt}: ")

@@ -1,0 +1,565 @@
+"""The authoring commands and their effects: ``edit`` opens an installed module for editing,
+``create`` turns the edit into a patch folder and applies it, ``new`` scaffolds a wrapper.
+
+The pure steps they run are in the modules beside this one (symbol diff, rendering); the
+record of the environment is read and written through :mod:`hatch_vllm_patch.record`, module
+files through :func:`hatch_vllm_patch.files.replace_module_file`.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from ..catalog import load_patch_folders, module_relative_path
+from ..config import DEFAULT_PATCH_DIR
+from ..engine import locate_in, node_source
+from ..environment import InterpreterChoice, ModuleQuery, TargetEnvironment, inspect_environment
+from ..errors import CatalogError, TargetEnvironmentError, UsageError
+from ..files import (
+    FileIdentity,
+    current_umask,
+    locked,
+    read_identified,
+    replace_module_file,
+    replace_module_files,
+)
+from ..markers import MarkerError, parse_file, sha256_hex
+from ..operations import Request, resolve, run
+from ..record import (
+    EditSession,
+    EnvironmentRecord,
+    drop_pristine,
+    edit_state,
+    keep_pristine,
+    pristine_copy,
+    read_record,
+    save_record,
+)
+from ..report import Report
+from .draft import Draft, ModuleChange, draft_patch
+from .render import PLACEHOLDER, ManifestTarget, render_manifest, render_wrapper_block
+from .symbols import SymbolChange
+
+_ID = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+$")
+
+
+# --- the patch folder ---------------------------------------------------------------------------
+
+def write_patch_folder(patch_dir: Path, patch_id: str, files: dict[str, str]) -> Path:
+    """Create ``patch_dir/patch_id`` with ``files`` at once: written in a temporary folder
+    beside it, then renamed; an existing folder is never overwritten."""
+    patch_dir.mkdir(parents=True, exist_ok=True)
+    final = patch_dir / patch_id
+    if final.exists():
+        raise UsageError(f"{final} already exists: choose another id, or remove that folder")
+    staging = Path(tempfile.mkdtemp(prefix=f".{patch_id}.", suffix=".hvp-tmp", dir=patch_dir))
+    try:
+        staging.chmod(0o777 & ~current_umask())  # like any folder the user makes (not 0700)
+        for name, text in files.items():
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            (staging / name).write_text(text, encoding="utf-8")
+        os.rename(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return final
+
+
+class _NewPatch(NamedTuple):
+    folder: Path  # the project's patch folder the new patch goes to
+    project: Path
+    configured: bool  # the project's [tool.vllm-patch] finds that folder (apply, hook, guard)
+    choice: InterpreterChoice
+
+
+def _check_new_id(patch_id: str, request: Request) -> _NewPatch:
+    """Where a new patch goes; UsageError when the id is not usable (not kebab-case, or already
+    a patch of the catalog or of the project)."""
+    if not _ID.match(patch_id):
+        raise UsageError(f"{patch_id!r}: a patch id is kebab-case (lowercase letters, digits and "
+                         "single hyphens), e.g. clearer-kv-memory-error")
+    catalog, config, _, choice = resolve(request)
+    if patch_id in catalog:
+        raise UsageError(f"{patch_id!r} is already a patch ({catalog[patch_id].folder}); "
+                         "choose another id")
+    project = request.project_dir or Path.cwd()
+    if config is not None and config.patch_dirs:
+        return _NewPatch(config.patch_dirs[0], project, True, choice)
+    # The default folder counts once it exists, but only for a project with the table.
+    return _NewPatch(project / DEFAULT_PATCH_DIR, project, config is not None, choice)
+
+
+def _module_of(env: TargetEnvironment, module: str) -> tuple[Path, str, str]:
+    location = env.modules[module]
+    if location.refused is not None:
+        raise UsageError(f"{module}: refused: it resolves to {location.refused}; edit and new "
+                         "work on the files of an installed distribution only (e.g. "
+                         "vllm.v1.core.kv_cache_utils); nothing was read or written")
+    if location.file is None:
+        raise UsageError(f"{module}: no such module file in {env.python} ({env.reason})"
+                         f"{_close_modules(module, location.package_dir)}; give a module of an "
+                         "installed distribution, e.g. vllm.v1.core.kv_cache_utils")
+    distribution = location.distribution or "unknown"
+    return location.file, distribution, env.version_of(distribution) or "unknown"
+
+
+def _close_modules(module: str, package_dir: Path | None) -> str:
+    """" (did you mean ...?)" with the installed modules closest to a misspelt ``module``: its
+    deepest existing package is searched for the first part that is not there."""
+    import difflib
+
+    if package_dir is None:
+        return ""
+    top, *rest = module.split(".")
+    here, found = package_dir, [top]
+    for i, part in enumerate(rest):
+        if (here / part).is_dir():
+            here, found = here / part, [*found, part]
+            continue
+        if i == len(rest) - 1 and (here / f"{part}.py").is_file():
+            return ""  # it is there: a package without the module file asked for
+        try:
+            names = sorted({p.stem for p in here.iterdir()
+                            if p.suffix == ".py" or (p / "__init__.py").is_file()} - {"__init__"})
+        except OSError:
+            return ""
+        close = difflib.get_close_matches(part, names, n=3)
+        tail = ".".join(rest[i + 1:])
+        guesses = [".".join([*found, c, *([tail] if tail else [])]) for c in close]
+        return f" (did you mean {' or '.join(guesses)}?)" if guesses else ""
+    return ""
+
+
+
+def _inspect(request: Request, module: str, choice: InterpreterChoice | None = None
+             ) -> TargetEnvironment:
+    if not _MODULE.match(module):
+        raise UsageError(f"{module!r} is not a dotted module path inside a package "
+                         "(e.g. vllm.v1.core.kv_cache_utils)")
+    if choice is None:
+        choice = resolve(request)[3]
+    return inspect_environment(choice, [ModuleQuery("", module, module_relative_path(module))],
+                               in_process=request.in_process)
+
+
+# --- edit ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EditResult:
+    file: Path
+    module: str
+    version: str
+    removed: tuple[str, ...] = ()
+    already: bool = False
+    discarded: bool = False
+    notes: tuple[str, ...] = ()
+
+
+def edit(request: Request, module: str, *, discard: bool = False) -> EditResult:
+    """Make ``module``'s installed file safe to edit in place (or, with ``discard``, put its
+    pristine bytes back and end the edit)."""
+    env = _inspect(request, module)
+    path, distribution, version = _module_of(env, module)
+    location = env.modules[module]
+    _writable(env.purelib, path.parent)
+    with locked([env.purelib, path.parent], exclusive=True, environment=env.purelib,
+                on_wait=request.on_wait):
+        record = _usable_record(env)
+        session = record.edits.get(str(path))
+        notes = []
+        over = None if session is None else edit_state(
+            str(path), session, (version if version != "unknown" else None,
+                                 location.record_sha256))
+        if session is not None and over is not None:  # the file is not the one edit opened
+            record = record.with_edit(str(path), None)
+            if discard:
+                save_record(env.purelib, record)
+                _drop_unshared(env, record, session)
+                return EditResult(path, module, version, session.removed, discarded=True,
+                                  notes=(f"the edit session was already over ({over}): ended "
+                                         "it, and left the file as it is",))
+            _drop_unshared(env, record, session)
+            notes.append(f"the earlier edit session of {path} was over ({over}): opened "
+                         "afresh")
+            session = None
+        if discard:
+            if session is None:
+                raise UsageError(f"{path} is not open for editing")
+            pristine = _pristine(env, path, session)
+            _, identity = read_identified(path)
+            replace_module_file(path, pristine, env.pycache_prefix, expected=identity)
+            save_record(env.purelib, record.with_edit(str(path), None))
+            drop_pristine(env.purelib, session.pristine_sha256)
+            return EditResult(path, module, version, session.removed, discarded=True)
+        if session is not None:
+            return EditResult(path, module, session.version, session.removed, already=True)
+        content, identity = read_identified(path)
+        try:
+            parsed = parse_file(content)
+        except MarkerError as exc:
+            raise UsageError(f"{path}: our markers were edited by hand ({exc}); restore the "
+                             "file first") from None
+        entry = record.files.get(str(path))
+        expected = location.record_sha256 or (entry.original_sha256 if entry and parsed.blocks
+                                              else None)
+        if expected is not None and sha256_hex(parsed.original) != expected:
+            raise UsageError(
+                f"{path} differs from what {distribution} {version} installed (sha256 "
+                f"{sha256_hex(parsed.original)[:12]}, RECORD {expected[:12]}): an edit must "
+                f"start from the pristine file; restore it (uv pip install --reinstall --no-deps "
+                f"{distribution}=={version}), then run edit again")
+        if expected is None:
+            notes.append(f"{path} has no RECORD hash (an editable checkout?): its current text "
+                         "is taken as the pristine one")
+        digest = sha256_hex(parsed.original)
+        keep_pristine(env.purelib, parsed.original, digest)
+        # a new inode, without our blocks; refused if an installer replaced the file meanwhile
+        replace_module_file(path, parsed.original, env.pycache_prefix, expected=identity)
+        removed = tuple(b.patch_id for b in parsed.blocks)
+        record = record.with_file(str(path), None).with_edit(str(path), EditSession(
+            module, distribution, version, digest, removed, opened_identity(path)))
+        save_record(env.purelib, record)
+    return EditResult(path, module, version, removed, notes=tuple(notes))
+
+
+def opened_identity(path: Path) -> tuple[int, int, int]:
+    """(inode, size, mtime_ns) of the file an edit session is about (an installer's file has
+    another inode)."""
+    info = path.stat()
+    return info.st_ino, info.st_size, info.st_mtime_ns
+
+
+def _usable_record(env: TargetEnvironment) -> EnvironmentRecord:
+    """The environment's record (its paths checked against the environment's roots); a
+    damaged one is refused: authoring writes nothing on a history it cannot read."""
+    state = read_record(env.purelib, env.roots())
+    if state.exists and not state.usable:
+        raise TargetEnvironmentError(f"the environment's record {state.path} {state.problem}; "
+                                     "move it away and run again")
+    return state.record
+
+
+def _drop_unshared(env: TargetEnvironment, record: EnvironmentRecord,
+                   session: EditSession) -> None:
+    """Drop the pristine copy of an ended ``session`` unless another session of ``record``
+    shares it."""
+    if not any(e.pristine_sha256 == session.pristine_sha256 for e in record.edits.values()):
+        drop_pristine(env.purelib, session.pristine_sha256)
+
+
+def over_sessions(env: TargetEnvironment, sessions: dict[str, EditSession]) -> dict[str, str]:
+    """The sessions of ``sessions`` that are over (file -> why), by the installed facts of
+    ``env`` (which must know each session's module)."""
+    over = {}
+    for name, session in sessions.items():
+        location = env.modules.get(session.module)
+        why = edit_state(name, session, (env.version_of(session.distribution),
+                                         location.record_sha256 if location else None))
+        if why is not None:
+            over[name] = why
+    return over
+
+
+def refuse_over(env: TargetEnvironment, sessions: dict[str, EditSession], then: str) -> None:
+    """UsageError naming the first session of ``sessions`` that is over."""
+    for name, why in sorted(over_sessions(env, sessions).items()):
+        session = sessions[name]
+        raise UsageError(f"the edit session of {session.module} ({name}) is over: {why}; "
+                         f"there is no edit to {then}: run `vllm-patch edit "
+                         f"{session.module}` again")
+
+
+def _writable(*folders: Path) -> None:
+    """Refuse before the first write, not half-way: an edit session is a module and the record
+    written together."""
+    for folder in folders:
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise TargetEnvironmentError(f"{folder} is not writable by this user: run as the "
+                                         "environment's owner, or edit in an environment you "
+                                         "own")
+
+
+def _pristine(env: TargetEnvironment, path: Path, session: EditSession) -> bytes:
+    copy = pristine_copy(env.purelib, session.pristine_sha256)
+    try:
+        data = copy.read_bytes()
+    except OSError as exc:
+        raise TargetEnvironmentError(
+            f"the pristine copy of {path} ({copy}) cannot be read ({exc.strerror or exc}); "
+            f"restore the file by reinstalling {session.distribution}=={session.version}"
+        ) from None
+    if sha256_hex(data) != session.pristine_sha256:
+        raise TargetEnvironmentError(f"the pristine copy {copy} was changed; restore the file by "
+                                     f"reinstalling {session.distribution}=={session.version}")
+    return data
+
+
+# --- create -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CreateResult:
+    folder: Path
+    module: str  # the target modules, comma-separated
+    changes: tuple[SymbolChange, ...]
+    warnings: tuple[str, ...]
+    diff: str
+    report: Report | None
+    notes: tuple[str, ...] = field(default=())
+
+
+_PROMPTS = {"summary": "summary (one line: what it changes)",
+            "why": "why (the bug, and why this fix)",
+            "removal": "remove when (e.g. the vLLM release that fixes it)"}
+
+
+def _texts(patch_id: str, modules: str, ask: Callable[[str], str] | None,
+           **given: str | None) -> dict[str, str]:
+    texts = dict(given)
+    for key, value in list(texts.items()):
+        if not value and ask is not None:
+            texts[key] = ask(_PROMPTS[key]).strip() or None
+    return {
+        "summary": texts["summary"] or f"{PLACEHOLDER}: what {patch_id} changes in {modules}",
+        "why": texts["why"] or f"{PLACEHOLDER}: the bug it fixes, and why this way.",
+        "removal": texts["removal"] or f"{PLACEHOLDER}: when to delete it (the release that "
+                                       "fixes it upstream).",
+    }
+
+
+def create(request: Request, patch_id: str, *, module: str | None = None,
+           summary: str | None = None, why: str | None = None, removal: str | None = None,
+           fixed_in: str | None = None, ask: Callable[[str], str] | None = None) -> CreateResult:
+    """Turn the edit of the modules open for editing (or of ``module``) into one patch,
+    ``<patch-dir>/<patch_id>/``, restore the pristine files and apply the new patch through
+    the engine. ``ask`` prompts for the texts not given (only on a terminal; never
+    otherwise)."""
+    new_patch = _check_new_id(patch_id, request)
+    env = inspect_environment(new_patch.choice, [], in_process=request.in_process)
+    sessions = dict(_usable_record(env).edits)  # each path inside the environment: checked
+    if module is not None:
+        sessions = {p: s for p, s in sessions.items() if s.module == module}
+    if sessions:  # the installed facts tell whether each session is still live
+        env = inspect_environment(new_patch.choice, [
+            ModuleQuery(s.distribution, s.module, module_relative_path(s.module))
+            for s in sessions.values()], in_process=request.in_process)
+        refuse_over(env, sessions, "make a patch of")
+    if not sessions:
+        what = f"{module} is" if module else "no module is"
+        raise UsageError(f"{what} open for editing in {env.python}: run `vllm-patch edit "
+                         "MODULE`, change the code, then create")
+    opened: list[tuple[str, EditSession, bytes]] = []
+    identities: dict[str, FileIdentity] = {}
+    edits: dict[str, bytes] = {}
+    changes: list[ModuleChange] = []
+    for name, session in sorted(sessions.items(), key=lambda i: i[1].module):
+        path = Path(name)
+        _writable(env.purelib, path.parent)
+        pristine = _pristine(env, path, session)
+        edited, identities[name] = read_identified(path)
+        edits[name] = edited
+        if b"# >>> hatch-vllm-patch: " in edited:
+            raise UsageError(f"{path} carries a block of ours again (was apply run during the "
+                             "edit?): remove it from the file, then run create again")
+        try:
+            pristine_text, edited_text = pristine.decode("utf-8"), edited.decode("utf-8")
+        except UnicodeDecodeError:
+            raise UsageError(f"{path} is not UTF-8 text") from None
+        opened.append((name, session, pristine))
+        changes.append(ModuleChange(session.module, session.distribution, session.version,
+                                    path, pristine_text, edited_text))
+    if len(changes) == 1 and changes[0].pristine == changes[0].changed:
+        raise UsageError(f"no function or method of {changes[0].module} differs from the "
+                         f"installed one ({changes[0].path}); edit it first")
+    texts = _texts(patch_id, ", ".join(c.module for c in changes), ask, summary=summary,
+                   why=why, removal=removal)
+    draft = draft_patch(patch_id, changes, summary=texts["summary"], why=texts["why"],
+                        removal=texts["removal"], fixed_in=fixed_in, made_by="create")
+    folder = _write_draft(new_patch, patch_id, draft)
+    with locked([env.purelib, *{Path(n).parent for n, _, _ in opened}], exclusive=True,
+                environment=env.purelib, on_wait=request.on_wait):
+        record = _usable_record(env)
+        # every file back to its pristine bytes, or none (an installer replacing one of them
+        # since it was read: TargetChanged, and the others put back)
+        replace_module_files([(Path(n), pristine, edits[n]) for n, _, pristine in opened],
+                             env.pycache_prefix, expected=identities)
+        for name, _, _ in opened:
+            record = record.with_edit(name, None)
+        save_record(env.purelib, record)
+        for _, session, _ in opened:
+            drop_pristine(env.purelib, session.pristine_sha256)
+    removed = tuple(dict.fromkeys(r for _, s, _ in opened for r in s.removed))
+    return _apply_new(request, new_patch, folder, draft, removed)
+
+
+def _installed_pristine(env: TargetEnvironment, module: str) -> tuple[Path, str, str, str]:
+    """(file, distribution, version, pristine text) of an installed module: its original
+    bytes (our blocks aside), which must be those its wheel installed."""
+    path, distribution, version = _module_of(env, module)
+    sessions = {p: s for p, s in _usable_record(env).edits.items() if p == str(path)}
+    if sessions and not over_sessions(env, sessions):  # an over session: a file like any
+        raise UsageError(f"{path} is open for editing: finish that first (`vllm-patch create "
+                         f"ID` or `vllm-patch edit {module} --discard`)")
+    try:
+        original = parse_file(path.read_bytes()).original
+    except MarkerError as exc:
+        raise UsageError(f"{path}: our markers were edited by hand ({exc}); restore the "
+                         "file first") from None
+    expected = env.modules[module].record_sha256
+    if expected is not None and sha256_hex(original) != expected:
+        raise UsageError(f"{path} differs from what {distribution} {version} installed: a "
+                         f"patch starts from the pristine file; restore it (uv pip install "
+                         f"--reinstall --no-deps {distribution}=={version}), then run again")
+    try:
+        return path, distribution, version, original.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not UTF-8 text") from None
+
+
+def create_from_diff(request: Request, patch_id: str, diff: str, *, source: str,
+                     summary: str | None = None, why: str | None = None,
+                     removal: str | None = None, fixed_in: str | None = None,
+                     ask: Callable[[str], str] | None = None) -> CreateResult:
+    """One patch from a unified diff, applied with zero fuzz to the installed pristine modules
+    it touches; its files that are not installed are listed and skipped. Nothing is written
+    unless every hunk of every installed file applies and every change can be carried."""
+    from .unidiff import NO_FILE, DiffError, apply_hunks, parse_diff
+
+    new_patch = _check_new_id(patch_id, request)
+    files = parse_diff(diff, source)
+    modules: dict[str, str] = {}  # module -> path in the diff
+    skipped: list[str] = []
+    for file in files:
+        if file.path.endswith(".py") and "/" in file.path:
+            modules.setdefault(file.path[:-3].replace("/", "."), file.path)
+    queries = [ModuleQuery("", m, module_relative_path(m)) for m in modules
+               if _MODULE.match(m)]
+    env = inspect_environment(new_patch.choice, queries, in_process=request.in_process)
+    installed_tops = {m.split(".")[0] for m in modules
+                      if m in env.modules and env.modules[m].file is not None}
+    changes: list[ModuleChange] = []
+    refused: list[str] = []
+    for file in files:
+        path = file.path
+        module = path[:-3].replace("/", ".") if path.endswith(".py") else ""
+        location = env.modules.get(module)
+        top_installed = bool(module) and (module.split(".")[0] in installed_tops or (
+            location is not None and location.package_dir is not None))
+        if location is not None and location.refused is not None:
+            refused.append(f"{path}: {module} resolves to {location.refused}, not a file of "
+                           "its distribution")
+            continue
+        if location is None or location.file is None:
+            if module and top_installed and module.endswith(".__init__"):
+                refused.append(f"{path}: a package's __init__.py cannot be a patch target")
+            elif module and top_installed and file.old_path == NO_FILE:
+                refused.append(f"{path}: the diff adds this module; a patch can only change "
+                               "installed modules (move its code into a module it changes)")
+            else:
+                skipped.append(path)
+            continue
+        if file.binary:
+            refused.append(f"{path}: a binary change")
+            continue
+        if file.new_path == NO_FILE:
+            refused.append(f"{path}: the diff deletes this module")
+            continue
+        if file.old_path != file.new_path and file.old_path != NO_FILE:
+            refused.append(f"{path}: the diff renames {file.old_path}")
+            continue
+        target, distribution, version, pristine = _installed_pristine(env, module)
+        try:
+            changed = apply_hunks(pristine, file, f"{source}: {path}")
+        except DiffError as exc:
+            raise DiffError(f"{exc}\nthe installed file: {target} ({distribution} {version})"
+                            ) from None
+        changes.append(ModuleChange(module, distribution, version, target, pristine, changed))
+    if refused:
+        raise UsageError(f"{source}: the diff changes installed code a patch cannot carry; "
+                         "nothing was written:\n" + "\n".join(f"  - {r}" for r in refused))
+    if not changes:
+        raise UsageError(f"{source}: none of its files is installed in {env.python} "
+                         f"({', '.join(skipped) or 'no files'}): nothing to patch")
+    texts = _texts(patch_id, ", ".join(c.module for c in changes), ask, summary=summary,
+                   why=why, removal=removal)
+    draft = draft_patch(patch_id, changes, summary=texts["summary"], why=texts["why"],
+                        removal=texts["removal"], fixed_in=fixed_in, made_by="create --from-diff")
+    if skipped:
+        draft = draft._replace(notes=(*draft.notes, "skipped, not installed in "
+                                      f"{env.python}: {', '.join(skipped)}"))
+    folder = _write_draft(new_patch, patch_id, draft)
+    return _apply_new(request, new_patch, folder, draft)
+
+
+def _write_draft(new_patch: _NewPatch, patch_id: str, draft: Draft) -> Path:
+    """The draft as ``<patch-dir>/<patch_id>/``, which must load as the engine will load it."""
+    folder = write_patch_folder(new_patch.folder, patch_id, draft.files)
+    try:
+        load_patch_folders(new_patch.folder)
+    except CatalogError as exc:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise UsageError(f"the generated patch does not load (a bug; please report): {exc}"
+                         ) from None
+    return folder
+
+
+def _apply_new(request: Request, new_patch: _NewPatch, folder: Path, draft: Draft,
+               also: tuple[str, ...] = ()) -> CreateResult:
+    notes = list(draft.notes)
+    extra = () if new_patch.configured else (new_patch.folder,)
+    if extra:
+        notes.append(f"{new_patch.project / 'pyproject.toml'} has no [tool.vllm-patch] table: "
+                     f"add one, with patches = [\"{folder.name}\"], so that apply, the build "
+                     "hook and the guard find and keep the patch")
+    report = run("apply", Request(project_dir=new_patch.project, python=request.python,
+                                  patches=(folder.name, *also), extra_patch_dirs=extra,
+                                  in_process=request.in_process, on_wait=request.on_wait))
+    return CreateResult(folder, ", ".join(m for m, _ in draft.changes),
+                        tuple(c for _, ch in draft.changes for c in ch), draft.warnings,
+                        draft.diff, report, tuple(notes))
+
+
+# --- new: a wrapper scaffold --------------------------------------------------------------------
+
+def new(request: Request, patch_id: str, target: str) -> Path:
+    """``<patch-dir>/<patch_id>/`` with a wrapper of ``MODULE:SYMBOL`` that calls the original
+    (kept as ``__wrapped__``), and the installed symbol's shape."""
+    module, sep, symbol = target.partition(":")
+    if not sep or not symbol:
+        raise UsageError(f"--target {target!r}: expected MODULE:SYMBOL, e.g. "
+                         "vllm.v1.core.kv_cache_utils:get_kv_cache_groups")
+    new_patch = _check_new_id(patch_id, request)
+    env = _inspect(request, module, new_patch.choice)
+    path, distribution, version = _module_of(env, module)
+    source = parse_file(path.read_bytes()).original.decode("utf-8")
+    node, missing = locate_in(ast.parse(source), symbol)
+    if node is None:
+        raise UsageError(f"{module}: {missing}")
+    decorators = {ast.unparse(d) for d in node.decorator_list}
+    kind = ("staticmethod" if "staticmethod" in decorators else
+            "classmethod" if "classmethod" in decorators else "plain")
+    if decorators - {"staticmethod", "classmethod"}:
+        raise UsageError(f"{module}:{symbol} is decorated ({', '.join(sorted(decorators))}): a "
+                         "wrapper would wrap the decorator's result; use `vllm-patch edit` and "
+                         "`create` instead")
+    block = render_wrapper_block(patch_id, module, symbol, kind,
+                           isinstance(node, ast.AsyncFunctionDef))
+    manifest = render_manifest(
+        patch_id, targets=[ManifestTarget(distribution, module, version, {
+            symbol: [sha256_hex(node_source(source, node).encode("utf-8"))]})],
+        summary=f"{PLACEHOLDER}: what {patch_id} changes in {module}.{symbol}",
+        why=f"{PLACEHOLDER}: the bug it fixes, and why this way.",
+        removal=f"{PLACEHOLDER}: when to delete it (the release that fixes it upstream).",
+        fixed_in=None, made_by="new")
+    return write_patch_folder(new_patch.folder, patch_id,
+                              {"patch.toml": manifest, "block.py": block})
+
+

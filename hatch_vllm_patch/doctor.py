@@ -1,0 +1,533 @@
+"""``vllm-patch doctor``: will this model start on the installed vLLM, and which patch does it need.
+
+The answer comes from vLLM's own code in the target environment (``_kv_probe.py``, run by the
+target interpreter on CPU, offline, without weights): the start-up steps as installed, then the
+same steps with each catalog or project patch that applies to this vLLM and is not in place
+executed into the imported modules of that child process only (nothing is written), and with
+all of them together. This module prepares the job, runs the child and judges its answer; the
+CLI prints it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from .catalog import Patch
+from .engine import Verdict
+from .environment import TargetEnvironment, run_bounded
+from .errors import TargetEnvironmentError, UsageError
+from .models import FAMILY_BY_MODEL_TYPE, read_model
+
+PROBE = Path(__file__).with_name("_kv_probe.py")
+PROBE_TIMEOUT = 1800.0
+GIB = 1 << 30
+PLATFORMS = ("cuda", "cpu")
+INSTALLED = "installed"
+ALL_TOGETHER = "all together"
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
+          "mib": 1 << 20, "g": GIB, "gb": 1000**3, "gib": GIB, "t": 1 << 40, "tb": 1000**4,
+          "tib": 1 << 40}
+
+
+class DoctorRequest(NamedTuple):
+    """The serving options that change the answer (as ``vllm serve`` takes them)."""
+
+    model: str
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
+    block_size: int | None = None
+    max_model_len: int | None = None
+    speculative_config: Mapping[str, Any] | None = None
+    kv_cache_memory: int | None = None
+    platform: str = "cuda"
+    hf_overrides: Mapping[str, Any] | None = None
+    trust_remote_code: bool = False
+
+
+class Step(NamedTuple):
+    name: str
+    ok: bool
+    error: str | None = None  # "Type: message"
+
+
+class Cost(NamedTuple):
+    """What the KV cache looks like when it starts: per layer page, padding, capacity."""
+
+    page: int  # the one page every layer gets
+    state_bytes: int | None  # the recurrent state's real size (None: no state layer)
+    attention_block: int  # tokens per attention block
+    blocks_per_gib: int
+    tokens_per_gib: int  # vLLM's own "KV cache size in tokens" for 1 GiB per rank
+    max_concurrency: float | None  # for --kv-cache-memory at max_model_len
+    groups: tuple[str, ...]
+
+    @property
+    def padding_bytes(self) -> int | None:
+        return None if self.state_bytes is None else self.page - self.state_bytes
+
+    @property
+    def padding_pct(self) -> float | None:
+        if self.state_bytes is None or not self.state_bytes:
+            return None
+        return 100.0 * (self.page - self.state_bytes) / self.state_bytes
+
+    def to_json(self) -> dict[str, object]:
+        return {"page": self.page, "state_bytes": self.state_bytes,
+                "padding_bytes": self.padding_bytes, "padding_pct": self.padding_pct,
+                "attention_block": self.attention_block, "blocks_per_gib": self.blocks_per_gib,
+                "tokens_per_gib": self.tokens_per_gib, "max_concurrency": self.max_concurrency,
+                "groups": list(self.groups)}
+
+
+class Run(NamedTuple):
+    """The start-up steps of one variant: installed, one patch active, or all of them."""
+
+    name: str
+    patches: tuple[str, ...]
+    steps: tuple[Step, ...]
+    failed: Step | None
+    cost: Cost | None
+    state_shapes: tuple[tuple[int, ...], ...] = ()
+    platform: str | None = None  # what the platform hook did
+    activation_error: str | None = None
+    max_model_len: int | None = None  # as vLLM resolved it
+
+    @property
+    def starts(self) -> bool:
+        return self.failed is None and self.activation_error is None
+
+    def to_json(self) -> dict[str, object]:
+        return {"name": self.name, "patches": list(self.patches), "starts": self.starts,
+                "steps": [s._asdict() for s in self.steps],
+                "failed": self.failed._asdict() if self.failed else None,
+                "cost": self.cost.to_json() if self.cost else None,
+                "state_shapes": [list(s) for s in self.state_shapes],
+                "platform": self.platform, "activation_error": self.activation_error,
+                "max_model_len": self.max_model_len}
+
+
+class NeuronBudget(NamedTuple):
+    """The Neuron runner's KV budget for one variant."""
+
+    name: str
+    bytes_per_token: float | None
+    max_concurrency: float | None
+    layers: int | None
+    error: str | None = None
+
+
+class DoctorReport(NamedTuple):
+    environment: TargetEnvironment
+    vllm: str
+    request: DoctorRequest
+    model_dir: Path
+    architecture: str  # the architecture vLLM ran
+    runs: tuple[Run, ...]
+    candidates: tuple[str, ...]  # patches that apply here and are not in place
+    in_place: tuple[str, ...]
+    needed: tuple[str, ...]  # what to select (empty: nothing needed or nothing fixes it)
+    config_lines: tuple[str, ...]
+    verdict: str
+    notes: tuple[str, ...] = ()
+    neuron: tuple[NeuronBudget, ...] = ()
+    neuron_note: str | None = None
+
+    @property
+    def installed(self) -> Run:
+        return self.runs[0]
+
+    @property
+    def ok(self) -> bool:
+        return self.installed.starts
+
+    def run(self, name: str) -> Run | None:
+        return next((r for r in self.runs if r.name == name), None)
+
+    def to_json(self) -> dict[str, object]:
+        r = self.request
+        return {
+            "operation": "doctor",
+            "ok": self.ok,
+            "verdict": self.verdict,
+            "environment": self.environment.to_json(),
+            "vllm": self.vllm,
+            "model": str(self.model_dir),
+            "architecture": self.architecture,
+            "platform": r.platform,
+            "options": {"tensor_parallel_size": r.tensor_parallel_size,
+                        "pipeline_parallel_size": r.pipeline_parallel_size,
+                        "kv_cache_dtype": r.kv_cache_dtype, "block_size": r.block_size,
+                        "max_model_len": r.max_model_len,
+                        "speculative_config": dict(r.speculative_config or {}) or None,
+                        "kv_cache_memory": r.kv_cache_memory},
+            "runs": [run.to_json() for run in self.runs],
+            "candidates": list(self.candidates),
+            "in_place": list(self.in_place),
+            "needed": list(self.needed),
+            "config_lines": list(self.config_lines),
+            "neuron": [b._asdict() for b in self.neuron],
+            "neuron_note": self.neuron_note,
+            "notes": list(self.notes),
+            "errors": [],
+        }
+
+
+# --- inputs -----------------------------------------------------------------------------------
+
+
+def parse_memory(text: str) -> int:
+    """``8GiB``, ``512MiB``, ``8e9`` or plain bytes -> bytes; UsageError when not a size."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise UsageError(f"--kv-cache-memory {text!r}: expected bytes or a size such as 8GiB, "
+                         "512MiB, 16GB")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise UsageError(f"--kv-cache-memory {text!r}: must be more than 0 bytes")
+    return value
+
+
+def parse_json_object(option: str, text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"{option} {text!r}: not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{option} {text!r}: expected a JSON object, e.g. "
+                         "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'")
+    return value
+
+
+def hub_caches(environ: Mapping[str, str] | None = None) -> list[Path]:
+    """Where a Hugging Face hub cache may be, in the order huggingface_hub looks."""
+    env = os.environ if environ is None else environ
+    if env.get("HF_HUB_CACHE"):
+        return [Path(env["HF_HUB_CACHE"]).expanduser()]
+    if env.get("HUGGINGFACE_HUB_CACHE"):
+        return [Path(env["HUGGINGFACE_HUB_CACHE"]).expanduser()]
+    home = Path(env.get("HF_HOME") or Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                / "huggingface").expanduser()
+    return [home / "hub"]
+
+
+def resolve_model(name: str, environ: Mapping[str, str] | None = None,
+                  option: str = "--model") -> Path:
+    """A model directory, or a hub id found in the local Hugging Face cache (offline)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"{option} {name}: {path} has no config.json")
+        return path.resolve()
+    if name.count("/") != 1 or name.startswith((".", "/")):
+        raise UsageError(f"{option} {name}: no such directory, and not a hub id (ORG/NAME)")
+    looked = []
+    for cache in hub_caches(environ):
+        repo = cache / f"models--{name.replace('/', '--')}"
+        looked.append(str(repo))
+        snapshots = repo / "snapshots"
+        ref = repo / "refs" / "main"
+        candidates = []
+        if ref.is_file():
+            candidates.append(snapshots / ref.read_text(encoding="utf-8").strip())
+        if snapshots.is_dir():
+            candidates += sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime,
+                                 reverse=True)
+        for snapshot in candidates:
+            if (snapshot / "config.json").is_file():
+                return snapshot
+    raise UsageError(f"{option} {name}: not in the local Hugging Face cache (looked in "
+                     f"{', '.join(looked)}; set HF_HOME or HF_HUB_CACHE, or download it "
+                     f"once: `hf download {name} config.json`); doctor never goes online")
+
+
+# --- the job ----------------------------------------------------------------------------------
+
+
+def blocks_of(patch: Patch) -> list[dict[str, str]]:
+    """What the child executes to make ``patch`` active: its block, in its module."""
+    return [{"id": patch.id, "module": patch.target.module, "source": patch.block}]
+
+
+def variants(patches: Sequence[Patch]) -> list[dict[str, Any]]:
+    """Installed, each patch alone, and (with more than one) all of them together."""
+    out: list[dict[str, Any]] = [{"name": INSTALLED, "patches": [], "blocks": []}]
+    for patch in patches:
+        out.append({"name": patch.id, "patches": [patch.id], "blocks": blocks_of(patch)})
+    if len(patches) > 1:
+        out.append({"name": ALL_TOGETHER, "patches": [p.id for p in patches],
+                    "blocks": [b for p in patches for b in blocks_of(p)]})
+    return out
+
+
+def case_of(request: DoctorRequest, model_dir: Path, hf_overrides: Mapping[str, Any] | None,
+            trust_remote_code: bool) -> dict[str, Any]:
+    return {
+        "name": "doctor",
+        "model": str(model_dir),
+        "trust_remote_code": trust_remote_code,
+        "hf_overrides": dict(hf_overrides) if hf_overrides else None,
+        "tp": request.tensor_parallel_size,
+        "pp": request.pipeline_parallel_size,
+        "kv_cache_dtype": request.kv_cache_dtype,
+        "block_size": request.block_size,
+        "max_model_len": request.max_model_len,
+        "speculative_config": dict(request.speculative_config or {}) or None,
+        "kv_cache_memory": request.kv_cache_memory,
+        "platform": request.platform,
+    }
+
+
+def run_child(python: Path, job: dict[str, Any], *, timeout: float = PROBE_TIMEOUT,
+              workdir: Path | None = None,
+              extra_env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Run ``_kv_probe.py`` with ``python`` on ``job``; its answer, or TargetEnvironmentError."""
+    with tempfile.TemporaryDirectory(prefix="hvp-doctor-", dir=workdir) as tmp:
+        job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "answer.json"
+        job_file.write_text(json.dumps(job), encoding="utf-8")
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "HF_DATASETS_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1",
+               "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+               "HF_MODULES_CACHE": str(Path(tmp) / "hf-modules"),
+               "CUDA_VISIBLE_DEVICES": "", **(extra_env or {})}
+        env.pop("PYTHONHOME", None)
+        try:
+            proc = run_bounded([str(python), str(PROBE), str(job_file), str(out_file)],
+                               timeout=timeout, env=env)
+        except OSError as exc:
+            raise TargetEnvironmentError(f"cannot run {python}: {exc.strerror or exc}") from None
+        except subprocess.TimeoutExpired:
+            raise TargetEnvironmentError(
+                f"{python} did not answer within {timeout:.0f} s (it imports vLLM)") from None
+        if proc.returncode != 0 or not out_file.is_file():
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise TargetEnvironmentError(
+                f"the doctor's probe failed in {python} (exit {proc.returncode}): {tail}")
+        answer: dict[str, Any] = json.loads(out_file.read_text(encoding="utf-8"))
+        return answer
+
+
+# --- judging ----------------------------------------------------------------------------------
+
+
+def _err(error: Mapping[str, Any] | None) -> str | None:
+    if not error:
+        return None
+    message = error.get("message") or ""
+    return f"{error['type']}: {message}" if message else str(error["type"])
+
+
+def cost_of(raw: Mapping[str, Any]) -> Cost | None:
+    kv = raw.get("kv")
+    if raw.get("failed") or not kv or len(kv.get("pages", [])) != 1:
+        return None
+    facts = raw.get("facts", {})
+    attention = [g for g in kv["groups"] if g["type"] != "MambaSpec"]
+    return Cost(
+        page=kv["pages"][0],
+        state_bytes=facts.get("state_bytes"),
+        attention_block=attention[0]["block_size"] if attention else 0,
+        blocks_per_gib=kv["num_blocks_per_gib"],
+        tokens_per_gib=kv["tokens_per_gib"],
+        max_concurrency=kv.get("max_concurrency"),
+        groups=tuple(f"{g['type']} x{g['layers']} (block {g['block_size']})"
+                     for g in kv["groups"]),
+    )
+
+
+def run_of(variant: Mapping[str, Any], raw: Mapping[str, Any]) -> Run:
+    steps = tuple(Step(s["step"], s["ok"], _err(s.get("error"))) for s in raw.get("steps", []))
+    failed = next((s for s in steps if not s.ok), None)
+    platform = raw.get("platform") or {}
+    described = None
+    if platform.get("hook"):
+        described = (f"{platform['hook']} with {platform['backend']}: attention block "
+                     f"{platform['block_size_before']} -> {platform['block_size']} tokens"
+                     + (f", state page padded to {platform['mamba_page_size_padded']} B"
+                        if platform.get("mamba_page_size_padded") else ""))
+    elif platform:
+        described = platform.get("note") or "no platform hook"
+    shapes = tuple(tuple(s) for s in raw.get("facts", {}).get("state_shapes", []))
+    first = (raw.get("steps") or [{}])[0]
+    max_len = (first.get("detail") or {}).get("max_model_len") if first.get("ok") else None
+    return Run(variant["name"], tuple(variant["patches"]), steps, failed, cost_of(raw),
+               shapes, described, _err(raw.get("activation_failed")), max_len)
+
+
+def judge(runs: Sequence[Run], candidates: Sequence[str]) -> tuple[tuple[str, ...], str]:
+    """(the patches to select, the verdict in one line)."""
+    installed = runs[0]
+    alone = [r for r in runs[1:] if len(r.patches) == 1]
+    together = next((r for r in runs if r.name == ALL_TOGETHER), None)
+
+    def changes(run: Run) -> bool:
+        return run.starts and (run.cost != installed.cost
+                               or run.state_shapes != installed.state_shapes)
+
+    if installed.starts:
+        changing = tuple(r.patches[0] for r in alone if changes(r))
+        if not changing:
+            return (), "starts as installed: nothing needed"
+        return changing, ("starts as installed, but " + ", ".join(changing)
+                          + " changes what vLLM allocates (see below)")
+    assert installed.failed is not None
+    fixing = [r for r in alone if r.starts]
+    if fixing:
+        first = fixing[0]
+        also = tuple(r.patches[0] for r in alone if r is not first and changes(r)
+                     and r.patches[0] not in first.patches)
+        needed = (*first.patches, *also)
+        return needed, (f"does not start as installed ({installed.failed.name}); "
+                        f"{first.patches[0]} fixes it")
+    if together is not None and together.starts:
+        return together.patches, (f"does not start as installed ({installed.failed.name}); "
+                                  "the patches together fix it")
+    where = f"{installed.failed.name}: {installed.failed.error}"
+    if candidates:
+        return (), f"this fails and no patch here fixes it ({where})"
+    return (), f"this fails and no patch here fixes it ({where}); no patch applies here"
+
+
+def judge_neuron(budgets: Sequence[NeuronBudget]) -> tuple[tuple[str, ...], str]:
+    """The patches that change the Neuron runner's KV budget, and how (one line)."""
+    installed = next((b for b in budgets if b.name == INSTALLED), None)
+    if installed is None or installed.bytes_per_token is None:
+        return (), ""
+    changing = [b for b in budgets if b.name not in (INSTALLED, ALL_TOGETHER)
+                and b.bytes_per_token and b.bytes_per_token != installed.bytes_per_token]
+    if not changing:
+        return (), "Neuron: no patch changes the runner's KV budget"
+    before = installed.bytes_per_token
+    parts = [f"{b.name} budgets {before / (b.bytes_per_token or before):.2f}x fewer bytes "
+             f"per token on Neuron (max concurrency {installed.max_concurrency} -> "
+             f"{b.max_concurrency})" for b in changing]
+    return tuple(b.name for b in changing), "; ".join(parts)
+
+
+def config_lines(needed: Sequence[str], architecture: str, model: str,
+                 model_is_dir: bool) -> tuple[str, ...]:
+    if not needed:
+        return ()
+    lines = ["[tool.vllm-patch]"]
+    if model_is_dir:
+        lines.append(f"models = [{json.dumps(model)}]")
+    lines += [f"[tool.vllm-patch.architectures.{architecture}]",
+              "patches = [" + ", ".join(json.dumps(p) for p in needed) + "]"]
+    return tuple(lines)
+
+
+# --- the whole ---------------------------------------------------------------------------------
+
+
+def unregistered_override(model_dir: Path, registered: Sequence[str] | None
+                          ) -> tuple[dict[str, Any] | None, str | None]:
+    """For a fine-tune whose architecture vLLM does not register, the base architecture its
+    ``model_type`` names (as ``--hf-overrides '{"architectures": [...]}'``), with a note."""
+    info = read_model(model_dir, "--model")
+    if registered is None or not info.architectures:
+        return None, None
+    if any(a in registered for a in info.architectures):
+        return None, None
+    for model_type in (info.model_type, info.text_model_type):
+        family = FAMILY_BY_MODEL_TYPE.get(model_type or "")
+        if family and family in registered:
+            override = {"architectures": [family]}
+            return override, (
+                f"vLLM does not register {', '.join(info.architectures)}; doctor ran it as "
+                f"{family} (model_type {model_type}), as `vllm serve --hf-overrides "
+                f"'{json.dumps(override)}'` does: pass that option when you serve it")
+    return None, None
+
+
+def neuron_line(env: TargetEnvironment) -> str | None:
+    if env.version_of("vllm-neuron") is None:
+        return "Neuron: the vllm-neuron plugin is not installed here (no Neuron KV budget)"
+    return None
+
+
+def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[str, Patch],
+             verdicts: Mapping[str, Verdict], registered: Sequence[str] | None,
+             *, timeout: float = PROBE_TIMEOUT) -> DoctorReport:
+    """Run the child for ``request`` and judge it. ``verdicts`` are the status of every
+    patch in ``patches`` in this environment."""
+    if request.platform not in PLATFORMS:
+        raise UsageError(f"--platform {request.platform}: expected one of {', '.join(PLATFORMS)}")
+    model_is_dir = Path(request.model).expanduser().is_dir()
+    model_dir = resolve_model(request.model)
+    notes: list[str] = []
+    overrides = dict(request.hf_overrides or {})
+    if "architectures" not in overrides:
+        auto, note = unregistered_override(model_dir, registered)
+        if auto:
+            overrides.update(auto)
+            notes.append(note or "")
+    speculative = dict(request.speculative_config or {})
+    if isinstance(speculative.get("model"), str) and speculative.get("method") != "mtp":
+        speculative["model"] = str(resolve_model(speculative["model"],
+                                                 option="--speculative-config model"))
+    request = request._replace(speculative_config=speculative or None)
+    candidates = [patches[pid] for pid, v in verdicts.items() if v is Verdict.MISSING]
+    in_place = tuple(pid for pid, v in verdicts.items() if v is Verdict.APPLIED)
+    job_variants = variants(candidates)
+    job = {"cases": [case_of(request, model_dir, overrides or None,
+                             request.trust_remote_code)],
+           "variants": job_variants,
+           "neuron": env.version_of("vllm-neuron") is not None}
+    answer = run_child(env.python, job, timeout=timeout)
+    raw = answer["cases"][0]["variants"]
+    runs = tuple(run_of(v, raw[v["name"]]) for v in job_variants)
+    needed, verdict = judge(runs, [p.id for p in candidates])
+    neuron = tuple(NeuronBudget(name, b.get("bytes_per_token"), b.get("max_concurrency"),
+                                b.get("layers"), _err(b.get("error")))
+                   for name, b in (answer["cases"][0].get("neuron") or {}).items())
+    neuron_needed, neuron_verdict = judge_neuron(neuron)
+    if neuron_needed:
+        needed = (*needed, *(p for p in neuron_needed if p not in needed))
+        verdict = f"{verdict}; {neuron_verdict}"
+    if neuron:
+        notes.append("the vllm-neuron plugin is vLLM's platform here: its config hook ran in "
+                     "the config step; the block-size step is the one of --platform")
+    info = read_model(model_dir, "--model")
+    architecture = (overrides.get("architectures") or info.architectures or ["?"])[0]
+    lines = config_lines(needed, architecture, request.model, model_is_dir)
+    return DoctorReport(env, answer["vllm"], request, model_dir, architecture, runs,
+                        tuple(p.id for p in candidates), in_place, needed, lines, verdict,
+                        tuple(notes), neuron, neuron_line(env))
+
+
+def run_doctor(request: DoctorRequest, *, project_dir: Path | None, python: str | None,
+               timeout: float = PROBE_TIMEOUT) -> DoctorReport:
+    """Every catalog and project patch's status in the target environment, then
+    :func:`diagnose`. Raises UsageError / ConfigurationError / TargetEnvironmentError."""
+    from .environment import inspect_environment
+    from .operations import _REGISTRY, Request, resolve, run
+    from .selection import registered_architectures
+
+    resolve_model(request.model)  # usage errors first, before the environment is asked
+    if request.platform not in PLATFORMS:
+        raise UsageError(f"--platform {request.platform}: expected one of {', '.join(PLATFORMS)}")
+    base = Request(project_dir=project_dir, python=python)
+    catalog, config, selection, choice = resolve(base)
+    status = run("status", base._replace(patches=tuple(catalog)))
+    if status.environment.version_of("vllm") is None:
+        raise TargetEnvironmentError(
+            f"vllm is not installed in {status.environment.python} ({choice.reason}): doctor "
+            "runs the installed vLLM's own code; pass --python for the environment that serves")
+    verdicts = {o.patch_id: o.verdict for o in status.outcomes if o.patch_id in catalog}
+    registry = inspect_environment(choice, [_REGISTRY]).modules[_REGISTRY.module].file
+    report = diagnose(request, status.environment, catalog, verdicts,
+                      registered_architectures(registry), timeout=timeout)
+    notes = [*status.notes, *report.notes]
+    selected = {p.id for p in selection.patches}
+    if config is not None and report.needed and set(report.needed) <= selected:
+        notes.append(f"[tool.vllm-patch] in {config.source} already selects "
+                     f"{', '.join(report.needed)}: `vllm-patch apply` puts it in place")
+    return report._replace(notes=tuple(notes))

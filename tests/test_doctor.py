@@ -1,0 +1,291 @@
+"""doctor without vLLM: its inputs, the hub-cache lookup, the verdict from runs, the lines it
+prints for pyproject.toml, and the probe's in-process patch activation (which must leave the
+modules exactly as they were). The real-vLLM half is tests/test_doctor_vllm.py."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from hatch_vllm_patch import _kv_probe
+from hatch_vllm_patch._cli import main
+from hatch_vllm_patch.doctor import (
+    ALL_TOGETHER,
+    INSTALLED,
+    Cost,
+    Run,
+    Step,
+    config_lines,
+    judge,
+    parse_memory,
+    resolve_model,
+    unregistered_override,
+)
+from hatch_vllm_patch.errors import UsageError
+
+REPO = Path(__file__).resolve().parents[1]
+FINETUNE = REPO / "example_project" / "models" / "qwen3.6-finetune"
+
+
+def cli(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("8GiB", 8 << 30), ("512MiB", 512 << 20), ("16GB", 16 * 10**9), ("1073741824", 1 << 30),
+    ("1.5GiB", 3 << 29), ("8 gib", 8 << 30),
+])
+def test_memory_sizes(text: str, expected: int) -> None:
+    """--kv-cache-memory takes bytes or binary/decimal units."""
+    assert parse_memory(text) == expected
+
+
+@pytest.mark.parametrize("text", ["8XB", "", "GiB", "-1", "0"])
+def test_bad_memory_sizes(text: str) -> None:
+    """A size that is not one is a usage error naming the option."""
+    with pytest.raises(UsageError, match="--kv-cache-memory"):
+        parse_memory(text)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--kv-cache-memory", "lots"], "--kv-cache-memory 'lots'"),
+    (["--speculative-config", "{mtp"], "--speculative-config '{mtp': not JSON"),
+    (["--speculative-config", "[1]"], "expected a JSON object"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size 0: must be 1 or more"),
+])
+def test_cli_usage_errors_exit_2(args: list[str], message: str) -> None:
+    """Bad doctor options give one line and exit 2, before any environment is touched."""
+    code, out, err = cli("doctor", "--model", str(FINETUNE), *args)
+    assert code == 2
+    assert message in err and "Traceback" not in err + out
+
+
+def test_cli_usage_error_as_json() -> None:
+    """With --json the usage error is one JSON object, in the schema of the other commands."""
+    import jsonschema
+
+    schema = json.loads((Path(__file__).parents[1] / "hatch_vllm_patch" / "schema"
+                         / "output.schema.json").read_text())
+    code, out, _ = cli("doctor", "--model", "no/such-model-here", "--json")
+    assert code == 2
+    data = json.loads(out)
+    jsonschema.validate(data, schema)
+    assert (data["operation"], data["exit_code"], data["ok"]) == ("doctor", 2, False)
+    assert "not in the local Hugging Face cache" in data["errors"][0]
+
+
+def test_hub_id_from_the_local_cache(tmp_path: Path) -> None:
+    """A hub id resolves to the snapshot refs/main names, offline."""
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (repo / "snapshots" / "old").mkdir()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123\n")
+    assert resolve_model("acme/tiny", {"HF_HOME": str(tmp_path)}) == snapshot
+    assert resolve_model("acme/tiny", {"HF_HUB_CACHE": str(tmp_path / "hub")}) == snapshot
+
+
+def test_hub_id_not_cached_says_where_it_looked(tmp_path: Path) -> None:
+    """A hub id that is not cached is a usage error naming the folder it looked for."""
+    with pytest.raises(UsageError) as caught:
+        resolve_model("acme/absent", {"HF_HOME": str(tmp_path)})
+    assert str(tmp_path / "hub" / "models--acme--absent") in str(caught.value)
+    assert "never goes online" in str(caught.value)
+
+
+def test_directory_without_config(tmp_path: Path) -> None:
+    """A model directory needs config.json."""
+    with pytest.raises(UsageError, match=r"has no config\.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_unregistered_finetune_runs_as_its_base() -> None:
+    """The example fine-tune's own architecture name is replaced by its family's, with a note
+    naming vLLM's --hf-overrides; a registered name is left alone."""
+    override, note = unregistered_override(FINETUNE, ["Qwen3_5MoeForConditionalGeneration"])
+    assert override == {"architectures": ["Qwen3_5MoeForConditionalGeneration"]}
+    assert note is not None and "--hf-overrides" in note
+    assert unregistered_override(FINETUNE, ["AcmeQwen3_6MoeForConditionalGeneration"]) == (
+        None, None)
+
+
+def _cost(page: int, tokens: int = 1000) -> Cost:
+    return Cost(page, 1000, 16, 10, tokens, None, ("FullAttentionSpec x1 (block 16)",))
+
+
+def _run(name: str, patches: tuple[str, ...], fails: str | None = None,
+         cost: Cost | None = None, shapes: tuple[tuple[int, ...], ...] = ((3, 4),)) -> Run:
+    failed = Step(fails, False, "NotImplementedError: no") if fails else None
+    steps = (Step("config", True), *((failed,) if failed else ()))
+    return Run(name, patches, steps, failed, None if fails else cost or _cost(1024), shapes)
+
+
+def test_judge_nothing_needed() -> None:
+    """Starts as installed and no patch changes anything: nothing needed."""
+    runs = [_run(INSTALLED, ()), _run("p", ("p",))]
+    assert judge(runs, ["p"]) == ((), "starts as installed: nothing needed")
+
+
+def test_judge_a_patch_that_changes_what_vllm_allocates() -> None:
+    """Starts, but a patch changes the state shapes: it is what the model needs."""
+    runs = [_run(INSTALLED, ()), _run("p", ("p",), shapes=((5, 4),)), _run("q", ("q",))]
+    needed, verdict = judge(runs, ["p", "q"])
+    assert needed == ("p",) and "p changes what vLLM allocates" in verdict
+
+
+def test_judge_the_patch_that_fixes_it() -> None:
+    """Fails as installed, one patch alone starts it: that patch."""
+    runs = [_run(INSTALLED, (), "page unification"), _run("p", ("p",), "page unification"),
+            _run("q", ("q",)), _run(ALL_TOGETHER, ("p", "q"))]
+    needed, verdict = judge(runs, ["p", "q"])
+    assert needed == ("q",) and "q fixes it" in verdict
+
+
+def test_judge_only_together() -> None:
+    """Fails as installed and with each patch alone, starts with all: all of them."""
+    runs = [_run(INSTALLED, (), "grouping"), _run("p", ("p",), "grouping"),
+            _run("q", ("q",), "kv config"), _run(ALL_TOGETHER, ("p", "q"))]
+    assert judge(runs, ["p", "q"])[0] == ("p", "q")
+
+
+def test_judge_no_patch_fixes_it() -> None:
+    """Fails everywhere: nothing to select, and the failing step is named."""
+    runs = [_run(INSTALLED, (), "config"), _run("p", ("p",), "config")]
+    needed, verdict = judge(runs, ["p"])
+    assert needed == ()
+    assert verdict.startswith("this fails and no patch here fixes it (config: ")
+
+
+def test_config_lines() -> None:
+    """The lines select the patches for the architecture vLLM ran, and the model directory."""
+    lines = config_lines(("kv-cache-page-unification",), "Qwen3_5MoeForConditionalGeneration",
+                         "./models/ft", True)
+    assert lines == ("[tool.vllm-patch]", 'models = ["./models/ft"]',
+                     "[tool.vllm-patch.architectures.Qwen3_5MoeForConditionalGeneration]",
+                     'patches = ["kv-cache-page-unification"]')
+    assert config_lines((), "X", "m", True) == ()
+
+
+@pytest.fixture()
+def demo_module() -> types.ModuleType:
+    module = types.ModuleType("hvp_doctor_demo")
+    exec("class Model:\n    @classmethod\n    def shape(cls):\n        return (3,)\n\n"
+         "def unify(x):\n    raise NotImplementedError(x)\n", vars(module))
+    sys.modules[module.__name__] = module
+    yield module
+    del sys.modules[module.__name__]
+
+
+def test_activation_is_undone(demo_module: types.ModuleType) -> None:
+    """A block executed into a module (rebinding a function, a classmethod and adding names)
+    is active until restored, and afterwards the module and its classes are as before."""
+    before_unify, before_shape = demo_module.unify, vars(demo_module.Model)["shape"]
+    block = ("_original = unify\n\ndef unify(x):\n    return x\n\n"
+             "Model.shape = classmethod(lambda cls: (5,))\nModel.extra = 1\n")
+    snapshot = _kv_probe.activate([{"id": "demo", "module": demo_module.__name__,
+                                    "source": block}])
+    assert demo_module.unify(7) == 7 and demo_module.Model.shape() == (5,)
+    snapshot.restore()
+    assert demo_module.unify is before_unify and "_original" not in vars(demo_module)
+    assert vars(demo_module.Model)["shape"] is before_shape
+    assert demo_module.Model.shape() == (3,) and not hasattr(demo_module.Model, "extra")
+
+
+def test_a_block_that_raises_leaves_nothing_behind(demo_module: types.ModuleType) -> None:
+    """A block that fails half way is undone before the error propagates."""
+    with pytest.raises(ZeroDivisionError):
+        _kv_probe.activate([{"id": "bad", "module": demo_module.__name__,
+                             "source": "def unify(x):\n    return 1\n\n1 / 0\n"}])
+    with pytest.raises(NotImplementedError):
+        demo_module.unify(1)
+
+
+def _config(**text: object) -> types.SimpleNamespace:
+    return types.SimpleNamespace(model_config=types.SimpleNamespace(
+        hf_text_config=types.SimpleNamespace(**text)))
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ({"model_type": "qwen3_next", "num_hidden_layers": 4,
+      "layer_types": ["linear_attention"] * 3 + ["full_attention"]},
+     [["state"]] * 3 + [["attention"]]),
+    ({"model_type": "nemotron_h", "num_hidden_layers": 4,
+      "layers_block_type": ["mamba", "mlp", "attention", "moe"]},
+     [["state"], [], ["attention"], []]),
+    ({"model_type": "zamba2", "num_hidden_layers": 3,
+      "layers_block_type": ["mamba", "hybrid", "mamba"]},
+     [["state"], ["state", "attention"], ["state"]]),
+    ({"model_type": "falcon_h1", "num_hidden_layers": 2,
+      "layers_block_type": ["attention", "attention"]},
+     [["state", "attention"]] * 2),
+    ({"model_type": "bamba", "num_hidden_layers": 3, "attn_layer_indices": [1]},
+     [["state"], ["attention"], ["state"]]),
+])
+def test_layer_kinds_per_family(text: dict[str, object], expected: list[list[str]]) -> None:
+    """Which layers hold state and which attention, read from the fields each family's vLLM
+    model class reads (Falcon-H1: both in every layer; Zamba2: hybrid layers have both)."""
+    assert _kv_probe.layer_kinds(_config(**text)) == expected
+
+
+def test_layer_kinds_of_a_model_without_layout() -> None:
+    """A config with no hybrid layout is an error naming its class."""
+    with pytest.raises(ValueError, match="no layer_types"):
+        _kv_probe.layer_kinds(_config(model_type="x", num_hidden_layers=2))
+
+
+def test_environment_without_vllm_exits_1() -> None:
+    """An environment without vLLM is named, with the next step, and exits 1."""
+    code, out, err = cli("doctor", "--model", str(FINETUNE), "--python", sys.executable)
+    assert code == 1
+    assert "vllm is not installed in" in err and "pass --python" in err
+    assert "Traceback" not in out + err
+
+
+def test_human_output_reads_in_ten_seconds() -> None:
+    """The printed report: the platform step, the installed chain with vLLM's error, one line
+    per patch (the same failure said once), the cost table, the verdict and the lines."""
+    from hatch_vllm_patch._cli import _print_doctor
+    from hatch_vllm_patch.doctor import DoctorReport, DoctorRequest
+    from hatch_vllm_patch.environment import TargetEnvironment
+
+    env = TargetEnvironment(Path("/venv/bin/python"), "given with --python", "/venv/bin/python",
+                            "/venv", "3.11.7", Path("/venv/lib/python3.11/site-packages"))
+    failed = Step("page unification", False, "NotImplementedError: not divisible")
+    installed = Run(INSTALLED, (), (Step("config", True), failed), failed, None,
+                    platform="CpuPlatform.update_block_size_for_backend: 16 -> 16 tokens",
+                    max_model_len=32768)
+    fixed = Run("kv", ("kv",), (Step("config", True), Step("page unification", True)), None,
+                Cost(1081344, 1073152, 1056, 99, 85369, 20.89, ()))
+    same = Run("other", ("other",), installed.steps, failed, None)
+    report = DoctorReport(env, "0.20.2", DoctorRequest(model="m", platform="cpu",
+                                                       kv_cache_memory=8 << 30),
+                          Path("/models/m"), "Arch", (installed, same, fixed), ("other", "kv"),
+                          (), ("kv",), config_lines(("kv",), "Arch", "m", True),
+                          "does not start as installed (page unification); kv fixes it",
+                          neuron_note="Neuron: the vllm-neuron plugin is not installed here")
+    out = io.StringIO()
+    _print_doctor(report, out)
+    text = out.getvalue()
+    assert text.splitlines()[0] == ("vLLM 0.20.2 (/venv/bin/python), CPU path: "
+                                    "CpuPlatform.update_block_size_for_backend: 16 -> 16 tokens")
+    assert "as installed: config > page unification FAILED\n  NotImplementedError: not " \
+        "divisible\n" in text
+    assert "with other: fails at page unification (the same)\n" in text
+    assert "with kv: starts\n" in text
+    assert "8192 B (0.76%)" in text and "20.89x" in text and "max_model_len 32768" in text
+    assert text.rstrip().endswith('[tool.vllm-patch.architectures.Arch]\n  patches = ["kv"]')
+    assert len(text.splitlines()) <= 16

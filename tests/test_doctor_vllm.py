@@ -1,0 +1,334 @@
+"""doctor on real vLLM 0.20.2 (CPU, offline, no weights): its verdicts, its numbers recomputed
+here from the model's published dimensions, and the memory benchmark's rows equal to doctor's.
+
+The environment is a full vllm==0.20.2 hardlinked from uv's cache, never patched on disk: each
+doctor run imports vLLM once in one child and runs every variant (as installed, each patch
+active in that child only, all together) there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_memory_benchmark import load_benchmark
+from venvs import scrubbed_environ, vllm_venv
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+FAMILIES = REPO / "tests" / "fixtures" / "doctor"
+EXAMPLE = REPO / "example_project"
+FINETUNE = EXAMPLE / "models" / "qwen3.6-finetune"
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="session")
+def vllm_0202(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A full vllm==0.20.2 that nothing patches."""
+    return vllm_venv(tmp_path_factory.mktemp("doctor-0.20.2") / "venv", "0.20.2")
+
+
+def doctor(python: Path, *args: str, project: Path | None = None) -> tuple[int, dict[str, Any]]:
+    """``vllm-patch doctor --json`` from this checkout against ``python``."""
+    cmd = [sys.executable, "-m", "hatch_vllm_patch", "doctor", "--python", str(python),
+           "--json", *args]
+    if project is not None:
+        cmd += ["--project", str(project)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=scrubbed_environ(),
+                          cwd=REPO, timeout=900, check=False)
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    doc = json.loads(proc.stdout)  # the commands' one schema; the diagnosis under "result"
+    assert (doc["schema"], doc["operation"], doc["exit_code"]) == (1, "doctor", proc.returncode)
+    assert doc["result"]["ok"] is doc["ok"]
+    return proc.returncode, doc["result"]
+
+
+def run_named(data: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(r for r in data["runs"] if r["name"] == name)
+
+
+def eagle3_head(tmp_path: Path) -> Path:
+    memory = load_benchmark()
+    folder = tmp_path / "eagle3-head"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(memory.EAGLE3_HEAD))
+    return folder
+
+
+def test_non_hybrid_model_needs_nothing(vllm_0202: Path) -> None:
+    """Llama-3.1-8B at TP 2 starts as installed on both paths: nothing needed, exit 0."""
+    for platform in ("cuda", "cpu"):
+        code, data = doctor(vllm_0202, "--model", str(FAMILIES / "llama-3.1-8b"),
+                            "--tensor-parallel-size", "2", "--platform", platform)
+        assert code == 0 and data["ok"] is True
+        assert data["verdict"] == "starts as installed: nothing needed"
+        assert data["needed"] == [] and data["config_lines"] == []
+        # a bf16 page of 16 tokens x 4 KV heads per rank x 128 x (K and V)
+        assert run_named(data, "installed")["cost"]["page"] == 16 * 4 * 128 * 2 * 2
+
+
+def qwen36_state(tp: int, num_spec: int = 0) -> int:
+    """The Gated DeltaNet state of one Qwen3.6-35B-A3B layer, from its published dimensions
+    (KNOWLEDGE §1): conv (kernel - 1 + speculative tokens) x conv dim / TP in bf16, and the
+    recurrent state value heads / TP x 128 x 128 in float32."""
+    conv_dim = 2 * 16 * 128 + 32 * 128
+    return (3 + num_spec) * (conv_dim // tp) * 2 + (32 // tp) * 128 * 128 * 4
+
+
+def test_example_finetune_on_the_cpu_path(vllm_0202: Path) -> None:
+    """The example's fine-tune (a custom architecture name) at TP 2, block 16 on the CPU path:
+    vLLM raises in page unification, the catalog patch fixes it, and the numbers are those
+    recomputed here; the lines select the patch for the base architecture."""
+    code, data = doctor(vllm_0202, "--model", str(FINETUNE), "--tensor-parallel-size", "2",
+                        "--platform", "cpu", "--block-size", "16", "--max-model-len", "32768",
+                        "--kv-cache-memory", "8GiB", project=EXAMPLE)
+    assert code == 1 and data["ok"] is False
+    installed = run_named(data, "installed")
+    assert installed["failed"]["name"] == "page unification"
+    assert installed["failed"]["error"].startswith("NotImplementedError: The page size of the")
+    assert [s["name"] for s in installed["steps"]] == [
+        "config", "platform", "state shapes", "layer specs", "grouping", "page unification"]
+    assert data["architecture"] == "Qwen3_5MoeForConditionalGeneration"
+    assert any("--hf-overrides" in n for n in data["notes"])
+    assert data["needed"] == ["kv-cache-page-unification"]
+    assert "[tool.vllm-patch.architectures.Qwen3_5MoeForConditionalGeneration]" in \
+        data["config_lines"]
+    # the project's own patch applies here too, and does not fix it
+    assert run_named(data, "clearer-kv-memory-error")["failed"]["name"] == "page unification"
+    cost = run_named(data, "kv-cache-page-unification")["cost"]
+    state, attention = qwen36_state(2), 16 * (2 // 2) * 256 * 2 * 2
+    page = math.lcm(attention) * -(-state // attention)  # the smallest multiple >= the state
+    assert (state, page) == (1073152, 1081344)
+    assert cost["page"] == page and cost["padding_bytes"] == page - state
+    assert cost["attention_block"] == 16 * page // attention
+    # 30 state layers in 3 groups of 10 and 10 attention layers share one pool: a block is
+    # one page in each of 10 layers
+    assert cost["blocks_per_gib"] == GIB // (page * 10)
+    blocks = 8 * GIB // (page * 10)
+    # a request of 32768 tokens: its attention blocks, and 2 blocks in each of the 3 state
+    # groups (prefix caching is on by default, so vLLM keeps states in its "align" mode)
+    per_request = -(-32768 // cost["attention_block"]) + 3 * 2
+    assert cost["max_concurrency"] == pytest.approx(blocks / per_request)
+
+
+def test_cuda_path_aligns_and_a_draft_changes_the_answer(vllm_0202: Path,
+                                                         tmp_path: Path) -> None:
+    """On the CUDA path (the default) the fine-tune with fp8 KV starts as installed: vLLM's
+    alignment raises the attention block to the smallest multiple of 16 tokens whose page
+    covers the state, and pads the state to it. An EAGLE-3 head with a bf16 KV cache then makes
+    it fail, and the catalog patch fixes that."""
+    args = ("--model", str(FINETUNE), "--tensor-parallel-size", "2", "--kv-cache-dtype", "fp8")
+    code, plain = doctor(vllm_0202, *args, project=EXAMPLE)
+    assert code == 0 and plain["verdict"] == "starts as installed: nothing needed"
+    installed = run_named(plain, "installed")
+    per_token = (2 // 2) * 256 * 2 * 1  # fp8: one byte per element
+    block = 16 * -(-qwen36_state(2) // (16 * per_token))
+    assert f"-> {block} tokens" in installed["platform"]
+    assert installed["cost"]["page"] == block * per_token
+    draft = {"method": "eagle3", "model": str(eagle3_head(tmp_path)),
+             "num_speculative_tokens": 2, "kv_cache_dtype": "auto"}
+    code, drafted = doctor(vllm_0202, *args, "--speculative-config", json.dumps(draft),
+                           project=EXAMPLE)
+    assert code == 1
+    assert run_named(drafted, "installed")["failed"]["name"] == "page unification"
+    assert drafted["needed"] == ["kv-cache-page-unification"]
+    fixed = run_named(drafted, "kv-cache-page-unification")
+    assert fixed["starts"] and fixed["cost"]["page"] > installed["cost"]["page"]
+
+
+def test_failure_no_patch_fixes(vllm_0202: Path, tmp_path: Path) -> None:
+    """vLLM 0.20.2 refuses an EAGLE-3 draft for Falcon-H1 in its config validation: doctor
+    says no patch here fixes it and names the step and vLLM's message."""
+    draft = {"method": "eagle3", "model": str(eagle3_head(tmp_path)),
+             "num_speculative_tokens": 2}
+    code, data = doctor(vllm_0202, "--model", str(FAMILIES / "falcon-h1-7b"),
+                        "--speculative-config", json.dumps(draft))
+    assert code == 1 and data["needed"] == []
+    assert data["verdict"].startswith("this fails and no patch here fixes it (config: ")
+    assert "eagle3 is only supported for" in data["verdict"]
+    assert all(r["failed"]["name"] == "config" for r in data["runs"])
+
+
+@pytest.mark.parametrize("family", ["jamba-v0.1", "zamba2-2.7b", "falcon-h1-7b",
+                                    "granite-4.0-h-tiny"])
+def test_hybrid_families(vllm_0202: Path, family: str) -> None:
+    """The other hybrid families vLLM 0.20.2 registers go through the same steps: at TP 2 on
+    the CPU path with block 16 they fail in page unification and the catalog patch starts them;
+    on the CUDA path they start as installed."""
+    model = str(FAMILIES / family)
+    code, cpu = doctor(vllm_0202, "--model", model, "--tensor-parallel-size", "2",
+                       "--platform", "cpu", "--block-size", "16")
+    assert code == 1
+    assert run_named(cpu, "installed")["failed"]["name"] == "page unification"
+    assert run_named(cpu, "kv-cache-page-unification")["steps"][-1]["name"] in (
+        "kv config",)
+    code, cuda = doctor(vllm_0202, "--model", model, "--tensor-parallel-size", "2")
+    assert code == 0 and cuda["verdict"] == "starts as installed: nothing needed"
+
+
+def test_benchmark_rows_equal_doctors(vllm_0202: Path, tmp_path: Path) -> None:
+    """The memory benchmark's rows come from doctor's probe: for the same model, TP, KV dtype,
+    draft and platform path, its unpatched outcome and our page are doctor's."""
+    memory = load_benchmark()
+    answer = memory.run_kv_probe(vllm_0202, tmp_path, True, only={
+        "cpu|Qwen3.6-35B-A3B|2|bf16|none", "cuda|Qwen3.6-35B-A3B|2|fp8|eagle3",
+        "cpu|Nemotron-H-8B|4|fp8|none"})
+    rows, problems = memory.kv_rows(answer, memory.KV_PATCH)
+    assert problems == []
+    checked = 0
+    for platform, mine in rows.items():
+        for row in mine:
+            model = tmp_path / "models" / row["model"]
+            args = ["--model", str(model), "--tensor-parallel-size", str(row["tp"]),
+                    "--kv-cache-dtype", memory.CACHE_DTYPES[row["kv_dtype"]], "--platform",
+                    platform, "--block-size", str(memory.ATTENTION_BLOCK), "--max-model-len",
+                    str(memory.MAX_MODEL_LEN)]
+            if (model / "configuration_nemotron_h.py").exists():
+                args.append("--trust-remote-code")
+            if row["draft"] != "none":
+                draft = {k: v for k, v in memory.DRAFTS[row["draft"]].items()
+                         if k not in ("describe", "layer_name")}
+                draft["model"] = str(tmp_path / "models" / "eagle3-head")
+                args += ["--speculative-config", json.dumps(draft)]
+            _, data = doctor(vllm_0202, *args)
+            installed = run_named(data, "installed")
+            ours = run_named(data, memory.KV_PATCH)
+            unpatched = (installed["cost"]["page"] if installed["starts"]
+                         else installed["failed"]["error"])
+            assert row["unpatched"] == unpatched
+            assert row["ours"] == ours["cost"]["page"]
+            assert row["ours_tokens_per_gib"] == ours["cost"]["tokens_per_gib"]
+            assert row["state_page"] == ours["cost"]["state_bytes"]
+            checked += 1
+    assert checked == 3
+
+
+def test_patched_environment(vllm_0202: Path, tmp_path: Path) -> None:
+    """With kv-cache-page-unification applied on disk, the installed code starts where the
+    unpatched one failed, the patch is named as in place and no longer tried, and the cost is
+    the one doctor gave for it active in the child."""
+    from conftest import pristine_environment
+
+    args = ("--model", str(FINETUNE), "--tensor-parallel-size", "2", "--platform", "cpu",
+            "--block-size", "16")
+    _, before = doctor(vllm_0202, *args)
+    with pristine_environment(vllm_0202):
+        subprocess.run([sys.executable, "-m", "hatch_vllm_patch", "apply", "--python",
+                        str(vllm_0202), "--patch", "kv-cache-page-unification"], check=True,
+                       capture_output=True, env=scrubbed_environ(), cwd=tmp_path)
+        code, after = doctor(vllm_0202, *args)
+    assert code == 0 and after["verdict"] == "starts as installed: nothing needed"
+    assert "kv-cache-page-unification" in after["in_place"]
+    assert "kv-cache-page-unification" not in after["candidates"]
+    assert run_named(after, "installed")["cost"] == \
+        run_named(before, "kv-cache-page-unification")["cost"]
+
+
+@pytest.fixture(scope="session")
+def vllm_fixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """vLLM 0.29.0 (upstream's own fix), with the CPU torch it pins where /opt/wheels has it."""
+    return vllm_venv(tmp_path_factory.mktemp("doctor-0.29.0") / "venv", "0.29.0",
+                     torch="2.13.0")
+
+
+def test_fixed_release(vllm_fixed: Path, tmp_path: Path) -> None:
+    """On vLLM 0.29.0 the catalog patch is not needed and not tried; Qwen3-Next at TP 2 with
+    block 16 starts on the CPU path, where 0.29's CpuPlatform hook now aligns the attention
+    block (to a multiple of 32 tokens whose page covers the state) and pads the state page."""
+    memory = load_benchmark()
+    model = memory.write_model(tmp_path / "qwen3-next",
+                               next(m for m in memory.MODELS if m.name.startswith("Qwen3-Next"))
+                               .config)
+    code, data = doctor(vllm_fixed, "--model", model, "--tensor-parallel-size", "2",
+                        "--platform", "cpu", "--block-size", "16")
+    assert code == 0 and data["vllm"] == "0.29.0"
+    assert "kv-cache-page-unification" not in data["candidates"]
+    installed = run_named(data, "installed")
+    assert "CpuPlatform.update_block_size_for_backend" in installed["platform"]
+    assert "kv layout" in [s["name"] for s in installed["steps"]]
+    cost = installed["cost"]
+    per_token = (2 // 2) * 256 * 2 * 2
+    # Qwen3-Next keeps its SSM state in bf16 (no mamba_ssm_dtype in its config.json)
+    state = 3 * ((2 * 16 * 128 + 32 * 128) // 2) * 2 + (32 // 2) * 128 * 128 * 2
+    assert cost["state_bytes"] == state
+    assert cost["attention_block"] % 32 == 0
+    assert cost["attention_block"] * per_token >= state > (cost["attention_block"] - 32) \
+        * per_token
+    assert cost["page"] == cost["attention_block"] * per_token
+
+
+@pytest.fixture(scope="session")
+def vllm_neuron(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """vLLM 0.16.0 with the tests' stand-in Neuron plugin (one FullAttentionSpec per layer)."""
+    from venvs import create_venv
+
+    return create_venv(tmp_path_factory.mktemp("doctor-neuron") / "venv", "vllm==0.16.0",
+                       str(REPO / "tests" / "fixtures" / "neuron" / "per_layer"),
+                       link_mode="hardlink")
+
+
+def test_neuron_budget(vllm_neuron: Path, tmp_path: Path) -> None:
+    """Where vllm-neuron is installed doctor asks its runner for the KV spec, as installed and
+    with each patch active: neuron-runner-kv-spec budgets a quarter of the bytes per token
+    (the Gated DeltaNet layers no longer count as attention), and it is selected."""
+    memory = load_benchmark()
+    qwen = next(m for m in memory.MODELS if m.name == "Qwen3.6-35B-A3B")
+    model = memory.write_model(tmp_path / "qwen3.6", qwen.neuron_config)
+    _, data = doctor(vllm_neuron, "--model", model, "--tensor-parallel-size", "8")
+    budgets = {b["name"]: b for b in data["neuron"]}
+    before, after = budgets["installed"], budgets["neuron-runner-kv-spec"]
+    # 40 layers (10 full attention) x 1 KV head per rank x 256 x K and V x bf16
+    assert before["bytes_per_token"] == 40 * 1 * 256 * 2 * 2
+    assert after["bytes_per_token"] == 10 * 1 * 256 * 2 * 2
+    assert budgets["kv-cache-page-unification"]["bytes_per_token"] == before["bytes_per_token"]
+    assert "neuron-runner-kv-spec" in data["needed"]
+    assert any("neuron-runner-kv-spec" in line for line in data["config_lines"])
+    assert "4.00x fewer bytes per token on Neuron" in data["verdict"]
+    assert data["neuron_note"] is None
+
+
+def test_no_neuron_plugin_one_line(vllm_0202: Path) -> None:
+    """Where vllm-neuron is not installed doctor says so in one line and budgets nothing."""
+    _, data = doctor(vllm_0202, "--model", str(FAMILIES / "llama-3.1-8b"))
+    assert data["neuron"] == []
+    assert data["neuron_note"].startswith("Neuron: the vllm-neuron plugin is not installed")
+
+
+def test_speculative_tokens_without_a_draft_model(vllm_0202: Path) -> None:
+    """An n-gram draft adds no attention layer, only speculative tokens; doctor reports the
+    state shapes vLLM 0.20.2 really builds: Falcon-H1's conv state keeps kernel - 1 = 3 rows
+    (its shape function passes no speculative tokens in this release), where the calculator
+    gives 3 + 2 — what a patch for it would change."""
+    ngram = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    _, data = doctor(vllm_0202, "--model", str(FAMILIES / "falcon-h1-7b"),
+                     "--tensor-parallel-size", "2", "--speculative-config", ngram)
+    installed = run_named(data, "installed")
+    assert installed["starts"]
+    # conv: d_ssm / TP + 2 x groups x d_state / TP, with its 1 group repeated on each of 2 ranks
+    assert installed["state_shapes"][0] == [3, 6144 // 2 + 2 * 2 * 256 // 2]
+    assert installed["state_shapes"][1] == [24 // 2, 256, 256]
+
+
+@pytest.fixture(scope="session")
+def vllm_0221(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A full vllm==0.22.1 that nothing patches."""
+    return vllm_venv(tmp_path_factory.mktemp("doctor-0.22.1") / "venv", "0.22.1")
+
+
+def test_each_release_its_own_platform_code(vllm_0221: Path) -> None:
+    """doctor runs the installed release's own hooks: on vLLM 0.22.1 the CPU platform aligns
+    hybrid block sizes (0.20.2's hook does nothing), so the fine-tune at TP 2 with block 16
+    starts on the CPU path as installed, with the page of the CUDA path."""
+    code, data = doctor(vllm_0221, "--model", str(FINETUNE), "--tensor-parallel-size", "2",
+                        "--platform", "cpu", "--block-size", "16")
+    assert code == 0 and data["vllm"] == "0.22.1"
+    installed = run_named(data, "installed")
+    assert "CpuPlatform.update_block_size_for_backend" in installed["platform"]
+    assert installed["cost"]["page"] == 1081344 and installed["cost"]["attention_block"] == 1056
+    assert "kv-cache-page-unification" in data["candidates"]  # 0.22.1 has the old function
