@@ -766,3 +766,58 @@ def test_a_patch_over_two_modules_heals_to_its_recorded_blocks(
         assert f"duo-fix re-run in the already imported {module}" in healed.stdout, healed.stdout
     assert "patched: True True" in healed.stdout
     assert all(b"# >>> hatch-vllm-patch: duo-fix" in f.read_bytes() for f in files)
+
+
+def test_a_dropped_patch_over_two_modules_is_removed_from_both(tmp_path: Path,
+                                                                project_wheel: Path) -> None:
+    """Convergence over a patch with two targets: the project drops it, apply removes its block
+    from both files (each the wheel's bytes again) and the record names neither target."""
+    from test_operations import project as write_project
+
+    source = tmp_path / "duo"
+    (source / "duo_pkg").mkdir(parents=True)
+    (source / "duo_pkg" / "__init__.py").write_text("")
+    (source / "duo_pkg" / "a.py").write_text(DUO_A)
+    (source / "duo_pkg" / "b.py").write_text(DUO_B)
+    (source / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["hatchling"]\nbuild-backend = "hatchling.build"\n\n'
+        '[project]\nname = "duo-pkg"\nversion = "1.0.0"\n')
+    run([UV, "build", "--wheel", "--quiet", "--out-dir", str(tmp_path / "dist"), str(source)])
+    wheel = next((tmp_path / "dist").glob("duo_pkg-1.0.0-*.whl"))
+    python = create_venv(tmp_path / "venv", str(wheel), str(project_wheel))
+    folder = tmp_path / "catalog" / "duo-fix"
+    folder.mkdir(parents=True)
+    (folder / "patch.toml").write_text(textwrap.dedent(f"""\
+        id = "duo-fix"
+        summary = "One fix over two modules"
+        links = ["https://example.invalid/duo"]
+
+        [[targets]]
+        distribution = "duo-pkg"
+        module = "duo_pkg.a"
+        symbol = "compute"
+        shapes = ["{_digest(DUO_A, "compute")}"]
+
+        [[targets]]
+        distribution = "duo-pkg"
+        module = "duo_pkg.b"
+        symbol = "limit"
+        shapes = ["{_digest(DUO_B, "limit")}"]
+        """))
+    for module, block in DUO_BLOCKS.items():
+        (folder / f"{module}.py").write_text(block)
+    catalog = folder.parent
+    app = write_project(tmp_path / "app", 'patches = ["duo-fix"]')
+    applied = cli_in(python, "apply", catalog=catalog, cwd=app)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    site = site_packages(python.parent.parent)
+    files = [site / "duo_pkg" / "a.py", site / "duo_pkg" / "b.py"]
+    assert [f.read_text() for f in files] != [DUO_A, DUO_B]
+    write_project(app, "patches = []")
+    removed = cli_in(python, "apply", "--json", catalog=catalog, cwd=app)
+    assert removed.returncode == 0, removed.stdout + removed.stderr
+    outcomes = json.loads(removed.stdout)["patches"]
+    assert [(o["id"], o["verdict"]) for o in outcomes] == [("duo-fix", "removed")] * 2
+    assert [f.read_text() for f in files] == [DUO_A, DUO_B]
+    record = json.loads((site / RECORD).read_text())
+    assert record["selection"]["patches"] == [] and record["files"] == {}
