@@ -10,13 +10,28 @@ import sys  # built in, already loaded: nothing runs (and no ``from __future__``
 def entry() -> int:
     try:
         from ._cli import main
-    except KeyboardInterrupt:
+    except BaseException as exc:
+        # Ctrl-C while a module loads can surface wrapped: a KeyboardInterrupt raised inside
+        # ``__set_name__`` becomes a RuntimeError whose cause it is (seen in ipaddress).
+        if not interrupted(exc):
+            raise
         import signal
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("vllm-patch: interrupted; nothing was written", file=sys.stderr, flush=True)
         return 130
     return main(final=True)
+
+
+def interrupted(exc: BaseException) -> bool:
+    """Is ``exc`` a Ctrl-C, or an error a Ctrl-C caused (its cause or context chain)?"""
+    seen = 0
+    cause: BaseException | None = exc
+    while cause is not None and seen < 10:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
+    return False
 
 
 if __name__ == "__main__":

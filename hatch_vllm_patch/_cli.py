@@ -366,7 +366,11 @@ def main(argv: Sequence[str] | None = None, *, final: bool = False) -> int:
     operation: list[str] = []
     try:
         return _main(argv, written, operation, final)
-    except KeyboardInterrupt:
+    except BaseException as exc:
+        from .__main__ import interrupted
+
+        if not interrupted(exc):  # Ctrl-C, also when a module being loaded wrapped it
+            raise
         if final:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         authoring = bool(operation) and operation[0] in _AUTHORING

@@ -513,3 +513,19 @@ def test_authoring_commands_json_matches_the_schema(tmp_path: Path, demo_venv: P
     assert {p["id"]: p["verdict"] for p in doc["patches"]}["touch"] == "applied"
     assert run("edit", "demo_pkg.cor")["exit_code"] == 2
     assert run("new", "Bad_Id", "--target", "demo_pkg.core:compute")["exit_code"] == 2
+
+
+def test_a_ctrl_c_wrapped_by_a_loading_module_is_a_ctrl_c() -> None:
+    """A KeyboardInterrupt that a module being imported wrapped (``__set_name__`` raising a
+    RuntimeError from it, as ipaddress does) counts as Ctrl-C; any other error does not."""
+    from hatch_vllm_patch.__main__ import interrupted
+
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as inner:
+            raise RuntimeError("Error calling __set_name__") from inner
+    except RuntimeError as wrapped:
+        assert interrupted(wrapped)
+    assert interrupted(KeyboardInterrupt())
+    assert not interrupted(RuntimeError("a real error"))
