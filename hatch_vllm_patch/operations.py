@@ -290,6 +290,7 @@ class _Session:
         self.writes = operation in _WRITES
         self.notes: list[str] = []
         self.record = self.initial = EnvironmentRecord()
+        self.rewrite = False  # the record must be written even unchanged (entries dropped)
         self.contents: dict[str, bytes | None] = {}  # path -> bytes as last read or written
         self.identities: dict[str, FileIdentity] = {}  # path -> the file they were read from
         self.known: dict[tuple[str, str], str] = {}  # (path, patch id) -> a "known" shape key
@@ -359,6 +360,10 @@ class _Session:
             self.notes.append(f"the environment's record {state.path} {state.problem}; "
                               "treating it as no history")
         self.record = self.initial = state.record
+        for problem in state.dropped:  # history of files that are no part of it now
+            self.notes.append(f"the environment's record {state.path}: {problem}: ignored"
+                              + (", and dropped from the record" if self.writes else ""))
+        self.rewrite = bool(state.dropped) and self.writes
         self.edit_sessions()
         removed = self.remove_unselected()  # first: an apply must not find the dropped block
         outcomes = [o for patch in self.patches for o in self.one(patch)] + removed
@@ -793,7 +798,7 @@ class _Session:
         if not self.writes:
             return []
         new = self.record.with_selection(self.selection_record(outcomes))
-        if new.same_as(self.initial):
+        if new.same_as(self.initial) and not self.rewrite:
             return []
         if not self.wrote_targets and not all(o.ok for o in outcomes):
             return []  # a refusal or a failure that wrote nothing leaves the record alone too

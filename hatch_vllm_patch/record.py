@@ -408,14 +408,15 @@ class EnvironmentRecord(_Value):
 class RecordRead(_Value):
     """The outcome of reading the record: the record, or why it could not be used."""
 
-    _fields = ("path", "record", "exists", "problem")
+    _fields = ("path", "record", "exists", "problem", "dropped")
     __slots__ = _fields
-    _defaults: ClassVar[dict[str, Any]] = {"problem": None}
+    _defaults: ClassVar[dict[str, Any]] = {"problem": None, "dropped": ()}
 
     path: Path
     record: EnvironmentRecord
     exists: bool
     problem: str | None  # the record exists but cannot be used (damaged, unreadable, newer)
+    dropped: tuple[str, ...]  # entries left out: their paths lie outside the environment now
 
     @property
     def usable(self) -> bool:
@@ -424,7 +425,8 @@ class RecordRead(_Value):
 
 def read_record(directory: Path, roots: tuple[str, ...] = ()) -> RecordRead:
     """Read ``<directory>/.hatch-vllm-patch.json``; never raises for a bad file. With
-    ``roots`` (real paths), a file path outside all of them makes the record damaged."""
+    ``roots`` (real paths), an entry whose path lies outside all of them is left out of the
+    record and named in ``dropped`` (see :func:`parse_record`)."""
     path = directory / RECORD_NAME
     try:
         with open(path, "rb") as f:
@@ -439,10 +441,16 @@ def read_record(directory: Path, roots: tuple[str, ...] = ()) -> RecordRead:
     except OSError as exc:
         return RecordRead(path, EnvironmentRecord(), True,
                           f"cannot be read ({exc.strerror or exc})")
+    dropped: list[str] = []
     try:
-        return RecordRead(path, parse_record(raw, roots), True)
+        record = parse_record(raw, roots, dropped if roots else None)
+        return RecordRead(path, record, True, dropped=tuple(dropped))
     except RecordDamaged as exc:
         return RecordRead(path, EnvironmentRecord(), True, str(exc))
+
+
+class _Outside(RecordDamaged):
+    """A well-formed path of the record that lies outside the environment's roots now."""
 
 
 def _path(value: object, where: str, roots: tuple[str, ...]) -> str:
@@ -454,7 +462,7 @@ def _path(value: object, where: str, roots: tuple[str, ...]) -> str:
     if roots:
         real = os.path.realpath(value)
         if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
-            raise RecordDamaged(f"{where} {value!r} lies outside the environment (its "
+            raise _Outside(f"{where} {value!r} lies outside the environment (its "
                                 f"site-packages and editable trees: {', '.join(roots)})")
     return value
 
@@ -467,8 +475,28 @@ def _digest(value: object, where: str, optional: bool = False) -> Any:
     return value
 
 
-def parse_record(raw: bytes, roots: tuple[str, ...] = ()) -> EnvironmentRecord:
-    """The record in ``raw``; RecordDamaged naming the first problem."""
+def parse_record(raw: bytes, roots: tuple[str, ...] = (),
+                 dropped: list[str] | None = None) -> EnvironmentRecord:
+    """The record in ``raw``; RecordDamaged naming the first problem.
+
+    ``dropped``: when given, an entry whose (well-formed) path lies outside ``roots`` is left
+    out of the record and described there instead of making the record damaged — history of a
+    file that is no part of the environment now (an editable checkout replaced by a regular
+    install). Nothing is ever read from or written to such a path."""
+    def kept(items: Any, where: str, make: Any) -> dict[str, Any]:
+        out = {}
+        for p, e in items:
+            value = make(p, e)  # a malformed entry is damage wherever it points
+            try:
+                key = _path(p, where, roots)
+            except _Outside as exc:
+                if dropped is None:
+                    raise
+                dropped.append(str(exc))
+                continue
+            out[key] = value
+        return out
+
     if len(raw) > MAX_RECORD_BYTES:
         raise RecordDamaged(f"is damaged: more than {MAX_RECORD_BYTES} bytes")
     try:
@@ -486,13 +514,13 @@ def parse_record(raw: bytes, roots: tuple[str, ...] = ()) -> EnvironmentRecord:
     files_raw = data.get("files", {})
     if not isinstance(files_raw, dict):
         raise RecordDamaged('"files" is not an object')
-    files = {_path(p, '"files" key', roots): _file_entry(p, e) for p, e in files_raw.items()}
+    files = kept(files_raw.items(), '"files" key', _file_entry)
     selection_raw = data.get("selection")
-    selection = None if selection_raw is None else _selection(selection_raw, roots)
+    selection = None if selection_raw is None else _selection(selection_raw, roots, dropped)
     edits_raw = data.get("edits", {})
     if not isinstance(edits_raw, dict):
         raise RecordDamaged('"edits" is not an object')
-    edits = {_path(p, '"edits" key', roots): _edit(p, e) for p, e in edits_raw.items()}
+    edits = kept(edits_raw.items(), '"edits" key', _edit)
     return EnvironmentRecord(files, selection, edits)
 
 
@@ -551,7 +579,8 @@ def _file_entry(path: str, raw: object) -> FileEntry:
     )
 
 
-def _selection(raw: object, roots: tuple[str, ...] = ()) -> Selection:
+def _selection(raw: object, roots: tuple[str, ...] = (),
+               dropped: list[str] | None = None) -> Selection:
     if not isinstance(raw, dict):
         raise RecordDamaged('"selection" is not an object')
     guard = raw.get("guard", DEFAULT_GUARD)
@@ -571,19 +600,28 @@ def _selection(raw: object, roots: tuple[str, ...] = ()) -> Selection:
         where = f'"selection".patches[{i}]'
         if not isinstance(p, dict) or not isinstance(p.get("ok"), bool):
             raise RecordDamaged(f"{where} is not a patch entry")
-        selected.append(SelectedPatch(
+        entry = SelectedPatch(
             id=_text(p.get("id"), f"{where}.id"),
             distribution=_text(p.get("distribution"), f"{where}.distribution"),
             module=_text(p.get("module"), f"{where}.module"),
             verdict=_text(p.get("verdict"), f"{where}.verdict"),
             ok=p["ok"],
-            file=None if p.get("file") is None else _path(p["file"], f"{where}.file", roots),
+            file=None if p.get("file") is None else _path(p["file"], f"{where}.file", ()),
             file_sha256=_digest(p.get("file_sha256"), f"{where}.file_sha256", optional=True),
             block_sha256=_digest(p.get("block_sha256"), f"{where}.block_sha256",
                                  optional=True),
             folder=_text(p.get("folder"), f"{where}.folder", optional=True),
             selected_by=_selectors(p.get("selected_by"), f"{where}.selected_by", default_by),
-        ))
+        )
+        if entry.file is not None:  # checked against the roots once the entry is well formed
+            try:
+                _path(entry.file, f"{where}.file", roots)
+            except _Outside as exc:
+                if dropped is None:
+                    raise
+                dropped.append(str(exc))
+                continue
+        selected.append(entry)
     return Selection(tuple(selected), guard, project, tuple(dirs))
 
 

@@ -206,14 +206,17 @@ def test_eight_concurrent_runs_keep_file_verdicts_and_ledger_consistent(
         else:
             ops = [(rng.choice(["apply", "revert", "verify"]),
                     rng.choice(["demo-fix", "demo-other"])) for _ in range(8)]
-        procs = [(op, subprocess.Popen(
+        procs = [(op, pid, subprocess.Popen(
             [sys.executable, "-m", "hatch_vllm_patch", op, "--python", str(python),
              "--patch", pid, "--json"], env=env, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True)) for op, pid in ops]
-        for op, proc in procs:
+        for op, pid, proc in procs:
             out, err = proc.communicate(timeout=300)
             assert "Traceback" not in err, err
-            [outcome] = json.loads(out)["patches"]
+            patches = json.loads(out)["patches"]
+            [outcome] = [o for o in patches if o["id"] == pid]
+            # the other patch's block, when there, is listed as present but not selected
+            assert all(o["verdict"] == "not-selected" for o in patches if o["id"] != pid)
             fine = {"apply": {"applied", "already-applied"}, "revert": {"reverted", "not-applied"},
                     "verify": {"applied", "missing"}}[op]
             assert outcome["verdict"] in fine, (op, outcome)
@@ -578,8 +581,9 @@ def test_ascii_only_stdout(demo_venv: Path, demo_catalog: Path) -> None:
 def test_crafted_record_cannot_make_revert_or_create_write_outside(
         demo_venv: Path, demo_catalog: Path, tmp_path: Path) -> None:
     """A record naming a file outside the environment (with one of our blocks in it, or as a
-    file open for editing with a pristine copy) is damaged: revert and create refuse, naming
-    the record, and the outside file keeps its bytes."""
+    file open for editing with a pristine copy): that entry is ignored and named, revert drops
+    it from the record, create finds nothing to make a patch of, and the outside file keeps its
+    bytes."""
     sp = site_packages(demo_venv.parent.parent)
     outside = tmp_path / "outside" / "victim.py"
     outside.parent.mkdir()
@@ -600,14 +604,15 @@ def test_crafted_record_cannot_make_revert_or_create_write_outside(
                    {"format": 2, "edits": {str(outside): session}}):
         (sp / RECORD).write_text(json.dumps(record))
         reverted = cli("revert", "--python", str(demo_venv), catalog=demo_catalog)
-        assert reverted.returncode == 1 and "Traceback" not in reverted.stderr
-        assert "lies outside the environment" in reverted.stderr, reverted.stderr
+        assert reverted.returncode == 0 and "Traceback" not in reverted.stderr
+        assert "lies outside the environment" in reverted.stdout, reverted.stdout
+        assert str(outside) not in (sp / RECORD).read_text()  # dropped from the record
+        (sp / RECORD).write_text(json.dumps(record))
         project = tmp_path / "project"
         project.mkdir(exist_ok=True)
         (project / "pyproject.toml").write_text("[tool.vllm-patch]\n")
         created = cli("create", "stolen", "--python", str(demo_venv), cwd=project,
                       catalog=demo_catalog)
         assert created.returncode != 0 and "Traceback" not in created.stderr
-        assert "lies outside the environment" in created.stderr, created.stderr
         assert outside.read_bytes() == before
         assert not (project / "vllm-patches" / "stolen").exists()

@@ -606,7 +606,7 @@ def test_aggregated_runner_is_not_applicable(vllm_python: Path, tmp_path: Path) 
     install_plugin(vllm_python, "aggregated", tmp_path, editable=False)
     catalog = copy_catalog(tmp_path / "catalog")
     result = patch_cli(vllm_python, catalog, "apply")
-    assert result["exit"] == 0
+    assert result["exit"] == 0, json.dumps(result)
     assert verdicts(result) == {RUNNER_ID: "not-applicable", PLATFORM_ID: "applied"}
     reasons = {p["id"]: p["reason"] for p in result["patches"]}
     assert "aggregated 'layer' entry" in reasons[RUNNER_ID]

@@ -179,3 +179,23 @@ def test_selected_by_round_trips_and_old_records_are_the_projects() -> None:
     data["selection"]["patches"][0]["selected_by"] = "/a"
     with pytest.raises(RecordDamaged, match="is not a list of selectors"):
         parse_record(json.dumps(data).encode())
+
+
+def test_entries_outside_the_roots_are_dropped_when_asked(tmp_path: Path) -> None:
+    """Read with a list to collect them, well-formed entries whose paths lie outside the
+    environment now (a replaced editable checkout) are left out and named; a malformed entry
+    is damage wherever it points."""
+    inside, outside = "/sp/a.py", "/old-checkout/b.py"
+    session = EditSession("m", "vllm", "1", "d" * 64).to_json()
+    record = {"format": 2, "edits": {inside: session, outside: session},
+              "selection": {"patches": [
+                  {"id": "kv", "distribution": "vllm", "module": "m", "verdict": "applied",
+                   "ok": True, "file": outside}]}}
+    dropped: list[str] = []
+    parsed = parse_record(json.dumps(record).encode(), ("/sp",), dropped)
+    assert list(parsed.edits) == [inside]
+    assert parsed.selection is not None and parsed.selection.patches == ()
+    assert len(dropped) == 2 and all(outside in d and "lies outside" in d for d in dropped)
+    record["files"] = {outside: 3}
+    with pytest.raises(RecordDamaged, match="is not an object"):
+        parse_record(json.dumps(record).encode(), ("/sp",), [])
