@@ -412,7 +412,14 @@ def _main(argv: Sequence[str] | None, written: list[Path], operation: list[str],
             failure = _Failure(EXIT_USAGE, (f"--project {args.project}: not a directory",))
             return finish(_Outcome(EXIT_USAGE, failure=failure), args.operation)
     else:
-        project = find_project_dir(Path.cwd()) or Path.cwd()
+        from .trust import UntrustedPath
+
+        try:
+            project = find_project_dir(Path.cwd()) or Path.cwd()
+        except UntrustedPath as exc:
+            failure = _Failure(EXIT_USAGE, (f"{exc}; or run in that folder, or name it with "
+                                            "--project",))
+            return finish(_Outcome(EXIT_USAGE, failure=failure), args.operation)
     if args.operation == "doctor":
         return _doctor(args, project, finish)
     try:

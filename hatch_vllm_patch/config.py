@@ -213,7 +213,12 @@ def _project_patches(table: Mapping[str, Any], source: Path, catalog: Catalog,
 def find_project_dir(start: Path) -> Path | None:
     """The nearest folder from ``start`` upward that holds a pyproject.toml (as uv finds its
     project). The search stops at a repository root (a folder with ``.git``) and at a
-    filesystem boundary; None when there is none."""
+    filesystem boundary; None when there is none.
+
+    A project found *above* ``start`` was not named by the user: like git's ``safe.directory``
+    it must pass the ownership rule (:mod:`.trust`), else :class:`~.trust.UntrustedPath` — a
+    ``pyproject.toml`` another user planted in a parent folder never configures this command.
+    The working directory's own project is the user's choice, as with ``uv run``."""
     here = start.resolve()
     try:
         device = here.stat().st_dev
@@ -221,6 +226,10 @@ def find_project_dir(start: Path) -> Path | None:
         return None
     while True:
         if (here / "pyproject.toml").is_file():
+            if here != start.resolve():
+                what = f"the project found above the working directory ({start})"
+                check_folder(here, what)
+                check_file(here / "pyproject.toml", f"{what}'s pyproject.toml", inside=here)
             return here
         if (here / ".git").exists() or here.parent == here:
             return None

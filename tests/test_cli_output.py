@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -529,3 +530,26 @@ def test_a_ctrl_c_wrapped_by_a_loading_module_is_a_ctrl_c() -> None:
         assert interrupted(wrapped)
     assert interrupted(KeyboardInterrupt())
     assert not interrupted(RuntimeError("a real error"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the folder to another user")
+def test_a_project_found_above_must_pass_the_ownership_rule(tmp_path: Path, demo_venv: Path,
+                                                            demo_catalog: Path) -> None:
+    """A pyproject.toml another user owns in a parent folder never configures the command (as
+    git refuses a repository owned by someone else): exit 2 naming it, nothing written; in the
+    folder itself, or named with --project, it is the user's choice."""
+    project = tmp_path / "theirs"
+    deep = project / "sub"
+    deep.mkdir(parents=True)
+    (project / "pyproject.toml").write_text(
+        f'[tool.vllm-patch]\npython = "{demo_venv}"\npatches = ["demo-fix"]\n')
+    for path in (project, deep, project / "pyproject.toml"):
+        os.chown(path, 65534, 65534)
+    core = site_packages(demo_venv.parent.parent) / "demo_pkg" / "core.py"
+    before = core.read_bytes()
+    proc = cli("apply", cwd=deep, catalog=demo_catalog)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert str(project) in proc.stderr and "uid 65534" in proc.stderr, proc.stderr
+    assert "--project" in proc.stderr and core.read_bytes() == before
+    named = cli("apply", "--project", str(project), cwd=deep, catalog=demo_catalog)
+    assert named.returncode == 0 and "applied" in named.stdout, named.stdout + named.stderr
