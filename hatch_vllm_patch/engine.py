@@ -183,14 +183,7 @@ def module_names(tree: ast.Module) -> tuple[frozenset[str], bool]:
                     if isinstance(inner, ast.Global):
                         names.update(inner.names)
                 continue
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                for alias in node.names:
-                    if alias.name == "*":
-                        star = True
-                    else:
-                        names.add(alias.asname or alias.name.split(".")[0])
-                continue
-            for inner in ast.walk(node):  # targets, walrus, with/except/for names
+            for inner in ast.walk(node):  # the node itself, then targets, with/except/for names
                 if isinstance(inner, ast.Name) and isinstance(inner.ctx, ast.Store):
                     names.add(inner.id)
                 elif isinstance(inner, ast.ExceptHandler) and inner.name:
