@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 from . import _toml
 from .errors import CatalogError
-from .trust import UntrustedPath, check_file, check_folder, require_absolute
+from .trust import AdmittedPath, Rule, UntrustedPath, admit_folder, chosen, require_absolute
 
 
 class DuplicatePatchError(CatalogError):
@@ -158,11 +158,14 @@ def _not_run(source: str) -> tuple[str, str]:
 class Catalog(Mapping[str, Patch]):
     """The patches by id, in id order (immutable once built)."""
 
-    __slots__ = ("_by_id", "patches", "root")
+    __slots__ = ("_by_id", "admitted", "patches", "root")
 
-    def __init__(self, patches: tuple[Patch, ...], root: Path) -> None:
+    def __init__(self, patches: tuple[Patch, ...], root: Path,
+                 admitted: tuple[AdmittedPath, ...] = ()) -> None:
         self.patches = patches
         self.root = root
+        # The folders its patches were loaded from, each admitted by the ownership rule.
+        self.admitted = admitted
         self._by_id = {p.id: p for p in patches}
 
     def __getitem__(self, key: str) -> Patch:
@@ -181,7 +184,7 @@ class Catalog(Mapping[str, Patch]):
         """The same patches, none of which will import its ``classify.py`` (the guard's)."""
         return Catalog(tuple(p._replace(run_classifier=False, members=tuple(
             m._replace(run_classifier=False) for m in p.members)) for p in self.patches),
-            self.root)
+            self.root, self.admitted)
 
     def merged(self, other: Catalog) -> Catalog:
         """This catalog and ``other`` (a project's own patch folders) as one, in id order.
@@ -197,7 +200,8 @@ class Catalog(Mapping[str, Patch]):
             raise DuplicatePatchError(clashes)
         for patch in other.patches:
             mine.setdefault(patch.id, patch)
-        return Catalog(tuple(mine[i] for i in sorted(mine)), self.root)
+        return Catalog(tuple(mine[i] for i in sorted(mine)), self.root,
+                       tuple(dict.fromkeys((*self.admitted, *other.admitted))))
 
 
 CATALOG_ENV = "HATCH_VLLM_PATCH_CATALOG"
@@ -241,19 +245,20 @@ def load_catalog(root: Path | None = None) -> Catalog:
 
 @lru_cache(maxsize=16)
 def _load_cached(root: Path, require_trust: bool) -> Catalog:
-    return load_patch_folders(root, require_trust=require_trust)
+    admitted = (admit_folder(root, "the patch folder", Rule.RULE) if require_trust
+                else chosen(root))
+    return load_patch_folders(admitted)
 
 
-def load_patch_folders(root: Path, *, require_trust: bool = False) -> Catalog:
-    """The patch folders directly under ``root`` (a catalog, or a project's own patch folder);
-    :class:`CatalogError` listing every problem of every folder.
+def load_patch_folders(admitted: AdmittedPath) -> Catalog:
+    """The patch folders directly under ``admitted`` (a catalog, or a project's own patch
+    folder); :class:`CatalogError` listing every problem of every folder.
 
-    ``require_trust``: ``root`` was named by something other than the user's command (the record,
-    an installed distribution, an environment variable): it and every file read from it must
-    pass the ownership rule of ``trust.py`` (an :class:`~.trust.UntrustedPath`, a CatalogError,
-    says which does not), and a classifier must be a file of the patch folder itself."""
-    if require_trust:
-        check_folder(root, "the patch folder")
+    Every folder and file read from it passes the rule ``admitted`` passed (``trust.py``: an
+    :class:`~.trust.UntrustedPath`, a CatalogError, says which does not); under the whole rule a
+    classifier must be a file of the patch folder itself and a symlinked folder is no patch."""
+    root = admitted.path
+    require_trust = admitted.rule is Rule.RULE
     errors: list[str] = []
     patches: list[Patch] = []
     try:
@@ -265,14 +270,14 @@ def load_patch_folders(root: Path, *, require_trust: bool = False) -> Catalog:
                and (p.is_dir() if not require_trust else _plain_dir(p))]
     for folder in folders:
         try:
-            patches.append(_load_patch(folder, require_trust))
+            patches.append(_load_patch(folder, admitted))
         except CatalogError as exc:
             if isinstance(exc, UntrustedPath):
                 raise
             errors.append(str(exc))
     if errors:
         raise CatalogError("the patch catalog is invalid:\n" + "\n".join(errors))
-    return Catalog(tuple(patches), root)
+    return Catalog(tuple(patches), root, (admitted,))
 
 
 def _plain_dir(path: Path) -> bool:
@@ -280,19 +285,18 @@ def _plain_dir(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink()
 
 
-def _check(path: Path, folder: Path, require_trust: bool) -> None:
-    if require_trust:
-        check_file(path, "a file of the patch folder", inside=folder)
-
-
-def _load_patch(folder: Path, require_trust: bool = False) -> Patch:
+def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
     manifest = folder / "patch.toml"
     where = f"{manifest}"
     errors: list[str] = []
-    if require_trust:
-        check_folder(folder, "the patch folder")
-        if manifest.exists() or manifest.is_symlink():
-            _check(manifest, folder, True)
+    require_trust = root.rule is Rule.RULE
+    admitted = admit_folder(folder, "the patch folder", root.rule)
+
+    def _check(path: Path) -> None:
+        admitted.member(path, "a file of the patch folder")
+
+    if manifest.exists() or manifest.is_symlink():
+        _check(manifest)
     try:
         with manifest.open("rb") as f:
             data = _toml.load(f)
@@ -417,7 +421,7 @@ def _load_patch(folder: Path, require_trust: bool = False) -> Patch:
             raise UntrustedPath(f"hatch-vllm-patch refuses {where}: applies.classifier "
                                 f"{applies['classifier']!r} is not a file of the patch folder")
         if classifier_path.is_file() or classifier_path.is_symlink():
-            _check(classifier_path, folder, require_trust)
+            _check(classifier_path)
         if not classifier_path.is_file():
             errors.append(f"{where}: applies.classifier {classifier_path} does not exist")
     if not several and not parsed_targets[0][1] and classifier_path is None:
@@ -428,7 +432,7 @@ def _load_patch(folder: Path, require_trust: bool = False) -> Patch:
         block_path = folder / block_name
         block = ""
         if block_path.exists() or block_path.is_symlink():
-            _check(block_path, folder, require_trust)
+            _check(block_path)
         try:
             block = block_path.read_text(encoding="utf-8")
         except FileNotFoundError:
@@ -441,7 +445,7 @@ def _load_patch(folder: Path, require_trust: bool = False) -> Patch:
     # every verify and every vLLM process's guard a few milliseconds for nothing).
     probe = folder / "probe.py"
     if probe.exists() or probe.is_symlink():
-        _check(probe, folder, require_trust)
+        _check(probe)
     summary = text(data, "summary", "summary")
     description = text(data, "description", "description", required=False)
     links = strings(data, "links", "links")

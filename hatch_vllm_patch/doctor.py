@@ -24,6 +24,7 @@ from .engine import Verdict
 from .environment import TargetEnvironment, run_bounded
 from .errors import TargetEnvironmentError, UsageError
 from .models import FAMILY_BY_MODEL_TYPE, read_model
+from .trust import Rule
 
 PROBE = Path(__file__).with_name("_kv_probe.py")
 PROBE_TIMEOUT = 1800.0
@@ -504,7 +505,8 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
 
 
 def run_doctor(request: DoctorRequest, *, project_dir: Path | None, python: str | None,
-               timeout: float = PROBE_TIMEOUT) -> DoctorReport:
+               timeout: float = PROBE_TIMEOUT, project_rule: Rule = Rule.CHOSEN
+               ) -> DoctorReport:
     """Every catalog and project patch's status in the target environment, then
     :func:`diagnose`. Raises UsageError / ConfigurationError / TargetEnvironmentError."""
     from .environment import inspect_environment
@@ -514,8 +516,8 @@ def run_doctor(request: DoctorRequest, *, project_dir: Path | None, python: str 
     resolve_model(request.model)  # usage errors first, before the environment is asked
     if request.platform not in PLATFORMS:
         raise UsageError(f"--platform {request.platform}: expected one of {', '.join(PLATFORMS)}")
-    base = Request(project_dir=project_dir, python=python)
-    catalog, config, selection, choice = resolve(base)
+    base = Request(project_dir=project_dir, python=python, project_rule=project_rule)
+    catalog, config, selection, choice, *_ = resolve(base)
     status = run("status", base._replace(patches=tuple(catalog)))
     if status.environment.version_of("vllm") is None:
         raise TargetEnvironmentError(

@@ -44,6 +44,7 @@ from ..record import (
     save_record,
 )
 from ..report import Report
+from ..trust import chosen
 from .draft import Draft, ModuleChange, draft_patch
 from .render import PLACEHOLDER, ManifestTarget, render_manifest, render_wrapper_block
 from .symbols import SymbolChange
@@ -87,7 +88,7 @@ def _check_new_id(patch_id: str, request: Request) -> _NewPatch:
     if not _ID.match(patch_id):
         raise UsageError(f"{patch_id!r}: a patch id is kebab-case (lowercase letters, digits and "
                          "single hyphens), e.g. clearer-kv-memory-error")
-    catalog, config, _, choice = resolve(request)
+    catalog, config, _, choice, *_ = resolve(request)
     if patch_id in catalog:
         raise UsageError(f"{patch_id!r} is already a patch ({catalog[patch_id].folder}); "
                          "choose another id")
@@ -146,7 +147,7 @@ def _inspect(request: Request, module: str, choice: InterpreterChoice | None = N
         raise UsageError(f"{module!r} is not a dotted module path inside a package "
                          "(e.g. vllm.v1.core.kv_cache_utils)")
     if choice is None:
-        choice = resolve(request)[3]
+        choice = resolve(request).choice
     return inspect_environment(choice, [ModuleQuery("", module, module_relative_path(module))],
                                in_process=request.in_process)
 
@@ -503,7 +504,7 @@ def _write_draft(new_patch: _NewPatch, patch_id: str, draft: Draft) -> Path:
     """The draft as ``<patch-dir>/<patch_id>/``, which must load as the engine will load it."""
     folder = write_patch_folder(new_patch.folder, patch_id, draft.files)
     try:
-        load_patch_folders(new_patch.folder)
+        load_patch_folders(chosen(new_patch.folder))  # the folder this command just wrote
     except CatalogError as exc:
         shutil.rmtree(folder, ignore_errors=True)
         raise UsageError(f"the generated patch does not load (a bug; please report): {exc}"

@@ -28,6 +28,7 @@ from ..markers import MarkerError, parse_file, sha256_hex
 from ..operations import Request, resolve, run
 from ..record import EditSession, drop_pristine, keep_pristine, save_record
 from ..report import Report
+from ..trust import chosen
 from .commands import (
     _installed_pristine,
     _pristine,
@@ -69,7 +70,7 @@ class _Merged(NamedTuple):
 
 
 def _project_patch(request: Request, patch_id: str) -> tuple[Patch, Path]:
-    catalog, config, _, _ = resolve(request)
+    catalog, config, *_ = resolve(request)
     if patch_id not in catalog:
         raise UsageError(f"{patch_id!r} is not a patch of this project (nor of the catalog)")
     patch = catalog[patch_id]
@@ -213,7 +214,7 @@ def update(request: Request, patch_id: str, *, base: Path | None = None,
            set_fixed_in: bool = False, resume: bool = False) -> UpdateResult:
     """Merge ``patch_id`` onto the installed release (see the module's docstring)."""
     patch, project = _project_patch(request, patch_id)
-    choice = resolve(request)[3]
+    choice = resolve(request).choice
     env = inspect_environment(choice, [
         ModuleQuery(m.target.distribution, m.target.module, m.target.relative_path)
         for m in patch.parts], in_process=request.in_process)
@@ -383,7 +384,7 @@ def _replace_patch_files(patch: Patch, draft: Draft) -> None:
             os.rename(old, folder)
         raise
     try:
-        load_patch_folders(folder.parent)
+        load_patch_folders(chosen(folder.parent))  # the folder this command just wrote
     except CatalogError as exc:
         shutil.rmtree(folder, ignore_errors=True)
         os.rename(old, folder)
