@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 from . import _toml
 from .errors import CatalogError
+from .names import ID_RULE, is_patch_id, shown
 from .trust import AdmittedPath, Rule, UntrustedPath, admit_folder, chosen, require_absolute
 
 
@@ -30,7 +31,6 @@ class DuplicatePatchError(CatalogError):
 
 ShapeClassifier = Callable[[str], "tuple[str, str]"]
 
-_ID = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _SYMBOL = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)?$")
 _RELEASE = re.compile(r"^\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?$")
@@ -269,6 +269,9 @@ def load_patch_folders(admitted: AdmittedPath) -> Catalog:
     folders = [p for p in entries if not p.name.startswith((".", "_"))
                and (p.is_dir() if not require_trust else _plain_dir(p))]
     for folder in folders:
+        if not is_patch_id(folder.name):
+            errors.append(f"{shown(str(folder), 200)}: a patch folder's name is its id; {ID_RULE}")
+            continue
         try:
             patches.append(_load_patch(folder, admitted))
         except CatalogError as exc:
@@ -326,8 +329,9 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
     for key in sorted(set(data) - known):
         errors.append(f"{where}: unknown key {key!r}")
     patch_id = text(data, "id", "id")
-    if patch_id and (patch_id != folder.name or not _ID.match(patch_id)):
-        errors.append(f"{where}: id {patch_id!r} must equal the folder name and be kebab-case")
+    if patch_id and (patch_id != folder.name or not is_patch_id(patch_id)):
+        errors.append(f"{where}: id {shown(patch_id)} must equal the folder name "
+                      f"({shown(folder.name)}); {ID_RULE}")
     applies = data.get("applies", {})
     if not isinstance(applies, dict):
         errors.append(f"{where}: [applies] must be a table")

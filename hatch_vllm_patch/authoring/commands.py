@@ -32,6 +32,7 @@ from ..files import (
     replace_module_files,
 )
 from ..markers import MarkerError, parse_file, sha256_hex
+from ..names import ID_RULE, is_patch_id, shown
 from ..operations import Request, resolve, run
 from ..record import (
     EditSession,
@@ -49,7 +50,6 @@ from .draft import Draft, ModuleChange, draft_patch
 from .render import PLACEHOLDER, ManifestTarget, render_manifest, render_wrapper_block
 from .symbols import SymbolChange
 
-_ID = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+$")
 
 
@@ -85,9 +85,8 @@ class _NewPatch(NamedTuple):
 def _check_new_id(patch_id: str, request: Request) -> _NewPatch:
     """Where a new patch goes; UsageError when the id is not usable (not kebab-case, or already
     a patch of the catalog or of the project)."""
-    if not _ID.match(patch_id):
-        raise UsageError(f"{patch_id!r}: a patch id is kebab-case (lowercase letters, digits and "
-                         "single hyphens), e.g. clearer-kv-memory-error")
+    if not is_patch_id(patch_id):
+        raise UsageError(f"{shown(patch_id)}: {ID_RULE}")
     catalog, config, _, choice, *_ = resolve(request)
     if patch_id in catalog:
         raise UsageError(f"{patch_id!r} is already a patch ({catalog[patch_id].folder}); "

@@ -25,6 +25,7 @@ from ..environment import ModuleQuery, TargetEnvironment, inspect_environment
 from ..errors import CatalogError, UsageError
 from ..files import FileIdentity, locked, read_identified, replace_module_files
 from ..markers import MarkerError, parse_file, sha256_hex
+from ..names import ID_RULE, is_patch_id, shown
 from ..operations import Request, resolve, run
 from ..record import EditSession, drop_pristine, keep_pristine, save_record
 from ..report import Report
@@ -70,6 +71,8 @@ class _Merged(NamedTuple):
 
 
 def _project_patch(request: Request, patch_id: str) -> tuple[Patch, Path]:
+    if not is_patch_id(patch_id):
+        raise UsageError(f"{shown(patch_id)}: {ID_RULE}")
     catalog, config, *_ = resolve(request)
     if patch_id not in catalog:
         raise UsageError(f"{patch_id!r} is not a patch of this project (nor of the catalog)")
