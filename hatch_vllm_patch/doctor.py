@@ -23,6 +23,7 @@ from .catalog import Patch
 from .engine import Verdict
 from .environment import TargetEnvironment, run_bounded
 from .errors import TargetEnvironmentError, UsageError
+from .files import write_atomic
 from .models import FAMILY_BY_MODEL_TYPE, read_model
 from .trust import Rule
 
@@ -293,7 +294,7 @@ def run_child(python: Path, job: dict[str, Any], *, timeout: float = PROBE_TIMEO
     """Run ``_kv_probe.py`` with ``python`` on ``job``; its answer, or TargetEnvironmentError."""
     with tempfile.TemporaryDirectory(prefix="hvp-doctor-", dir=workdir) as tmp:
         job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "answer.json"
-        job_file.write_text(json.dumps(job), encoding="utf-8")
+        write_atomic(job_file, json.dumps(job))
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "HF_DATASETS_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1",
                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),

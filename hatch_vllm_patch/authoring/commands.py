@@ -30,6 +30,7 @@ from ..files import (
     read_identified,
     replace_module_file,
     replace_module_files,
+    write_atomic,
 )
 from ..markers import MarkerError, parse_file, sha256_hex
 from ..names import ID_RULE, is_patch_id, shown
@@ -67,7 +68,7 @@ def write_patch_folder(patch_dir: Path, patch_id: str, files: dict[str, str]) ->
         staging.chmod(0o777 & ~current_umask())  # like any folder the user makes (not 0700)
         for name, text in files.items():
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
-            (staging / name).write_text(text, encoding="utf-8")
+            write_atomic(staging / name, text)
         os.rename(staging, final)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
