@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, NoReturn, TextIO
+from typing import TYPE_CHECKING, NamedTuple, NoReturn, TextIO, cast
 
 from . import __version__
 from .errors import (
@@ -365,6 +365,11 @@ def main(argv: Sequence[str] | None = None, *, final: bool = False) -> int:
     _robust_streams()
     written: list[Path] = []
     operation: list[str] = []
+    streams = sys.stdout, sys.stderr
+    # Every line this command renders passes one escaping function: control characters from
+    # foreign data (a config.json's names, a path) never reach the terminal raw.
+    sys.stdout = cast(TextIO, _Escaping(sys.stdout))
+    sys.stderr = cast(TextIO, _Escaping(sys.stderr))
     try:
         return _main(argv, written, operation, final)
     except BaseException as exc:
@@ -377,6 +382,25 @@ def main(argv: Sequence[str] | None = None, *, final: bool = False) -> int:
         authoring = bool(operation) and operation[0] in _AUTHORING
         print(interrupted_message(written, authoring), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    finally:
+        sys.stdout, sys.stderr = streams
+
+
+class _Escaping:
+    """A text stream that writes through :func:`~.bounded.escape_controls` (JSON output has no
+    raw control character to escape: ``json.dumps`` writes them as ``\\u00XX``)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        from .bounded import escape_controls
+
+        self._stream.write(escape_controls(text))
+        return len(text)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
 
 
 def _write(emit: Callable[[], None]) -> None:

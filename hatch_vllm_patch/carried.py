@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .bounded import load_json
 from .errors import ConfigurationError
 from .record import GUARD_MODES, _Value
 from .trust import Rule, admit_folder, check_file
@@ -158,7 +159,7 @@ def _parse(path: Path) -> CarriedSelection:
                                    "that carries it"], str(path))
 
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        data = load_json(path, max_bytes=1 << 20)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise bad(f"cannot be read ({exc})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import _toml
+from .bounded import BoundExceeded, load_toml
 from .errors import CatalogError
 from .names import ID_RULE, is_patch_id, shown
 from .trust import AdmittedPath, Rule, UntrustedPath, admit_folder, chosen, require_absolute
@@ -301,11 +302,10 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
     if manifest.exists() or manifest.is_symlink():
         _check(manifest)
     try:
-        with manifest.open("rb") as f:
-            data = _toml.load(f)
+        data = load_toml(manifest)
     except FileNotFoundError:
         raise CatalogError(f"{folder}: no patch.toml") from None
-    except _toml.TOMLDecodeError as exc:
+    except (_toml.TOMLDecodeError, UnicodeDecodeError, BoundExceeded) as exc:
         raise CatalogError(f"{where}: not valid TOML: {exc}") from None
 
     def text(table: dict[str, Any], key: str, path: str, required: bool = True) -> str:

@@ -23,6 +23,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from . import _toml
+from .bounded import BoundExceeded, load_toml
 from .catalog import Catalog, DuplicatePatchError, load_patch_folders
 from .errors import CatalogError, ConfigurationError, UsageError
 from .models import is_hub_id, resolve_model_dir
@@ -254,10 +255,11 @@ def load_project_config(project: AdmittedPath, catalog: Catalog) -> Config | Non
     project_dir = project.path
     source = project_dir / "pyproject.toml"
     try:
-        with source.open("rb") as f:
-            data = _toml.load(f)
+        data = load_toml(source)
     except FileNotFoundError:
         return None
+    except BoundExceeded as exc:
+        raise ConfigurationError([f"cannot be read: {exc}"], str(source)) from None
     except _toml.TOMLDecodeError as exc:
         raise ConfigurationError([f"not valid TOML: {exc}"], str(source)) from None
     except UnicodeDecodeError as exc:

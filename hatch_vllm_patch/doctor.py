@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 from .catalog import Patch
 from .engine import Verdict
 from .environment import TargetEnvironment, run_bounded
-from .errors import TargetEnvironmentError, UsageError
+from .errors import ConfigurationError, TargetEnvironmentError, UsageError
 from .files import write_atomic
 from .models import FAMILY_BY_MODEL_TYPE, read_model
 from .trust import Rule
@@ -514,7 +514,12 @@ def run_doctor(request: DoctorRequest, *, project_dir: Path | None, python: str 
     from .operations import _REGISTRY, Request, resolve, run
     from .selection import registered_architectures
 
-    resolve_model(request.model)  # usage errors first, before the environment is asked
+    # Usage errors first, before the environment is asked: the model directory, and its
+    # config.json read (bounded: size, depth) before any process is started with it.
+    try:
+        read_model(resolve_model(request.model), "--model")
+    except ConfigurationError as exc:
+        raise UsageError("; ".join(exc.errors)) from None
     if request.platform not in PLATFORMS:
         raise UsageError(f"--platform {request.platform}: expected one of {', '.join(PLATFORMS)}")
     base = Request(project_dir=project_dir, python=python, project_rule=project_rule)

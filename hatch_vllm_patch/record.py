@@ -48,6 +48,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar, TypeVar
 
+from .bounded import loads_json
 from .names import is_patch_id, shown
 
 RECORD_NAME = ".hatch-vllm-patch.json"
@@ -502,7 +503,7 @@ def parse_record(raw: bytes, roots: tuple[str, ...] = (),
     if len(raw) > MAX_RECORD_BYTES:
         raise RecordDamaged(f"is damaged: more than {MAX_RECORD_BYTES} bytes")
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = loads_json(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise RecordDamaged(f"is not valid JSON ({exc})") from None
     if not isinstance(data, dict):
