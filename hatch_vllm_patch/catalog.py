@@ -365,7 +365,7 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
         for key in sorted(set(table) - allowed):
             errors.append(f"{where}: unknown key {label}.{key}")
         module = text(table, "module", f"{label}.module")
-        if module and not _MODULE.match(module):
+        if module and not _MODULE.fullmatch(module):
             errors.append(f"{where}: {label}.module {module!r} is not a dotted module path")
         symbols = _symbols(table, where, errors, label)
         optional = table.get("optional", False)
@@ -406,7 +406,7 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
         # Checked by a pattern, not parsed: packaging is imported only when a version is compared
         # (a verify of patches in place compares none).
         fixed_in = str(applies["fixed-in"])
-        if not _RELEASE.match(fixed_in):
+        if not _RELEASE.fullmatch(fixed_in):
             errors.append(f"{where}: applies.fixed-in {applies['fixed-in']!r} is not a release "
                           "version (e.g. 0.29.0, 1.0rc1)")
     if not several:
@@ -415,7 +415,7 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
     fixed_shapes = strings(applies, "fixed-shapes", "applies.fixed-shapes")
     for i, entry in enumerate(fixed_shapes):
         owner, _, digest = entry.rpartition(":")
-        if not _SHA256.match(digest) or (owner and not _MODULE.match(owner)):
+        if not _SHA256.fullmatch(digest) or (owner and not _MODULE.fullmatch(owner)):
             errors.append(f"{where}: applies.fixed-shapes[{i}]: {entry!r} is not a sha256 digest "
                           "or 'module:digest'")
     classifier_path: Path | None = None
@@ -490,7 +490,7 @@ def _symbols(target: dict[str, Any], where: str, errors: list[str], label: str =
         errors.append(f"{where}: {key} must be a non-empty list of names")
         return ("?",)
     for i, name in enumerate(raw):
-        if not isinstance(name, str) or not _SYMBOL.match(name):
+        if not isinstance(name, str) or not _SYMBOL.fullmatch(name):
             shown = key if "symbol" in target else f"{key}[{i}]"
             errors.append(f"{where}: {shown} {name!r} must be 'name' or 'Class.name'")
     if len(set(map(str, raw))) != len(raw):
@@ -526,7 +526,7 @@ def _shapes(raw: object, symbols: tuple[str, ...], where: str, errors: list[str]
             errors.append(f"{where}: {path} must be a non-empty list of digests")
             continue
         for i, digest in enumerate(digests):
-            if not isinstance(digest, str) or not (_SHA256.match(digest) or digest == ABSENT):
+            if not isinstance(digest, str) or not (_SHA256.fullmatch(digest) or digest == ABSENT):
                 errors.append(f"{where}: {path}[{i}]: {digest!r} is not a sha256 hex digest "
                               f"(or {ABSENT!r})")
         shapes[name] = frozenset(str(d) for d in digests)

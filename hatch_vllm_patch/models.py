@@ -85,7 +85,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?$")
 
 
 def is_hub_id(text: str) -> bool:
-    return bool(_HUB_ID.match(text)) and ".." not in text
+    return bool(_HUB_ID.fullmatch(text)) and ".." not in text
 
 
 def hub_cache_dir(environ: Mapping[str, str] | None = None) -> Path:

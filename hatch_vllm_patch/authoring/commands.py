@@ -143,7 +143,7 @@ def _close_modules(module: str, package_dir: Path | None) -> str:
 
 def _inspect(request: Request, module: str, choice: InterpreterChoice | None = None
              ) -> TargetEnvironment:
-    if not _MODULE.match(module):
+    if not _MODULE.fullmatch(module):
         raise UsageError(f"{module!r} is not a dotted module path inside a package "
                          "(e.g. vllm.v1.core.kv_cache_utils)")
     if choice is None:
@@ -442,7 +442,7 @@ def create_from_diff(request: Request, patch_id: str, diff: str, *, source: str,
         if file.path.endswith(".py") and "/" in file.path:
             modules.setdefault(file.path[:-3].replace("/", "."), file.path)
     queries = [ModuleQuery("", m, module_relative_path(m)) for m in modules
-               if _MODULE.match(m)]
+               if _MODULE.fullmatch(m)]
     env = inspect_environment(new_patch.choice, queries, in_process=request.in_process)
     installed_tops = {m.split(".")[0] for m in modules
                       if m in env.modules and env.modules[m].file is not None}
