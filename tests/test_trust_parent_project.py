@@ -158,3 +158,40 @@ def test_only_the_rule_makes_an_admitted_path(tmp_path: Path) -> None:
         admitted.path = Path("/")  # type: ignore[misc]
     assert os.fspath(admitted) == str(tmp_path) and admitted.rule.for_named is Rule.OWNER
     assert Rule.RULE.for_named is Rule.RULE
+
+
+def test_resolution_carries_only_admitted_paths(tmp_path: Path, demo_catalog: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """resolve() admits the project, its patch folders and its interpreter, each with the rule
+    that admitted it: the user's choice, what a chosen project names, or the whole rule for a
+    project found above the working directory."""
+    from hatch_vllm_patch.catalog import load_catalog
+    from hatch_vllm_patch.operations import Request, resolve
+
+    monkeypatch.setenv("HATCH_VLLM_PATCH_CATALOG", str(demo_catalog))
+    proj = project(tmp_path / "proj", f"""\
+        [tool.vllm-patch]
+        python = "{tmp_path / 'venv'}"
+        patches = ["own-fix"]
+        """)
+    fake_venv(tmp_path / "venv", tmp_path / "marker")
+    own_patch_folder(proj / "vllm-patches", tmp_path / "marker")
+    for rule, names in ((Rule.CHOSEN, Rule.OWNER), (Rule.RULE, Rule.RULE)):
+        resolved = resolve(Request(project_dir=proj, project_rule=rule,
+                                   catalog=load_catalog(demo_catalog)))
+        assert resolved.project == admitted_project(proj, rule)
+        assert isinstance(resolved.interpreter, AdmittedPath)
+        assert resolved.interpreter.rule is names
+        assert resolved.interpreter.path == tmp_path / "venv" / "bin" / "python"
+        own = [a for a in resolved.patch_dirs if a.path == proj / "vllm-patches"]
+        assert [a.rule for a in own] == [names], resolved.patch_dirs
+        assert [p.id for p in resolved.selection.patches] == ["own-fix"]
+    with_option = resolve(Request(project_dir=proj, python=str(tmp_path / "venv"),
+                                  catalog=load_catalog(demo_catalog)))
+    assert with_option.interpreter.rule is Rule.CHOSEN
+
+
+def admitted_project(path: Path, rule: Rule) -> AdmittedPath:
+    from hatch_vllm_patch.trust import admit_project
+
+    return admit_project(path, "the project", rule)
