@@ -106,9 +106,10 @@ def test_a_patch_folder_another_user_owns_is_refused(tmp_path: Path, demo_venv: 
 
 @needs_root
 def test_an_interpreter_another_user_owns_is_refused(tmp_path: Path, demo_catalog: Path) -> None:
-    """A project's .venv, or its python key, naming another user's environment is refused in one
-    line and never run, from a subfolder and from the project; --python naming it is the user's
-    own choice and runs it, as before."""
+    """A project's .venv, its python key, or a $UV_PROJECT_ENVIRONMENT relative to it, naming
+    another user's environment is refused in one line and never run, from a subfolder and from
+    the project; --python (or an absolute $UV_PROJECT_ENVIRONMENT) naming it is the user's own
+    choice and runs it, as before."""
     marker = tmp_path / "marker"
     theirs = tmp_path / "theirs"
     fake_venv(theirs, marker)
@@ -129,7 +130,15 @@ def test_an_interpreter_another_user_owns_is_refused(tmp_path: Path, demo_catalo
             for command in ("verify", "status", "apply"):
                 proc = cli(command, cwd=cwd, catalog=demo_catalog)
                 refused_in_one_line(proc, refused)
+    relative = cli("verify", cwd=dotvenv / "sub", catalog=demo_catalog,
+                   env={"UV_PROJECT_ENVIRONMENT": os.path.relpath(theirs, dotvenv)})
+    refused_in_one_line(relative, theirs)
     assert not marker.exists(), "an interpreter of another user ran"
+    absolute = cli("verify", cwd=dotvenv, catalog=demo_catalog,
+                   env={"UV_PROJECT_ENVIRONMENT": str(theirs)})
+    assert absolute.returncode != 0 and "refuses" not in absolute.stderr
+    assert marker.exists(), "an absolute $UV_PROJECT_ENVIRONMENT is the user's choice"
+    marker.unlink()
     chosen_run = cli("verify", "--python", str(theirs), cwd=keyed, catalog=demo_catalog)
     assert chosen_run.returncode != 0 and "refuses" not in chosen_run.stderr
     assert marker.exists(), "--python is the user's choice: it is run"
