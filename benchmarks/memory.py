@@ -49,6 +49,8 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+from hatch_vllm_patch.files import write_atomic  # exclusive temp file, then os.replace
+
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "benchmarks"
 NEURON_STANDIN = REPO / "tests" / "fixtures" / "neuron" / "per_layer"
@@ -489,7 +491,7 @@ def run_probe(python: Path, script: str, job: dict[str, Any], workdir: Path) -> 
     name = Path(script).stem
     job_file = workdir / f"{name}.job.json"
     out_file = workdir / f"{name}.out.json"
-    job_file.write_text(json.dumps(job, indent=1), encoding="utf-8")
+    write_atomic(job_file, json.dumps(job, indent=1))
     out_file.unlink(missing_ok=True)
     env = {**_uv_env(), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_LOGGING_LEVEL": "WARNING",
@@ -506,9 +508,9 @@ def run_probe(python: Path, script: str, job: dict[str, Any], workdir: Path) -> 
 def write_model(directory: Path, config: dict[str, Any],
                 files: dict[str, str] | None = None) -> str:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    write_atomic(directory / "config.json", json.dumps(config, indent=1))
     for name, text in (files or {}).items():
-        (directory / name).write_text(text, encoding="utf-8")
+        write_atomic(directory / name, text)
     return str(directory)
 
 
@@ -1035,7 +1037,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     output["problems"] = problems
     output["seconds"] = round(time.perf_counter() - started)
     if args.json:
-        args.json.write_text(json.dumps(output, indent=1) + "\n", encoding="utf-8")
+        write_atomic(args.json, json.dumps(output, indent=1) + "\n")
         print(f"JSON written to {args.json}")
     if problems:
         print("\nPROBLEMS:\n" + "\n".join(f"- {p}" for p in problems))

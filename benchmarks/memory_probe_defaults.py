@@ -24,8 +24,17 @@ def _error(exc: BaseException) -> str:
 
 def main() -> int:
     job = json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
-    Path(sys.argv[2]).write_text(json.dumps({"config_defaults": job_defaults(job)}, indent=1),
-                                 encoding="utf-8")
+    out = Path(sys.argv[2])
+    text = json.dumps({"config_defaults": job_defaults(job)}, indent=1)
+    # A new file of a random name created exclusively, then renamed (files.write_atomic's rule;
+    # this script runs in the target environment, without hatch_vllm_patch).
+    import secrets
+
+    tmp = out.with_name(f".{out.name}.{secrets.token_hex(8)}.hvp-tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, out)
     return 0
 
 

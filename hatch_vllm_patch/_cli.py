@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, NoReturn, TextIO
+from typing import TYPE_CHECKING, NamedTuple, NoReturn, TextIO, cast
 
 from . import __version__
 from .errors import (
@@ -35,6 +35,7 @@ from .report import PatchOutcome, Report
 if TYPE_CHECKING:
     from .authoring.update import UpdateResult
     from .doctor import DoctorReport
+    from .trust import Rule
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 # The version of the --json document (schema/output.schema.json); raised on incompatible change.
@@ -364,6 +365,11 @@ def main(argv: Sequence[str] | None = None, *, final: bool = False) -> int:
     _robust_streams()
     written: list[Path] = []
     operation: list[str] = []
+    streams = sys.stdout, sys.stderr
+    # Every line this command renders passes one escaping function: control characters from
+    # foreign data (a config.json's names, a path) never reach the terminal raw.
+    sys.stdout = cast(TextIO, _Escaping(sys.stdout))
+    sys.stderr = cast(TextIO, _Escaping(sys.stderr))
     try:
         return _main(argv, written, operation, final)
     except BaseException as exc:
@@ -376,6 +382,25 @@ def main(argv: Sequence[str] | None = None, *, final: bool = False) -> int:
         authoring = bool(operation) and operation[0] in _AUTHORING
         print(interrupted_message(written, authoring), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    finally:
+        sys.stdout, sys.stderr = streams
+
+
+class _Escaping:
+    """A text stream that writes through :func:`~.bounded.escape_controls` (JSON output has no
+    raw control character to escape: ``json.dumps`` writes them as ``\\u00XX``)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        from .bounded import escape_controls
+
+        self._stream.write(escape_controls(text))
+        return len(text)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
 
 
 def _write(emit: Callable[[], None]) -> None:
@@ -406,6 +431,9 @@ def _main(argv: Sequence[str] | None, written: list[Path], operation: list[str],
     except _ArgumentError as exc:
         return finish(_Outcome(EXIT_USAGE, failure=_failure(exc)), known)
     operation.append(args.operation)
+    from .trust import Rule
+
+    project_rule = Rule.CHOSEN
     if args.project is not None:
         project = args.project.resolve()
         if not project.is_dir():
@@ -415,16 +443,19 @@ def _main(argv: Sequence[str] | None, written: list[Path], operation: list[str],
         from .trust import UntrustedPath
 
         try:
-            project = find_project_dir(Path.cwd()) or Path.cwd()
+            found = find_project_dir(Path.cwd())
         except UntrustedPath as exc:
             failure = _Failure(EXIT_USAGE, (f"{exc}; or run in that folder, or name it with "
                                             "--project",))
             return finish(_Outcome(EXIT_USAGE, failure=failure), args.operation)
+        project = found.path if found is not None else Path.cwd()
+        project_rule = found.rule if found is not None else Rule.CHOSEN
     if args.operation == "doctor":
-        return _doctor(args, project, finish)
+        return _doctor(args, project, finish, project_rule)
     try:
         request = Request(
             project_dir=project,
+            project_rule=project_rule,
             python=args.python,
             patches=tuple(getattr(args, "patches", ())),
             architectures=tuple(getattr(args, "architectures", ())),
@@ -650,7 +681,8 @@ def _doctor_parser(sub: argparse._SubParsersAction[_Parser],
     p.add_argument("--json", action="store_true", help="print one machine-readable JSON object")
 
 
-def _doctor(args: argparse.Namespace, project: Path, finish: Callable[..., int]) -> int:
+def _doctor(args: argparse.Namespace, project: Path, finish: Callable[..., int],
+            project_rule: Rule) -> int:
     """``doctor``: text through :func:`_print_doctor`; ``--json`` and every error through
     :func:`_finish`, in the schema of the other commands (the diagnosis under ``result``)."""
     from .doctor import DoctorRequest, parse_json_object, parse_memory, run_doctor
@@ -680,7 +712,8 @@ def _doctor(args: argparse.Namespace, project: Path, finish: Callable[..., int])
         )
         _notice("doctor: running vLLM's start-up steps in the target environment "
                 "(imports vLLM: about a minute)")
-        report = run_doctor(request, project_dir=project, python=args.python)
+        report = run_doctor(request, project_dir=project, python=args.python,
+                            project_rule=project_rule)
     except (ConfigurationError, UsageError, InterpreterNotFoundError, UnusableInterpreterError,
             TargetEnvironmentError, CatalogError) as exc:
         failure = _failure(exc)

@@ -633,8 +633,16 @@ def main(argv: list[str]) -> int:
     job = json.loads(Path(argv[1]).read_text(encoding="utf-8"))
     answer = run_job(job)
     out = Path(argv[2])
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(answer, indent=1, default=str), encoding="utf-8")
+    # A new file of a random name, never one planted under a name that could be guessed (the
+    # rule of files.write_atomic; this script runs in the target, without hatch_vllm_patch).
+    import secrets
+
+    tmp = out.with_name(f".{out.name}.{secrets.token_hex(8)}.hvp-tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(json.dumps(answer, indent=1, default=str))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, out)
     return 0
 

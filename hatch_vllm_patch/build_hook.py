@@ -67,7 +67,7 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
         root = Path(self.root).resolve()
         strict = self._strict()
         try:
-            _, config, selection, _ = resolve(Request(project_dir=root))
+            _, config, selection, *_ = resolve(Request(project_dir=root))
         except ConfigurationError as exc:
             self._fail("invalid configuration", exc.errors, exc.source)
         except CatalogError as exc:

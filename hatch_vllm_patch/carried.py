@@ -29,9 +29,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .bounded import load_json
 from .errors import ConfigurationError
 from .record import GUARD_MODES, _Value
-from .trust import check_file
+from .trust import Rule, admit_folder, check_file
 
 # Import-light like record.py (whose slotted value class it uses): every vLLM process with no
 # record scans for carried selections.
@@ -158,7 +159,7 @@ def _parse(path: Path) -> CarriedSelection:
                                    "that carries it"], str(path))
 
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        data = load_json(path, max_bytes=1 << 20)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise bad(f"cannot be read ({exc})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -199,9 +200,12 @@ def join_carried(purelib: Path, catalog: Catalog,
     merged = catalog
     roots: list[Path] = []
     own: dict[str, tuple[Patch, str]] = {}
+    loaded: list[Catalog] = []
     for selection in carried:
         if selection.patch_root.is_dir():
-            folders = load_patch_folders(selection.patch_root, require_trust=True)
+            folders = load_patch_folders(admit_folder(
+                selection.patch_root, "the patch folder carried by a distribution", Rule.RULE))
+            loaded.append(folders)
             roots.append(selection.patch_root)
             for patch in folders.patches:
                 if patch.id in own and _content(own[patch.id][0]) != _content(patch):
@@ -227,7 +231,8 @@ def join_carried(purelib: Path, catalog: Catalog,
                 errors.append(f"patch {pid!r}: {carrier} carries its own folder under the id of "
                               f"{mine[pid].folder}")
             mine[pid] = patch
-        merged = Catalog(tuple(mine[i] for i in sorted(mine)), merged.root)
+        merged = Catalog(tuple(mine[i] for i in sorted(mine)), merged.root, tuple(dict.fromkeys(
+            (*merged.admitted, *(a for f in loaded for a in f.admitted)))))
     for pid in blocks:
         if pid not in merged:
             errors.append(f"patch {pid!r} ({blocks[pid][1]}) is neither in the installed catalog "

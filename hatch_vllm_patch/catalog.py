@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import _toml
+from .bounded import BoundExceeded, load_toml
 from .errors import CatalogError
-from .trust import UntrustedPath, check_file, check_folder, require_absolute
+from .names import ID_RULE, is_patch_id, shown
+from .trust import AdmittedPath, Rule, UntrustedPath, admit_folder, chosen, require_absolute
 
 
 class DuplicatePatchError(CatalogError):
@@ -30,7 +32,6 @@ class DuplicatePatchError(CatalogError):
 
 ShapeClassifier = Callable[[str], "tuple[str, str]"]
 
-_ID = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _SYMBOL = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)?$")
 _RELEASE = re.compile(r"^\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?$")
@@ -158,11 +159,14 @@ def _not_run(source: str) -> tuple[str, str]:
 class Catalog(Mapping[str, Patch]):
     """The patches by id, in id order (immutable once built)."""
 
-    __slots__ = ("_by_id", "patches", "root")
+    __slots__ = ("_by_id", "admitted", "patches", "root")
 
-    def __init__(self, patches: tuple[Patch, ...], root: Path) -> None:
+    def __init__(self, patches: tuple[Patch, ...], root: Path,
+                 admitted: tuple[AdmittedPath, ...] = ()) -> None:
         self.patches = patches
         self.root = root
+        # The folders its patches were loaded from, each admitted by the ownership rule.
+        self.admitted = admitted
         self._by_id = {p.id: p for p in patches}
 
     def __getitem__(self, key: str) -> Patch:
@@ -181,7 +185,7 @@ class Catalog(Mapping[str, Patch]):
         """The same patches, none of which will import its ``classify.py`` (the guard's)."""
         return Catalog(tuple(p._replace(run_classifier=False, members=tuple(
             m._replace(run_classifier=False) for m in p.members)) for p in self.patches),
-            self.root)
+            self.root, self.admitted)
 
     def merged(self, other: Catalog) -> Catalog:
         """This catalog and ``other`` (a project's own patch folders) as one, in id order.
@@ -197,7 +201,8 @@ class Catalog(Mapping[str, Patch]):
             raise DuplicatePatchError(clashes)
         for patch in other.patches:
             mine.setdefault(patch.id, patch)
-        return Catalog(tuple(mine[i] for i in sorted(mine)), self.root)
+        return Catalog(tuple(mine[i] for i in sorted(mine)), self.root,
+                       tuple(dict.fromkeys((*self.admitted, *other.admitted))))
 
 
 CATALOG_ENV = "HATCH_VLLM_PATCH_CATALOG"
@@ -241,19 +246,20 @@ def load_catalog(root: Path | None = None) -> Catalog:
 
 @lru_cache(maxsize=16)
 def _load_cached(root: Path, require_trust: bool) -> Catalog:
-    return load_patch_folders(root, require_trust=require_trust)
+    admitted = (admit_folder(root, "the patch folder", Rule.RULE) if require_trust
+                else chosen(root))
+    return load_patch_folders(admitted)
 
 
-def load_patch_folders(root: Path, *, require_trust: bool = False) -> Catalog:
-    """The patch folders directly under ``root`` (a catalog, or a project's own patch folder);
-    :class:`CatalogError` listing every problem of every folder.
+def load_patch_folders(admitted: AdmittedPath) -> Catalog:
+    """The patch folders directly under ``admitted`` (a catalog, or a project's own patch
+    folder); :class:`CatalogError` listing every problem of every folder.
 
-    ``require_trust``: ``root`` was named by something other than the user's command (the record,
-    an installed distribution, an environment variable): it and every file read from it must
-    pass the ownership rule of ``trust.py`` (an :class:`~.trust.UntrustedPath`, a CatalogError,
-    says which does not), and a classifier must be a file of the patch folder itself."""
-    if require_trust:
-        check_folder(root, "the patch folder")
+    Every folder and file read from it passes the rule ``admitted`` passed (``trust.py``: an
+    :class:`~.trust.UntrustedPath`, a CatalogError, says which does not); under the whole rule a
+    classifier must be a file of the patch folder itself and a symlinked folder is no patch."""
+    root = admitted.path
+    require_trust = admitted.rule is Rule.RULE
     errors: list[str] = []
     patches: list[Patch] = []
     try:
@@ -264,15 +270,18 @@ def load_patch_folders(root: Path, *, require_trust: bool = False) -> Catalog:
     folders = [p for p in entries if not p.name.startswith((".", "_"))
                and (p.is_dir() if not require_trust else _plain_dir(p))]
     for folder in folders:
+        if not is_patch_id(folder.name):
+            errors.append(f"{shown(str(folder), 200)}: a patch folder's name is its id; {ID_RULE}")
+            continue
         try:
-            patches.append(_load_patch(folder, require_trust))
+            patches.append(_load_patch(folder, admitted))
         except CatalogError as exc:
             if isinstance(exc, UntrustedPath):
                 raise
             errors.append(str(exc))
     if errors:
         raise CatalogError("the patch catalog is invalid:\n" + "\n".join(errors))
-    return Catalog(tuple(patches), root)
+    return Catalog(tuple(patches), root, (admitted,))
 
 
 def _plain_dir(path: Path) -> bool:
@@ -280,25 +289,23 @@ def _plain_dir(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink()
 
 
-def _check(path: Path, folder: Path, require_trust: bool) -> None:
-    if require_trust:
-        check_file(path, "a file of the patch folder", inside=folder)
-
-
-def _load_patch(folder: Path, require_trust: bool = False) -> Patch:
+def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
     manifest = folder / "patch.toml"
     where = f"{manifest}"
     errors: list[str] = []
-    if require_trust:
-        check_folder(folder, "the patch folder")
-        if manifest.exists() or manifest.is_symlink():
-            _check(manifest, folder, True)
+    require_trust = root.rule is Rule.RULE
+    admitted = admit_folder(folder, "the patch folder", root.rule)
+
+    def _check(path: Path) -> None:
+        admitted.member(path, "a file of the patch folder")
+
+    if manifest.exists() or manifest.is_symlink():
+        _check(manifest)
     try:
-        with manifest.open("rb") as f:
-            data = _toml.load(f)
+        data = load_toml(manifest)
     except FileNotFoundError:
         raise CatalogError(f"{folder}: no patch.toml") from None
-    except _toml.TOMLDecodeError as exc:
+    except (_toml.TOMLDecodeError, UnicodeDecodeError, BoundExceeded) as exc:
         raise CatalogError(f"{where}: not valid TOML: {exc}") from None
 
     def text(table: dict[str, Any], key: str, path: str, required: bool = True) -> str:
@@ -322,8 +329,9 @@ def _load_patch(folder: Path, require_trust: bool = False) -> Patch:
     for key in sorted(set(data) - known):
         errors.append(f"{where}: unknown key {key!r}")
     patch_id = text(data, "id", "id")
-    if patch_id and (patch_id != folder.name or not _ID.match(patch_id)):
-        errors.append(f"{where}: id {patch_id!r} must equal the folder name and be kebab-case")
+    if patch_id and (patch_id != folder.name or not is_patch_id(patch_id)):
+        errors.append(f"{where}: id {shown(patch_id)} must equal the folder name "
+                      f"({shown(folder.name)}); {ID_RULE}")
     applies = data.get("applies", {})
     if not isinstance(applies, dict):
         errors.append(f"{where}: [applies] must be a table")
@@ -357,7 +365,7 @@ def _load_patch(folder: Path, require_trust: bool = False) -> Patch:
         for key in sorted(set(table) - allowed):
             errors.append(f"{where}: unknown key {label}.{key}")
         module = text(table, "module", f"{label}.module")
-        if module and not _MODULE.match(module):
+        if module and not _MODULE.fullmatch(module):
             errors.append(f"{where}: {label}.module {module!r} is not a dotted module path")
         symbols = _symbols(table, where, errors, label)
         optional = table.get("optional", False)
@@ -398,7 +406,7 @@ def _load_patch(folder: Path, require_trust: bool = False) -> Patch:
         # Checked by a pattern, not parsed: packaging is imported only when a version is compared
         # (a verify of patches in place compares none).
         fixed_in = str(applies["fixed-in"])
-        if not _RELEASE.match(fixed_in):
+        if not _RELEASE.fullmatch(fixed_in):
             errors.append(f"{where}: applies.fixed-in {applies['fixed-in']!r} is not a release "
                           "version (e.g. 0.29.0, 1.0rc1)")
     if not several:
@@ -407,7 +415,7 @@ def _load_patch(folder: Path, require_trust: bool = False) -> Patch:
     fixed_shapes = strings(applies, "fixed-shapes", "applies.fixed-shapes")
     for i, entry in enumerate(fixed_shapes):
         owner, _, digest = entry.rpartition(":")
-        if not _SHA256.match(digest) or (owner and not _MODULE.match(owner)):
+        if not _SHA256.fullmatch(digest) or (owner and not _MODULE.fullmatch(owner)):
             errors.append(f"{where}: applies.fixed-shapes[{i}]: {entry!r} is not a sha256 digest "
                           "or 'module:digest'")
     classifier_path: Path | None = None
@@ -417,7 +425,7 @@ def _load_patch(folder: Path, require_trust: bool = False) -> Patch:
             raise UntrustedPath(f"hatch-vllm-patch refuses {where}: applies.classifier "
                                 f"{applies['classifier']!r} is not a file of the patch folder")
         if classifier_path.is_file() or classifier_path.is_symlink():
-            _check(classifier_path, folder, require_trust)
+            _check(classifier_path)
         if not classifier_path.is_file():
             errors.append(f"{where}: applies.classifier {classifier_path} does not exist")
     if not several and not parsed_targets[0][1] and classifier_path is None:
@@ -428,7 +436,7 @@ def _load_patch(folder: Path, require_trust: bool = False) -> Patch:
         block_path = folder / block_name
         block = ""
         if block_path.exists() or block_path.is_symlink():
-            _check(block_path, folder, require_trust)
+            _check(block_path)
         try:
             block = block_path.read_text(encoding="utf-8")
         except FileNotFoundError:
@@ -441,7 +449,7 @@ def _load_patch(folder: Path, require_trust: bool = False) -> Patch:
     # every verify and every vLLM process's guard a few milliseconds for nothing).
     probe = folder / "probe.py"
     if probe.exists() or probe.is_symlink():
-        _check(probe, folder, require_trust)
+        _check(probe)
     summary = text(data, "summary", "summary")
     description = text(data, "description", "description", required=False)
     links = strings(data, "links", "links")
@@ -482,7 +490,7 @@ def _symbols(target: dict[str, Any], where: str, errors: list[str], label: str =
         errors.append(f"{where}: {key} must be a non-empty list of names")
         return ("?",)
     for i, name in enumerate(raw):
-        if not isinstance(name, str) or not _SYMBOL.match(name):
+        if not isinstance(name, str) or not _SYMBOL.fullmatch(name):
             shown = key if "symbol" in target else f"{key}[{i}]"
             errors.append(f"{where}: {shown} {name!r} must be 'name' or 'Class.name'")
     if len(set(map(str, raw))) != len(raw):
@@ -518,7 +526,7 @@ def _shapes(raw: object, symbols: tuple[str, ...], where: str, errors: list[str]
             errors.append(f"{where}: {path} must be a non-empty list of digests")
             continue
         for i, digest in enumerate(digests):
-            if not isinstance(digest, str) or not (_SHA256.match(digest) or digest == ABSENT):
+            if not isinstance(digest, str) or not (_SHA256.fullmatch(digest) or digest == ABSENT):
                 errors.append(f"{where}: {path}[{i}]: {digest!r} is not a sha256 hex digest "
                               f"(or {ABSENT!r})")
         shapes[name] = frozenset(str(d) for d in digests)

@@ -23,11 +23,12 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from . import _toml
+from .bounded import BoundExceeded, load_toml
 from .catalog import Catalog, DuplicatePatchError, load_patch_folders
 from .errors import CatalogError, ConfigurationError, UsageError
 from .models import is_hub_id, resolve_model_dir
 from .record import GUARD_MODES
-from .trust import UntrustedPath, check_file, check_folder
+from .trust import AdmittedPath, Rule, UntrustedPath, admit_folder, admit_project
 
 TABLE = "tool.vllm-patch"
 DEFAULT_PATCH_DIR = "vllm-patches"
@@ -71,11 +72,11 @@ def _type_name(value: object) -> str:
 
 
 def validate(table: Mapping[str, Any], source: Path, catalog: Catalog,
-             require_trust: bool = False) -> Config:
+             rule: Rule = Rule.OWNER) -> Config:
     """Validate the ``[tool.vllm-patch]`` mapping; raise ConfigurationError with all errors.
-    ``require_trust``: see :func:`load_project_config`."""
+    ``rule``: what the project's patch folder must pass (see :func:`load_project_config`)."""
     errors: list[str] = []
-    patch_dirs, catalog = _project_patches(table, source, catalog, errors, require_trust)
+    patch_dirs, catalog = _project_patches(table, source, catalog, errors, rule)
     for key in sorted(set(table) - _TOP_KEYS):
         expected = ", ".join(sorted(_TOP_KEYS))
         errors.append(f"{TABLE}.{key}: unknown key (expected one of: {expected})")
@@ -174,10 +175,10 @@ def _patch_ids(values: list[Any], where: str, catalog: Catalog, errors: list[str
 
 
 def _project_patches(table: Mapping[str, Any], source: Path, catalog: Catalog,
-                     errors: list[str], require_trust: bool = False
-                     ) -> tuple[tuple[Path, ...], Catalog]:
+                     errors: list[str], rule: Rule) -> tuple[tuple[Path, ...], Catalog]:
     """The project's own patch folder (``patch-dir``, default ``vllm-patches`` when it exists),
-    merged into ``catalog``."""
+    admitted under ``rule`` and merged into ``catalog``."""
+    require_trust = rule is Rule.RULE
     raw = table.get("patch-dir")
     if raw is None:
         folder = source.parent / DEFAULT_PATCH_DIR
@@ -197,7 +198,8 @@ def _project_patches(table: Mapping[str, Any], source: Path, catalog: Catalog,
         return (), catalog
     folder = folder.resolve()
     try:
-        merged = catalog.merged(load_patch_folders(folder, require_trust=require_trust))
+        admitted = admit_folder(folder, "the project's patch folder", rule)
+        merged = catalog.merged(load_patch_folders(admitted))
     except DuplicatePatchError as exc:
         errors += [f"{TABLE}.patch-dir: {e}" for e in exc.errors]
         return (folder,), catalog
@@ -210,7 +212,7 @@ def _project_patches(table: Mapping[str, Any], source: Path, catalog: Catalog,
     return (folder,), merged
 
 
-def find_project_dir(start: Path) -> Path | None:
+def find_project_dir(start: Path) -> AdmittedPath | None:
     """The nearest folder from ``start`` upward that holds a pyproject.toml (as uv finds its
     project). The search stops at a repository root (a folder with ``.git``) and at a
     filesystem boundary; None when there is none.
@@ -219,6 +221,8 @@ def find_project_dir(start: Path) -> Path | None:
     it must pass the ownership rule (:mod:`.trust`), else :class:`~.trust.UntrustedPath` — a
     ``pyproject.toml`` another user planted in a parent folder never configures this command.
     The working directory's own project is the user's choice, as with ``uv run``."""
+    from .trust import chosen
+
     here = start.resolve()
     try:
         device = here.stat().st_dev
@@ -228,9 +232,8 @@ def find_project_dir(start: Path) -> Path | None:
         if (here / "pyproject.toml").is_file():
             if here != start.resolve():
                 what = f"the project found above the working directory ({start})"
-                check_folder(here, what)
-                check_file(here / "pyproject.toml", f"{what}'s pyproject.toml", inside=here)
-            return here
+                return admit_project(here, what, Rule.RULE)
+            return chosen(here)
         if (here / ".git").exists() or here.parent == here:
             return None
         try:
@@ -241,24 +244,22 @@ def find_project_dir(start: Path) -> Path | None:
         here = here.parent
 
 
-def load_project_config(project_dir: Path, catalog: Catalog, require_trust: bool = False
-                        ) -> Config | None:
+def load_project_config(project: AdmittedPath, catalog: Catalog) -> Config | None:
     """The project's ``[tool.vllm-patch]``; None when the project has no such table.
 
-    ``require_trust``: the project was named by something other than the user's own command
-    (``$HATCH_VLLM_PATCH_PROJECT`` in the guard): the folder, its ``pyproject.toml`` and its patch
-    folder must pass the ownership rule (:class:`~.trust.UntrustedPath` otherwise), and the patch
-    folder must lie inside the project."""
+    ``project`` was admitted by the ownership rule (``trust.py``). What it names is admitted in
+    turn: a project the user chose may name no patch folder another user owns; a project named by
+    something else (found above the working directory, ``$HATCH_VLLM_PATCH_PROJECT`` in the
+    guard) passed the whole rule, and so must its patch folder, which must lie inside it
+    (:class:`~.trust.UntrustedPath` otherwise)."""
+    project_dir = project.path
     source = project_dir / "pyproject.toml"
-    if require_trust:
-        check_folder(project_dir, "the project")
-        if source.exists() or source.is_symlink():
-            check_file(source, "the project's pyproject.toml", inside=project_dir)
     try:
-        with source.open("rb") as f:
-            data = _toml.load(f)
+        data = load_toml(source)
     except FileNotFoundError:
         return None
+    except BoundExceeded as exc:
+        raise ConfigurationError([f"cannot be read: {exc}"], str(source)) from None
     except _toml.TOMLDecodeError as exc:
         raise ConfigurationError([f"not valid TOML: {exc}"], str(source)) from None
     except UnicodeDecodeError as exc:
@@ -277,4 +278,4 @@ def load_project_config(project_dir: Path, catalog: Catalog, require_trust: bool
     if not isinstance(table, dict):
         raise ConfigurationError([f"{TABLE}: expected a table, found {_type_name(table)}"],
                                  str(source))
-    return validate(table, source, catalog, require_trust)
+    return validate(table, source, catalog, project.rule.for_named)

@@ -22,8 +22,10 @@ from typing import Any, NamedTuple
 from .catalog import Patch
 from .engine import Verdict
 from .environment import TargetEnvironment, run_bounded
-from .errors import TargetEnvironmentError, UsageError
+from .errors import ConfigurationError, TargetEnvironmentError, UsageError
+from .files import write_atomic
 from .models import FAMILY_BY_MODEL_TYPE, read_model
+from .trust import Rule
 
 PROBE = Path(__file__).with_name("_kv_probe.py")
 PROBE_TIMEOUT = 1800.0
@@ -292,7 +294,7 @@ def run_child(python: Path, job: dict[str, Any], *, timeout: float = PROBE_TIMEO
     """Run ``_kv_probe.py`` with ``python`` on ``job``; its answer, or TargetEnvironmentError."""
     with tempfile.TemporaryDirectory(prefix="hvp-doctor-", dir=workdir) as tmp:
         job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "answer.json"
-        job_file.write_text(json.dumps(job), encoding="utf-8")
+        write_atomic(job_file, json.dumps(job))
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "HF_DATASETS_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1",
                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
@@ -504,18 +506,24 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
 
 
 def run_doctor(request: DoctorRequest, *, project_dir: Path | None, python: str | None,
-               timeout: float = PROBE_TIMEOUT) -> DoctorReport:
+               timeout: float = PROBE_TIMEOUT, project_rule: Rule = Rule.CHOSEN
+               ) -> DoctorReport:
     """Every catalog and project patch's status in the target environment, then
     :func:`diagnose`. Raises UsageError / ConfigurationError / TargetEnvironmentError."""
     from .environment import inspect_environment
     from .operations import _REGISTRY, Request, resolve, run
     from .selection import registered_architectures
 
-    resolve_model(request.model)  # usage errors first, before the environment is asked
+    # Usage errors first, before the environment is asked: the model directory, and its
+    # config.json read (bounded: size, depth) before any process is started with it.
+    try:
+        read_model(resolve_model(request.model), "--model")
+    except ConfigurationError as exc:
+        raise UsageError("; ".join(exc.errors)) from None
     if request.platform not in PLATFORMS:
         raise UsageError(f"--platform {request.platform}: expected one of {', '.join(PLATFORMS)}")
-    base = Request(project_dir=project_dir, python=python)
-    catalog, config, selection, choice = resolve(base)
+    base = Request(project_dir=project_dir, python=python, project_rule=project_rule)
+    catalog, config, selection, choice, *_ = resolve(base)
     status = run("status", base._replace(patches=tuple(catalog)))
     if status.environment.version_of("vllm") is None:
         raise TargetEnvironmentError(

@@ -103,6 +103,11 @@ def _interpreter_in(path: Path) -> Path:
     return path
 
 
+REASON_OPTION = "given with --python"
+REASON_UV_ENV = "$UV_PROJECT_ENVIRONMENT"
+REASON_RUNNING = "the running interpreter"
+
+
 def choose_interpreter(
     project_dir: Path | None,
     python_option: str | None = None,
@@ -117,19 +122,19 @@ def choose_interpreter(
         if not python_option.strip():
             raise UsageError("--python: an empty path; give an interpreter or an environment "
                              "directory, or leave the option out")
-        reason = "given with --python"
+        reason = REASON_OPTION
         return InterpreterChoice(_interpreter_in(Path(python_option)), reason)
     if config_python:
         reason = "[tool.vllm-patch] python in pyproject.toml"
         return InterpreterChoice(_interpreter_in(base / config_python), reason)
     uv_env = environ.get("UV_PROJECT_ENVIRONMENT")
     if uv_env:
-        reason = "$UV_PROJECT_ENVIRONMENT"
+        reason = REASON_UV_ENV
         return InterpreterChoice(_interpreter_in(base / uv_env), reason)
     if project_dir is not None and (project_dir / ".venv").is_dir():
         reason = "the project's .venv"
         return InterpreterChoice(_interpreter_in(project_dir / ".venv"), reason)
-    return InterpreterChoice(Path(os.path.abspath(sys.executable)), "the running interpreter")
+    return InterpreterChoice(Path(os.path.abspath(sys.executable)), REASON_RUNNING)
 
 
 def is_running_interpreter(python: Path) -> bool:

@@ -91,20 +91,42 @@ def current_umask() -> int:
     return mask
 
 
-def write_atomic(path: Path, data: bytes, *, expected: FileIdentity | None = None) -> None:
-    """Replace ``path`` with ``data`` through a new inode, keeping the file's mode, owner and
-    group (a new file gets the mode the umask gives, and, written by root, the owner and group
-    of its folder). With ``expected``, just before the
-    replace the target must still be that file (inode, size, mtime and hash): otherwise
-    :class:`TargetChanged` is raised and nothing is written."""
-    import tempfile
+_EXCLUSIVE = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+              | getattr(os, "O_CLOEXEC", 0))
 
+
+def create_exclusive(folder: Path, name: str) -> tuple[int, str]:
+    """A new file ``<folder>/.<name>.<random>.hvp-tmp``, mode 0600, opened for writing with
+    ``O_CREAT | O_EXCL | O_NOFOLLOW``: never a file or a symlink someone planted under a name
+    they could guess (that name is retried, never followed). Returns the descriptor and path."""
+    import secrets
+
+    for _ in range(100):
+        tmp = os.path.join(folder, f".{name}.{secrets.token_hex(8)}{TEMP_SUFFIX}")
+        try:
+            return os.open(tmp, _EXCLUSIVE, 0o600), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(folder))
+
+
+def write_atomic(path: Path, data: bytes | str, *, expected: FileIdentity | None = None
+                 ) -> None:
+    """Replace ``path`` with ``data`` (``str``: as UTF-8) through a new inode created exclusively
+    (:func:`create_exclusive`) in its folder, fsynced, then ``os.replace``: every file
+    hatch-vllm-patch writes, in site-packages or out of it (the record, patch folders, caches,
+    outputs), goes through here. The file's mode, owner and group are kept (a new file gets the
+    mode the umask gives, and, written by root, the owner and group of its folder). With
+    ``expected``, just before the replace the target must still be that file (inode, size,
+    mtime and hash): otherwise :class:`TargetChanged` is raised and nothing is written."""
+    if isinstance(data, str):
+        data = data.encode("utf-8")
     try:
         info: os.stat_result | None = path.stat()
     except FileNotFoundError:
         info = None
     mode = stat.S_IMODE(info.st_mode) if info is not None else 0o666 & ~current_umask()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+    fd, tmp = create_exclusive(path.parent, path.name)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -210,6 +210,7 @@ def _recorded_request(selection: Selection, logger: logging.Logger) -> Request:
     the ownership rule, with no classifier to run."""
     from .catalog import load_catalog, load_patch_folders
     from .operations import Request
+    from .trust import Rule, admit_folder
 
     catalog = load_catalog()
     for raw in selection.patch_dirs:
@@ -219,7 +220,8 @@ def _recorded_request(selection: Selection, logger: logging.Logger) -> Request:
         if not folder.is_dir():
             raise _CannotCheck(f"the recorded patch folder {folder} is gone; run: python -m "
                                f"hatch_vllm_patch apply --python {sys.executable} (in the project)")
-        catalog = catalog.merged(load_patch_folders(folder, require_trust=True))
+        catalog = catalog.merged(load_patch_folders(
+            admit_folder(folder, "the patch folder", Rule.RULE)))
     missing = [f"{p.id} (recorded from {p.folder})" for p in selection.patches
                if p.id not in catalog]
     if missing:
@@ -254,10 +256,10 @@ def _named_project(raw: str) -> Config:
     """``$HATCH_VLLM_PATCH_PROJECT``: an absolute path to a project, under the ownership rule."""
     from .catalog import load_catalog
     from .config import load_project_config
-    from .trust import require_absolute
+    from .trust import Rule, admit_project, require_absolute
 
     folder = require_absolute(raw, PROJECT_ENV)
-    config = load_project_config(folder, load_catalog(), require_trust=True)
+    config = load_project_config(admit_project(folder, "the project", Rule.RULE), load_catalog())
     if config is None:
         raise _CannotCheck(f"{folder}/pyproject.toml has no [tool.vllm-patch] table")
     return config

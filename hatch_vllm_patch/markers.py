@@ -10,6 +10,8 @@ import hashlib
 import re
 from typing import NamedTuple
 
+from .names import is_patch_id, shown
+
 BEGIN = b"\n# >>> hatch-vllm-patch: "
 END = b"# <<< hatch-vllm-patch: "
 _BEGIN_LINE = re.compile(rb"^# >>> hatch-vllm-patch: ([a-z0-9-]+) sha256=([0-9a-f]{64})\n")
@@ -53,6 +55,8 @@ class ParsedFile(NamedTuple):
 
 
 def render_block(patch_id: str, body: bytes) -> bytes:
+    if not is_patch_id(patch_id):  # a marker line is never made from a bad id
+        raise MarkerError(f"{shown(patch_id)} is not a patch id: no marker is written for it")
     return (
         BEGIN
         + f"{patch_id} sha256={sha256_hex(body)}\n".encode()

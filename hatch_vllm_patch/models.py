@@ -6,13 +6,13 @@ Fine-tunes keep the base ``architectures`` or carry a custom name; ``model_type`
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from .bounded import MAX_BYTES, MAX_DEPTH, BoundExceeded, load_json
 from .errors import ConfigurationError, UsageError
 
 # model_type -> the vLLM architecture of that family
@@ -55,11 +55,15 @@ def read_model(path: Path, where: str = "model") -> ModelInfo:
     """Read ``<path>/config.json``; ConfigurationError (prefixed by ``where``) when unusable."""
     config_file = path / "config.json"
     try:
-        data = json.loads(config_file.read_text(encoding="utf-8"))
+        data = load_json(config_file)
     except FileNotFoundError:
         raise ConfigurationError(
             [f"{where}: {config_file} does not exist (a model directory needs config.json)"]
         ) from None
+    except BoundExceeded as exc:
+        raise ConfigurationError([f"{where}: {config_file} is refused: {exc} (a model's "
+                                  f"config.json is read up to {MAX_BYTES >> 20} MiB and "
+                                  f"{MAX_DEPTH} levels deep)"]) from None
     except (OSError, ValueError) as exc:
         raise ConfigurationError([f"{where}: {config_file} is not readable JSON: {exc}"]) from None
     if not isinstance(data, dict):
@@ -81,7 +85,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?$")
 
 
 def is_hub_id(text: str) -> bool:
-    return bool(_HUB_ID.match(text)) and ".." not in text
+    return bool(_HUB_ID.fullmatch(text)) and ".." not in text
 
 
 def hub_cache_dir(environ: Mapping[str, str] | None = None) -> Path:

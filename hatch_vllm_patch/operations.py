@@ -34,6 +34,9 @@ from .engine import (
     shape_key,
 )
 from .environment import (
+    REASON_OPTION,
+    REASON_RUNNING,
+    REASON_UV_ENV,
     InterpreterChoice,
     ModuleQuery,
     TargetEnvironment,
@@ -69,6 +72,14 @@ from .record import (
 from .record import Selection as SelectionRecord
 from .report import PatchOutcome, Report
 from .selection import Selection, registered_architectures, select, unknown_architecture_notes
+from .trust import (
+    AdmittedPath,
+    Rule,
+    UntrustedPath,
+    admit_folder,
+    admit_interpreter,
+    admit_project,
+)
 
 OPERATIONS = ("apply", "verify", "revert", "status", "diff")
 _REGISTRY = ModuleQuery("vllm", "vllm.model_executor.models.registry",
@@ -100,7 +111,10 @@ class Request(NamedTuple):
     strict: bool = False  # verify: a block in place that the selection does not name fails
     catalog: Catalog | None = None
     config: Config | None = None  # given: used as is; None: read from the project
-    extra_patch_dirs: tuple[Path, ...] = ()  # project patch folders to merge (the guard's record)
+    extra_patch_dirs: tuple[Path, ...] = ()  # the project's patch folders to merge (create's)
+    # How the project came to be named: the user's choice (--project, the working directory's
+    # own), or found above the working directory (the whole ownership rule, ``trust.Rule``).
+    project_rule: Rule = Rule.CHOSEN
     in_process: bool = True  # inspect the running interpreter in this process when it is the target
     on_wait: Callable[[str], None] | None = None
     # Called with each file written, right after the write and before Ctrl-C can strike again
@@ -112,9 +126,28 @@ class Request(NamedTuple):
         return bool(self.patches or self.architectures or self.models)
 
 
+class Resolved(NamedTuple):
+    """A request resolved: every path in it that is read as code or configuration, or run, was
+    admitted by the ownership rule (``trust.py``), here and nowhere else."""
+
+    catalog: Catalog
+    config: Config | None
+    selection: Selection
+    choice: InterpreterChoice
+    project: AdmittedPath | None  # the project, as the user chose it or as the rule admitted it
+    interpreter: AdmittedPath  # ``choice.python``, admitted
+    patch_dirs: tuple[AdmittedPath, ...]  # every folder the catalog's patches were loaded from
+
+
 def resolve(request: Request, config_problems: list[str] | None = None, carried: bool = False
-            ) -> tuple[Catalog, Config | None, Selection, InterpreterChoice]:
+            ) -> Resolved:
     """The pure-ish front half shared by every operation and the build hook: no writes.
+
+    The one gate: the project, its patch folders, its interpreter (``python``, ``.venv``, a
+    relative ``$UV_PROJECT_ENVIRONMENT``), the carried folders and the catalogs are admitted by
+    the ownership rule here. What the user's own command names (``--project``, ``--python``, the
+    working directory's project) is the user's choice; what a chosen project names may not be
+    another user's; what a project found above the working directory names passes the whole rule.
 
     ``config_problems``: when given, an unusable pyproject.toml is described there and treated
     as no configuration (``revert``, the way out, must not depend on it).
@@ -122,10 +155,20 @@ def resolve(request: Request, config_problems: list[str] | None = None, carried:
     what the distributions installed in the target carry (``carried.py``)."""
     catalog = request.catalog or load_catalog()
     project_dir = request.project_dir
-    config = request.config
-    if config is None and project_dir is not None:
+    project = None
+    if project_dir is not None:
+        what = ("the project found above the working directory"
+                if request.project_rule is Rule.RULE else "the project")
         try:
-            config = load_project_config(project_dir, catalog)
+            project = admit_project(project_dir, what, request.project_rule)
+        except UntrustedPath as exc:
+            raise UsageError(f"{exc}; or run in that folder, or name it with --project"
+                             ) from None
+    names = project.rule.for_named if project is not None else Rule.OWNER
+    config = request.config
+    if config is None and project is not None:
+        try:
+            config = load_project_config(project, catalog)
         except ConfigurationError as exc:
             if config_problems is None:
                 raise
@@ -134,10 +177,15 @@ def resolve(request: Request, config_problems: list[str] | None = None, carried:
         catalog = config.catalog
     for folder in request.extra_patch_dirs:
         try:
-            catalog = catalog.merged(load_patch_folders(folder))
+            catalog = catalog.merged(load_patch_folders(
+                admit_folder(folder, "the project's patch folder", names)))
+        except UntrustedPath:
+            raise
         except CatalogError as exc:
             raise ConfigurationError([f"{folder}: {exc}"]) from None
     choice = choose_interpreter(project_dir, request.python, config.python if config else None)
+    interpreter = admit_interpreter(choice.python, f"the interpreter ({choice.reason})",
+                                    _interpreter_rule(choice, names))
     if carried and config is None and not request.command_line_selection:
         from .carried import join_carried
 
@@ -148,7 +196,19 @@ def resolve(request: Request, config_problems: list[str] | None = None, carried:
             catalog = config.catalog
     selection = select(catalog, config, patches=request.patches,
                        architectures=request.architectures, models=request.models)
-    return catalog, config, selection, choice
+    return Resolved(catalog, config, selection, choice, project, interpreter, catalog.admitted)
+
+
+def _interpreter_rule(choice: InterpreterChoice, names: Rule) -> Rule:
+    """``--python``, an absolute ``$UV_PROJECT_ENVIRONMENT`` and the running interpreter are the
+    user's choice; an interpreter the project names (its ``python`` key, its ``.venv``, a
+    ``$UV_PROJECT_ENVIRONMENT`` relative to it) is admitted as what the project names."""
+    if choice.reason in (REASON_OPTION, REASON_RUNNING):
+        return Rule.CHOSEN
+    if choice.reason == REASON_UV_ENV and os.path.isabs(os.environ.get("UV_PROJECT_ENVIRONMENT",
+                                                                        "")):
+        return Rule.CHOSEN
+    return names
 
 
 def _origin(request: Request, config: Config | None, env: TargetEnvironment
@@ -201,7 +261,7 @@ def run(operation: str, request: Request) -> Report:
     if operation not in OPERATIONS:
         raise UsageError(f"unknown operation {operation!r}; expected one of {OPERATIONS}")
     problems: list[str] = []
-    catalog, config, selection, choice = resolve(
+    catalog, config, selection, choice, *_ = resolve(
         request, problems if operation == "revert" else None,
         carried=operation in {"apply", "verify", "diff"})
     patches: Sequence[Patch] = selection.patches

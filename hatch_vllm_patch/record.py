@@ -48,6 +48,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar, TypeVar
 
+from .bounded import loads_json
+from .names import is_patch_id, shown
+
 RECORD_NAME = ".hatch-vllm-patch.json"
 EDITS_DIR = ".hatch-vllm-patch-edits"  # pristine copies of files under edit, by sha256
 FORMAT = 2
@@ -500,7 +503,7 @@ def parse_record(raw: bytes, roots: tuple[str, ...] = (),
     if len(raw) > MAX_RECORD_BYTES:
         raise RecordDamaged(f"is damaged: more than {MAX_RECORD_BYTES} bytes")
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = loads_json(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise RecordDamaged(f"is not valid JSON ({exc})") from None
     if not isinstance(data, dict):
@@ -557,6 +560,12 @@ def _text(value: object, where: str, optional: bool = False) -> Any:
     return value
 
 
+def _patch_id(value: object, where: str) -> str:
+    if not is_patch_id(value):
+        raise RecordDamaged(f"{where} {shown(value)} is not a patch id")
+    return str(value)
+
+
 def _file_entry(path: str, raw: object) -> FileEntry:
     where = f'"files"[{path!r}]'
     if not isinstance(raw, dict):
@@ -565,6 +574,8 @@ def _file_entry(path: str, raw: object) -> FileEntry:
     if not isinstance(patches, dict) or not all(
             isinstance(v, str) and _SHA256.fullmatch(v) for v in patches.values()):
         raise RecordDamaged(f"{where}.patches is not an object of digests")
+    for key in patches:
+        _patch_id(key, f"{where}.patches key")
     known = raw.get("known_shapes", {})
     if not isinstance(known, dict) or not all(isinstance(v, str) for v in known.values()):
         raise RecordDamaged(f"{where}.known_shapes is not an object of strings")
@@ -601,7 +612,7 @@ def _selection(raw: object, roots: tuple[str, ...] = (),
         if not isinstance(p, dict) or not isinstance(p.get("ok"), bool):
             raise RecordDamaged(f"{where} is not a patch entry")
         entry = SelectedPatch(
-            id=_text(p.get("id"), f"{where}.id"),
+            id=_patch_id(p.get("id"), f"{where}.id"),
             distribution=_text(p.get("distribution"), f"{where}.distribution"),
             module=_text(p.get("module"), f"{where}.module"),
             verdict=_text(p.get("verdict"), f"{where}.verdict"),

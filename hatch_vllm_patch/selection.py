@@ -12,6 +12,7 @@ from .catalog import Catalog, Patch
 from .config import Config
 from .errors import ConfigurationError, UsageError
 from .models import ModelInfo, read_model
+from .names import ID_RULE, is_patch_id, shown
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
@@ -101,6 +102,8 @@ def select(
     builder = _Builder(catalog, config)
     if patches or architectures or models:
         for pid in patches:
+            if not is_patch_id(pid):
+                raise UsageError(f"--patch {shown(pid)}: {ID_RULE}")
             if pid not in catalog:
                 import difflib
 

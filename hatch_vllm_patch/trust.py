@@ -22,6 +22,7 @@ Import-light: the guard asks it about the record in every vLLM process (a few ``
 
 from __future__ import annotations
 
+import enum
 import os
 import stat
 from pathlib import Path
@@ -166,3 +167,151 @@ def require_absolute(value: str, variable: str) -> Path:
         raise UntrustedPath(f"${variable}={value} is a relative path: it would be read from each "
                             "process's working directory; give an absolute path")
     return Path(value)
+
+
+# --- the gate: a path the rule admitted --------------------------------------------------------
+
+class Rule(enum.Enum):
+    """How a path came to be read, and so what it must pass."""
+
+    #: named by the user's own command (``--project``, ``--python``, the working directory's own
+    #: project, a folder given to ``check``) or shipped with hatch-vllm-patch: read as is.
+    CHOSEN = "chosen"
+    #: named by a project the user chose (its ``python`` key, ``.venv``, ``patch-dir``): read
+    #: unless another user owns it.
+    OWNER = "owner"
+    #: named by anything else (a project found above the working directory, the record, a
+    #: distribution, an environment variable): the whole ownership rule, parents included.
+    RULE = "rule"
+
+    @property
+    def for_named(self) -> Rule:
+        """The rule for what a path admitted by this rule names in turn."""
+        return Rule.RULE if self is Rule.RULE else Rule.OWNER
+
+
+_KEY = object()
+
+
+class AdmittedPath:
+    """A path the ownership rule admitted, with the rule it passed. Only the ``admit_*``
+    functions of this module construct one; readers of code and configuration take this type,
+    never a raw path, so a new reader cannot forget to ask."""
+
+    __slots__ = ("path", "rule")
+    path: Path
+    rule: Rule
+
+    def __init__(self, path: Path, rule: Rule, key: object) -> None:
+        if key is not _KEY:
+            raise TypeError("an AdmittedPath is made by trust.admit_*, never directly")
+        object.__setattr__(self, "path", Path(path))
+        object.__setattr__(self, "rule", rule)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("an AdmittedPath is immutable")
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def __repr__(self) -> str:
+        return f"AdmittedPath({str(self.path)!r}, {self.rule.name})"
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, AdmittedPath) and other.path == self.path
+                and other.rule is self.rule)
+
+    def __hash__(self) -> int:
+        return hash((self.path, self.rule))
+
+    def member(self, path: Path | str, what: str) -> None:
+        """A file or folder read from this admitted folder passes the folder's rule: nothing
+        for a chosen folder, its owner for :attr:`Rule.OWNER`, the whole rule (a plain file
+        inside the folder) for :attr:`Rule.RULE`."""
+        if self.rule is Rule.RULE:
+            if os.path.isdir(path) and not os.path.islink(path):
+                check_folder(path, what)
+            else:
+                check_file(path, what, inside=self.path)
+        elif self.rule is Rule.OWNER:
+            check_owner(path, what)
+
+
+def chosen(path: Path | str) -> AdmittedPath:
+    """A path the user's own command named (or one shipped with hatch-vllm-patch): admitted as
+    the user's choice, without a check."""
+    return AdmittedPath(Path(path), Rule.CHOSEN, _KEY)
+
+
+def check_owner(path: Path | str, what: str) -> None:
+    """``path`` (and, for a symlink, the link and what it leads to) is not owned by another
+    user: owned by this user or root, or named in ``$HATCH_VLLM_PATCH_TRUST``."""
+    if explicitly_trusted(path):
+        return
+    given = os.path.abspath(path)
+    for name in dict.fromkeys((given, os.path.realpath(given))):
+        try:
+            st = os.lstat(name)
+        except FileNotFoundError:
+            continue  # what does not exist runs nothing; its reader says it is missing
+        except OSError as exc:
+            raise UntrustedPath(f"hatch-vllm-patch cannot check {what} {name}: "
+                                f"{exc.strerror or exc}") from None
+        if st.st_uid not in (os.geteuid(), 0):
+            raise _refuse(what, name, st, "owned by another user")
+
+
+def admit_folder(path: Path | str, what: str, rule: Rule) -> AdmittedPath:
+    """``path`` under ``rule`` (see :class:`Rule`), or :class:`UntrustedPath`."""
+    if rule is Rule.RULE:
+        check_folder(path, what)
+    elif rule is Rule.OWNER:
+        check_owner(path, what)
+    return AdmittedPath(Path(path), rule, _KEY)
+
+
+def admit_project(path: Path | str, what: str, rule: Rule) -> AdmittedPath:
+    """A project folder and its ``pyproject.toml`` under ``rule``."""
+    admitted = admit_folder(path, what, rule)
+    source = Path(path) / "pyproject.toml"
+    if rule is not Rule.CHOSEN and (source.exists() or source.is_symlink()):
+        admitted.member(source, f"{what}'s pyproject.toml")
+    return admitted
+
+
+def admit_interpreter(python: Path | str, what: str, rule: Rule) -> AdmittedPath:
+    """An interpreter that will be run: the file (and what a symlink leads to), and when it
+    lies in a virtual environment the environment's folder, ``bin`` and ``pyvenv.cfg``, under
+    ``rule``. A base interpreter a venv links to (``/usr/bin/python3``) is root's."""
+    path = Path(os.path.abspath(python))
+    if rule is Rule.CHOSEN:
+        return AdmittedPath(path, rule, _KEY)
+    env = path.parent.parent
+    parts = [path.parent, path]
+    if (env / "pyvenv.cfg").exists() or (env / "pyvenv.cfg").is_symlink():
+        parts = [env, env / "pyvenv.cfg", *parts]
+    for part in parts:
+        if rule is Rule.OWNER:
+            check_owner(part, what)
+            continue
+        if part.is_dir() and not part.is_symlink():
+            check_folder(part, what)
+            continue
+        st = _stat(str(part), what) if part.exists() or part.is_symlink() else None
+        if st is None:
+            continue  # not there: the interpreter is reported missing when it is run
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in (os.geteuid(), 0) and not explicitly_trusted(part):
+                raise _refuse(what, str(part), st, "a symlink not owned by this user or root")
+            real = os.path.realpath(part)
+            target = _stat(real, what)
+            problem = _problem(target, parent=False)
+            if problem is not None and not explicitly_trusted(real):
+                raise _refuse(what, real, target, problem)
+            check_parents(real, what)
+        else:
+            check_file(part, what)
+    return AdmittedPath(path, rule, _KEY)

@@ -10,6 +10,7 @@ import pytest
 
 from hatch_vllm_patch.catalog import load_patch_folders
 from hatch_vllm_patch.errors import CatalogError
+from hatch_vllm_patch.trust import chosen
 
 DIGEST_A, DIGEST_B = "a" * 64, "b" * 64
 
@@ -49,7 +50,7 @@ def test_two_targets_make_one_patch_with_a_part_per_module(tmp_path: Path) -> No
     """Each [[targets]] entry is a part: its module, symbols, shapes, adds and block file."""
     root = write(tmp_path, TWO_TARGETS, {"demo_pkg.core.py": "def compute(v):\n    return 0\n",
                                          "extra-block.py": "def limit():\n    return 1\n"})
-    patch = load_patch_folders(root)["two-fix"]
+    patch = load_patch_folders(chosen(root))["two-fix"]
     assert [m.target.module for m in patch.parts] == ["demo_pkg.core", "demo_pkg.extra"]
     core, extra = patch.parts
     assert core.block_name == "demo_pkg.core.py" and core.symbol_shapes == {
@@ -76,7 +77,7 @@ def test_what_is_wrong_with_targets_is_named(tmp_path: Path, change: object,
     root = write(tmp_path, change(TWO_TARGETS), {"demo_pkg.core.py": "pass\n",
                                                  "extra-block.py": "pass\n"})
     with pytest.raises(CatalogError) as info:
-        load_patch_folders(root)
+        load_patch_folders(chosen(root))
     assert problem in str(info.value), str(info.value)
 
 
@@ -84,4 +85,4 @@ def test_a_missing_block_file_is_named(tmp_path: Path) -> None:
     """Each target's block must exist."""
     root = write(tmp_path, TWO_TARGETS, {"demo_pkg.core.py": "pass\n"})
     with pytest.raises(CatalogError, match=r"extra-block\.py is missing"):
-        load_patch_folders(root)
+        load_patch_folders(chosen(root))

@@ -10,11 +10,12 @@ import pytest
 from conftest import write_demo_catalog
 
 from hatch_vllm_patch.catalog import Catalog, load_catalog
-from hatch_vllm_patch.config import load_project_config
+from hatch_vllm_patch.config import Config, load_project_config
 from hatch_vllm_patch.environment import choose_interpreter
 from hatch_vllm_patch.errors import CatalogError, ConfigurationError, UsageError
 from hatch_vllm_patch.models import read_model
 from hatch_vllm_patch.selection import select, unknown_architecture_notes
+from hatch_vllm_patch.trust import chosen
 
 
 @pytest.fixture
@@ -24,6 +25,11 @@ def catalog(tmp_path: Path) -> Catalog:
     (root / "demo-fix" / "patch.toml").write_text(
         toml.replace('["DemoForCausalLM"]', '["Qwen3_5MoeForConditionalGeneration"]'))
     return load_catalog(root)
+
+
+def load_config(project_dir: Path, catalog: Catalog) -> Config | None:
+    """The project's configuration, the project named by the user's command."""
+    return load_project_config(chosen(project_dir), catalog)
 
 
 def project(tmp_path: Path, table: str) -> Path:
@@ -41,8 +47,8 @@ def model(path: Path, **config: object) -> Path:
 
 def test_no_table_means_no_config(tmp_path: Path, catalog: Catalog) -> None:
     """A project without [tool.vllm-patch] has no config (and no pyproject is fine too)."""
-    assert load_project_config(project(tmp_path, "[project]\nname='x'\n"), catalog) is None
-    assert load_project_config(tmp_path / "nowhere", catalog) is None
+    assert load_config(project(tmp_path, "[project]\nname='x'\n"), catalog) is None
+    assert load_config(tmp_path / "nowhere", catalog) is None
 
 
 def test_every_error_is_reported_with_its_toml_path(tmp_path: Path, catalog: Catalog) -> None:
@@ -59,7 +65,7 @@ def test_every_error_is_reported_with_its_toml_path(tmp_path: Path, catalog: Cat
         colour = "red"
         """)
     with pytest.raises(ConfigurationError) as info:
-        load_project_config(root, catalog)
+        load_config(root, catalog)
     assert info.value.errors == [
         "tool.vllm-patch.extra: unknown key (expected one of: architectures, guard, models, "
         "patch-dir, patches, python)",
@@ -78,18 +84,18 @@ def test_invalid_toml_is_a_configuration_error(tmp_path: Path, catalog: Catalog)
     """A pyproject.toml that does not parse is reported, not raised as a traceback."""
     root = project(tmp_path, "[tool.vllm-patch\n")
     with pytest.raises(ConfigurationError, match="not valid TOML"):
-        load_project_config(root, catalog)
+        load_config(root, catalog)
 
 
 def test_architecture_table_selects_explicit_or_default_patches(tmp_path: Path,
                                                                 catalog: Catalog) -> None:
     """An architecture table selects its listed patches, or the catalog's when none are listed."""
-    explicit = load_project_config(project(tmp_path, """
+    explicit = load_config(project(tmp_path, """
         [tool.vllm-patch.architectures.Qwen3_5MoeForConditionalGeneration]
         patches = []
         """), catalog)
     assert select(catalog, explicit).patches == ()
-    default = load_project_config(project(tmp_path, """
+    default = load_config(project(tmp_path, """
         [tool.vllm-patch.architectures.Qwen3_5MoeForConditionalGeneration]
         """), catalog)
     chosen = select(catalog, default)
@@ -100,7 +106,7 @@ def test_architecture_table_selects_explicit_or_default_patches(tmp_path: Path,
 def test_fine_tune_resolves_through_model_type(tmp_path: Path, catalog: Catalog) -> None:
     """A custom architecture name resolves to its family through model_type."""
     model(tmp_path / "proj" / "ft", architectures=["MyChat"], model_type="qwen3_5_moe")
-    config = load_project_config(project(tmp_path, """
+    config = load_config(project(tmp_path, """
         [tool.vllm-patch]
         models = ["ft"]
         """), catalog)
@@ -123,7 +129,7 @@ def test_custom_architecture_table_uses_the_models_family(tmp_path: Path,
                                                           catalog: Catalog) -> None:
     """A table keyed by a fine-tune's own name gets its family's patches via the model dir."""
     model(tmp_path / "proj" / "ft", architectures=["MyChat"], model_type="qwen3_5_moe")
-    config = load_project_config(project(tmp_path, """
+    config = load_config(project(tmp_path, """
         [tool.vllm-patch]
         models = ["ft"]
         [tool.vllm-patch.architectures.MyChat]
@@ -142,7 +148,7 @@ def test_unknown_hybrid_gets_a_note(tmp_path: Path, catalog: Catalog) -> None:
 
 def test_command_line_overrides_config(tmp_path: Path, catalog: Catalog) -> None:
     """--patch / --architecture replace the project's selection; unknown ids are usage errors."""
-    config = load_project_config(project(tmp_path, """
+    config = load_config(project(tmp_path, """
         [tool.vllm-patch.architectures.Qwen3_5MoeForConditionalGeneration]
         patches = []
         """), catalog)
@@ -190,7 +196,7 @@ def test_table_reached_through_a_model_is_one_reason(tmp_path: Path, catalog: Ca
     """A model whose family has its own table (the example project's setup) gives one reason
     per patch, naming the table and the model; the architecture is listed once."""
     model(tmp_path / "proj" / "ft", architectures=["MyChat"], model_type="qwen3_5_moe")
-    config = load_project_config(project(tmp_path, """
+    config = load_config(project(tmp_path, """
         [tool.vllm-patch]
         models = ["ft"]
         [tool.vllm-patch.architectures.Qwen3_5MoeForConditionalGeneration]

@@ -23,7 +23,16 @@ from conftest import DEMO_BLOCK, cli, vllm_like, write_demo_catalog
 from venvs import UV, run, site_packages
 
 from hatch_vllm_patch.catalog import load_patch_folders
-from hatch_vllm_patch.trust import TRUST_ENV, UntrustedPath, check_file, check_folder
+from hatch_vllm_patch.trust import (
+    TRUST_ENV,
+    Rule,
+    UntrustedPath,
+    admit_folder,
+    admit_project,
+    check_file,
+    check_folder,
+    chosen,
+)
 
 NOBODY = 65534
 RECORD = ".hatch-vllm-patch.json"
@@ -105,18 +114,18 @@ def test_symlinks_and_paths_out_of_a_checked_folder_are_refused(tmp_path: Path) 
     (folder / "block.py").unlink()
     (folder / "block.py").symlink_to(secret)
     with pytest.raises(UntrustedPath, match="a symlink"):
-        load_patch_folders(catalog, require_trust=True)
-    load_patch_folders(catalog)  # the user's own folder (named by their command) is read as is
+        load_patch_folders(admit_folder(catalog, "the patch folder", Rule.RULE))
+    load_patch_folders(chosen(catalog))  # the user's own folder (named by their command): as is
     (folder / "block.py").unlink()
     (folder / "block.py").write_text(DEMO_BLOCK)
     manifest = folder / "patch.toml"
     text = manifest.read_text()
     manifest.write_text(text[:text.index("shapes = ")] + 'classifier = "../../secret.py"\n')
     with pytest.raises(UntrustedPath, match="not a file of the patch folder"):
-        load_patch_folders(catalog, require_trust=True)
+        load_patch_folders(admit_folder(catalog, "the patch folder", Rule.RULE))
     (folder.parent / "linked").symlink_to(tmp_path)
     manifest.write_text(text)
-    catalog_read = load_patch_folders(catalog, require_trust=True)
+    catalog_read = load_patch_folders(admit_folder(catalog, "the patch folder", Rule.RULE))
     assert list(catalog_read) == ["demo-fix"], "a symlinked patch folder is not a patch"
 
 
@@ -328,8 +337,8 @@ def test_a_named_project_keeps_its_patch_folder_inside(tmp_path: Path) -> None:
         (project / "pyproject.toml").write_text(
             f'[tool.vllm-patch]\npatch-dir = "{raw}"\npatches = ["demo-fix"]\n')
         with pytest.raises(ConfigurationError, match="leaves the project"):
-            load_project_config(project, load_catalog(), require_trust=True)
-        config = load_project_config(project, load_catalog())
+            load_project_config(admit_project(project, "the project", Rule.RULE), load_catalog())
+        config = load_project_config(chosen(project), load_catalog())
         assert config is not None and "demo-fix" in (config.catalog or {})
 
 

@@ -16,6 +16,7 @@ from ..environment import ModuleQuery, TargetEnvironment, inspect_environment, r
 from ..errors import CatalogError, UsageError, VllmPatchError
 from ..markers import MarkerError, parse_file
 from ..operations import Request, resolve
+from ..trust import AdmittedPath, Rule, admit_folder, chosen
 from .render import PLACEHOLDER
 from .symbols import unresolved_names
 
@@ -37,29 +38,34 @@ def check(request: Request, folders: list[Path]) -> list[FolderCheck]:
     that the block compiles and binds nothing but its symbols and ``_hvp_`` names, the id, the
     shape digests (against the installed code, when it is installed), and that the probe and
     the classifier import."""
+    admitted = [chosen(folder) for folder in folders]  # named by the user's command
     if not folders:
-        _, config, _, _ = resolve(request)
+        resolved = resolve(request)
+        config = resolved.config
         project = request.project_dir or Path.cwd()
         dirs = config.patch_dirs if config and config.patch_dirs else (project / DEFAULT_PATCH_DIR,)
         folders = [d for d in dirs if d.is_dir()]
         if not folders:
             raise UsageError(f"no patch folder to check: {dirs[0]} does not exist; pass "
                              "PATCH_DIR")
-    patches: list[Path] = []
-    for folder in folders:
+        # What the project names (its classifiers and probes are imported below).
+        names = resolved.project.rule.for_named if resolved.project else Rule.OWNER
+        admitted = [admit_folder(d, "the project's patch folder", names) for d in folders]
+    patches: list[tuple[Path, AdmittedPath]] = []
+    for folder, root in zip(folders, admitted, strict=True):
         if not folder.is_dir():
             raise UsageError(f"{folder}: not a folder")
         if (folder / "patch.toml").is_file():
-            patches.append(folder)
+            patches.append((folder, root))
         else:
-            patches += sorted(p for p in folder.iterdir() if p.is_dir()
-                              and not p.name.startswith((".", "_")))
+            patches += [(p, root) for p in sorted(folder.iterdir()) if p.is_dir()
+                        and not p.name.startswith((".", "_"))]
     if not patches:
         raise UsageError(f"no patch folder (with a patch.toml) in {', '.join(map(str, folders))}")
     loaded: list[tuple[Path, Patch | None, str]] = []
-    for folder in patches:
+    for folder, root in patches:
         try:
-            loaded.append((folder, _load_patch(folder), ""))
+            loaded.append((folder, _load_patch(folder, root), ""))
         except CatalogError as exc:
             problems = [str(exc)]
             block = folder / "block.py"
@@ -71,7 +77,7 @@ def check(request: Request, folders: list[Path]) -> list[FolderCheck]:
             loaded.append((folder, None, "\n".join(problems)))
     env: TargetEnvironment | None = None
     try:  # the target is optional for check: the folders are checked regardless
-        _, _, _, choice = resolve(request)
+        choice = resolve(request).choice
         env = inspect_environment(choice, [
             ModuleQuery(m.target.distribution, m.target.module, m.target.relative_path)
             for _, p, _ in loaded if p is not None for m in p.parts],

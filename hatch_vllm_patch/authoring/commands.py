@@ -30,8 +30,10 @@ from ..files import (
     read_identified,
     replace_module_file,
     replace_module_files,
+    write_atomic,
 )
 from ..markers import MarkerError, parse_file, sha256_hex
+from ..names import ID_RULE, is_patch_id, shown
 from ..operations import Request, resolve, run
 from ..record import (
     EditSession,
@@ -44,11 +46,11 @@ from ..record import (
     save_record,
 )
 from ..report import Report
+from ..trust import chosen
 from .draft import Draft, ModuleChange, draft_patch
 from .render import PLACEHOLDER, ManifestTarget, render_manifest, render_wrapper_block
 from .symbols import SymbolChange
 
-_ID = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+$")
 
 
@@ -66,7 +68,7 @@ def write_patch_folder(patch_dir: Path, patch_id: str, files: dict[str, str]) ->
         staging.chmod(0o777 & ~current_umask())  # like any folder the user makes (not 0700)
         for name, text in files.items():
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
-            (staging / name).write_text(text, encoding="utf-8")
+            write_atomic(staging / name, text)
         os.rename(staging, final)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -84,10 +86,9 @@ class _NewPatch(NamedTuple):
 def _check_new_id(patch_id: str, request: Request) -> _NewPatch:
     """Where a new patch goes; UsageError when the id is not usable (not kebab-case, or already
     a patch of the catalog or of the project)."""
-    if not _ID.match(patch_id):
-        raise UsageError(f"{patch_id!r}: a patch id is kebab-case (lowercase letters, digits and "
-                         "single hyphens), e.g. clearer-kv-memory-error")
-    catalog, config, _, choice = resolve(request)
+    if not is_patch_id(patch_id):
+        raise UsageError(f"{shown(patch_id)}: {ID_RULE}")
+    catalog, config, _, choice, *_ = resolve(request)
     if patch_id in catalog:
         raise UsageError(f"{patch_id!r} is already a patch ({catalog[patch_id].folder}); "
                          "choose another id")
@@ -142,11 +143,11 @@ def _close_modules(module: str, package_dir: Path | None) -> str:
 
 def _inspect(request: Request, module: str, choice: InterpreterChoice | None = None
              ) -> TargetEnvironment:
-    if not _MODULE.match(module):
+    if not _MODULE.fullmatch(module):
         raise UsageError(f"{module!r} is not a dotted module path inside a package "
                          "(e.g. vllm.v1.core.kv_cache_utils)")
     if choice is None:
-        choice = resolve(request)[3]
+        choice = resolve(request).choice
     return inspect_environment(choice, [ModuleQuery("", module, module_relative_path(module))],
                                in_process=request.in_process)
 
@@ -441,7 +442,7 @@ def create_from_diff(request: Request, patch_id: str, diff: str, *, source: str,
         if file.path.endswith(".py") and "/" in file.path:
             modules.setdefault(file.path[:-3].replace("/", "."), file.path)
     queries = [ModuleQuery("", m, module_relative_path(m)) for m in modules
-               if _MODULE.match(m)]
+               if _MODULE.fullmatch(m)]
     env = inspect_environment(new_patch.choice, queries, in_process=request.in_process)
     installed_tops = {m.split(".")[0] for m in modules
                       if m in env.modules and env.modules[m].file is not None}
@@ -503,7 +504,7 @@ def _write_draft(new_patch: _NewPatch, patch_id: str, draft: Draft) -> Path:
     """The draft as ``<patch-dir>/<patch_id>/``, which must load as the engine will load it."""
     folder = write_patch_folder(new_patch.folder, patch_id, draft.files)
     try:
-        load_patch_folders(new_patch.folder)
+        load_patch_folders(chosen(new_patch.folder))  # the folder this command just wrote
     except CatalogError as exc:
         shutil.rmtree(folder, ignore_errors=True)
         raise UsageError(f"the generated patch does not load (a bug; please report): {exc}"

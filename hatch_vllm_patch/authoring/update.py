@@ -12,6 +12,7 @@ open the modules for editing with git's markers, and ``update ID --continue`` fi
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import shutil
 import tempfile
@@ -23,11 +24,13 @@ from ..config import DEFAULT_PATCH_DIR
 from ..engine import locate_in, node_source, scope_classes
 from ..environment import ModuleQuery, TargetEnvironment, inspect_environment
 from ..errors import CatalogError, UsageError
-from ..files import FileIdentity, locked, read_identified, replace_module_files
+from ..files import FileIdentity, locked, read_identified, replace_module_files, write_atomic
 from ..markers import MarkerError, parse_file, sha256_hex
+from ..names import ID_RULE, is_patch_id, shown
 from ..operations import Request, resolve, run
 from ..record import EditSession, drop_pristine, keep_pristine, save_record
 from ..report import Report
+from ..trust import chosen
 from .commands import (
     _installed_pristine,
     _pristine,
@@ -69,7 +72,9 @@ class _Merged(NamedTuple):
 
 
 def _project_patch(request: Request, patch_id: str) -> tuple[Patch, Path]:
-    catalog, config, _, _ = resolve(request)
+    if not is_patch_id(patch_id):
+        raise UsageError(f"{shown(patch_id)}: {ID_RULE}")
+    catalog, config, *_ = resolve(request)
     if patch_id not in catalog:
         raise UsageError(f"{patch_id!r} is not a patch of this project (nor of the catalog)")
     patch = catalog[patch_id]
@@ -213,7 +218,7 @@ def update(request: Request, patch_id: str, *, base: Path | None = None,
            set_fixed_in: bool = False, resume: bool = False) -> UpdateResult:
     """Merge ``patch_id`` onto the installed release (see the module's docstring)."""
     patch, project = _project_patch(request, patch_id)
-    choice = resolve(request)[3]
+    choice = resolve(request).choice
     env = inspect_environment(choice, [
         ModuleQuery(m.target.distribution, m.target.module, m.target.relative_path)
         for m in patch.parts], in_process=request.in_process)
@@ -362,7 +367,9 @@ def _replace_patch_files(patch: Patch, draft: Draft) -> None:
     folder = patch.folder
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".hvp-tmp",
                                     dir=folder.parent))
-    old = folder.with_name(f".{folder.name}.old.hvp-tmp")
+    # A fresh empty folder of a random name (mkdtemp: exclusive), replaced by the old folder.
+    old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old.", suffix=".hvp-tmp",
+                                dir=folder.parent))
     try:
         for item in folder.iterdir():
             if item.name in _generated(patch):
@@ -370,20 +377,21 @@ def _replace_patch_files(patch: Patch, draft: Draft) -> None:
             if item.is_dir():
                 shutil.copytree(item, staging / item.name, symlinks=True)
             else:
-                shutil.copy2(item, staging / item.name)
+                shutil.copy2(item, staging / item.name, follow_symlinks=False)
         for name, text in draft.files.items():
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
-            (staging / name).write_text(text, encoding="utf-8")
-        shutil.rmtree(old, ignore_errors=True)
+            write_atomic(staging / name, text)
         os.rename(folder, old)
         os.rename(staging, folder)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         if old.exists() and not folder.exists():
             os.rename(old, folder)
+        with contextlib.suppress(OSError):
+            old.rmdir()  # still the empty placeholder
         raise
     try:
-        load_patch_folders(folder.parent)
+        load_patch_folders(chosen(folder.parent))  # the folder this command just wrote
     except CatalogError as exc:
         shutil.rmtree(folder, ignore_errors=True)
         os.rename(old, folder)
@@ -394,7 +402,4 @@ def _replace_patch_files(patch: Patch, draft: Draft) -> None:
 
 def _rewrite_manifest(patch: Patch, *, fixed_in: str) -> None:
     text = render_manifest_of(patch, fixed_in=fixed_in)
-    manifest = patch.folder / "patch.toml"
-    temp = manifest.with_name(".patch.toml.hvp-tmp")
-    temp.write_text(text, encoding="utf-8")
-    os.replace(temp, manifest)
+    write_atomic(patch.folder / "patch.toml", text)
