@@ -290,11 +290,10 @@ def answer(queries: list[dict[str, str]]) -> dict[str, Any]:
             found = owners.get(q["module"].split(".")[0]) or [""]
             name = found[0]
         if name and name not in folders:
-            folders[name], others = _owner(name, q["module"].split(".")[0])
-            info = _distribution_at(folders[name], name) if folders[name] else None
-            if info is None:
-                folders[name] = None
-            else:
+            owner, others = _owner(name, q["module"].split(".")[0])
+            info = _distribution_at(owner, name) if owner is not None else None
+            folders[name] = owner if info is not None else None
+            if info is not None:
                 info["requested"] = name
                 info["others"] = [o["name"] + " " + o["version"] for o in
                                   (_distribution_at(f) for f in others) if o is not None]
