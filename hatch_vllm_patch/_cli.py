@@ -178,12 +178,12 @@ def _found(name: str, info: DistributionInfo | None) -> str:
     one that installs the package a patch of ``name`` targets."""
     if info is None:
         return f"{name} not installed"
-    shown = info.label()
+    said = []
     if info.name.replace("_", "-").lower() != name.replace("_", "-").lower():
-        shown += f" (installs {name})"
+        said.append(f"installs {name}")
     if info.others:
-        shown += f" (over {', '.join(info.others)}, whose files it replaced)"
-    return shown
+        said.append(f"over {', '.join(info.others)}, whose files it replaced")
+    return info.label() + (f" ({'; '.join(said)})" if said else "")
 
 
 def _print_report(report: Report, out: TextIO) -> None:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, registry_by_ast
+from conftest import REPO, cli, registry_by_ast, write_demo_catalog
 from venvs import UV, create_venv, record_sha256, run, site_packages
 
 from hatch_vllm_patch import environment
@@ -137,6 +137,10 @@ def test_of_two_distributions_of_a_package_the_imported_one_owns_it(
     sp = site_packages(tmp_path / "one")
     assert env.modules["demo_pkg.core"].record_sha256 == \
         record_sha256(sp, "demo-pkg-cpu", "demo_pkg/core.py")
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    shown = cli("status", "--python", str(python), "--patch", "demo-fix", catalog=catalog)
+    assert "; demo-pkg-cpu 1.0.0 (installs demo-pkg; over demo-pkg 1.0.0, whose files it " \
+        "replaced)" in shown.stdout.splitlines()[0], shown.stdout
 
     python = create_venv(tmp_path / "two", str(demo_cpu_wheel))
     extra = tmp_path / "extra"  # later on sys.path than site-packages (a .pth line)
