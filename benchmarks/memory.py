@@ -566,14 +566,14 @@ CACHE_DTYPES = {"bf16": "auto", "fp8": "fp8"}  # every model here has bf16 weigh
 TORCHVISION_STUB = REPO / "tests" / "fixtures" / "torchvision_stub"
 
 
-def _stub_env(python: Path) -> dict[str, str]:
-    """PYTHONPATH with a torchvision stand-in where the environment has none (a CPU torch
-    build from /opt/wheels): transformers' Qwen2-VL image processor imports it when vLLM
+def _stub_paths(python: Path) -> list[Path]:
+    """A torchvision stand-in for the child's sys.path where the environment has none (a CPU
+    torch build from /opt/wheels): transformers' Qwen2-VL image processor imports it when vLLM
     inspects a Qwen3.5 architecture, and nothing on the KV path calls it."""
     site = next(python.parent.parent.glob("lib/python3*/site-packages"), None)
     if site is None or (site / "torchvision").is_dir():
-        return {}
-    return {"PYTHONPATH": str(TORCHVISION_STUB)}
+        return []
+    return [TORCHVISION_STUB]
 
 
 def run_kv_probe(python: Path, workdir: Path, with_patch: bool,
@@ -589,7 +589,7 @@ def run_kv_probe(python: Path, workdir: Path, with_patch: bool,
                      if only is None or c["name"] in only],
            "variants": variants(patches)}
     start = time.perf_counter()
-    answer = run_child(python, job, workdir=workdir, extra_env=_stub_env(python))
+    answer = run_child(python, job, workdir=workdir, extra_paths=_stub_paths(python))
     print(f"doctor's probe in {python}: {time.perf_counter() - start:.0f} s", flush=True)
     return answer
 

@@ -39,7 +39,7 @@ from .environment import (
     TargetEnvironment,
     choose_interpreter,
     inspect_environment,
-    run_bounded,
+    run_target_python,
 )
 from .errors import CatalogError, ConfigurationError, TargetEnvironmentError, UsageError
 from .files import (
@@ -182,14 +182,9 @@ def _purelib(choice: InterpreterChoice) -> Path:
         import sysconfig
 
         return Path(sysconfig.get_paths()["purelib"])
-    import subprocess
-
-    try:
-        proc = run_bounded([str(choice.python), "-c", "import sysconfig; "
-                            "print(sysconfig.get_paths()['purelib'])"], timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise TargetEnvironmentError(f"{choice.python} ({choice.reason}) cannot be run: {exc}"
-                                     ) from None
+    proc = run_target_python(choice.python, ["-c", "import sysconfig; "
+                             "print(sysconfig.get_paths()['purelib'])"], timeout=60,
+                             what=choice.reason)
     if proc.returncode != 0 or not proc.stdout.strip():
         raise TargetEnvironmentError(f"{choice.python} ({choice.reason}) does not answer "
                                      "where its site-packages are")
@@ -1042,8 +1037,6 @@ def run_binding_probe(patch: Patch, env: TargetEnvironment) -> tuple[bool | None
     """Without a ``probe.py``: import the patched modules in the target and confirm that each
     target symbol is defined by the patch's block (its code lies between the block's markers
     in the module's file), not the original nor anything else."""
-    import subprocess
-
     from .markers import BEGIN, END
 
     begin, end_marker = BEGIN.decode().strip() + " ", END.decode().strip() + " "
@@ -1063,10 +1056,10 @@ def run_binding_probe(patch: Patch, env: TargetEnvironment) -> tuple[bool | None
     query = [[m.target.module, list(m.target.symbols)] for m in patch.parts
              if m.target.module in spans]
     try:
-        proc = run_bounded([str(env.python), "-c", _BINDING_PROBE, json.dumps(query)],
-                           timeout=PROBE_TIMEOUT,
-                           env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        proc = run_target_python(env.python, ["-c", _BINDING_PROBE, json.dumps(query)],
+                                 timeout=PROBE_TIMEOUT, what="the binding probe",
+                                 bytecode=False)
+    except TargetEnvironmentError as exc:
         return False, f"the patched modules did not import: {exc}"
     try:
         found = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -1095,13 +1088,12 @@ def run_probe(patch: Patch, env: TargetEnvironment) -> tuple[bool | None, str]:
     on a module the target lacks that is not the patched distribution's (torch in a
     ``--no-deps`` vLLM): the probe cannot tell anything there, which is no failure of the
     patch. The detail then says where it could not run ("on this machine: ...")."""
-    import subprocess
-
     assert patch.probe_path is not None
     try:
-        proc = run_bounded([str(env.python), str(patch.probe_path)], timeout=PROBE_TIMEOUT,
-                           env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        proc = run_target_python(env.python, [os.path.abspath(patch.probe_path)],
+                                 timeout=PROBE_TIMEOUT, what=f"{patch.id}'s probe.py",
+                                 bytecode=False)
+    except TargetEnvironmentError as exc:
         return False, f"probe did not run: {exc}"
     for line in reversed(proc.stdout.strip().splitlines()):
         try:
