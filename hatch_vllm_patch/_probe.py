@@ -26,6 +26,7 @@ and nothing reads or writes it.
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib.util
 import json
 import os
@@ -74,10 +75,8 @@ def _metadata_folder(name: str) -> str | None:
             found: dict[str, str] = {}
             names: list[str] = []
             if entry and os.path.isabs(entry) and os.path.realpath(entry) in sites:
-                try:
+                with contextlib.suppress(OSError):
                     names = sorted(os.listdir(entry))
-                except OSError:
-                    pass
             for folder in names:
                 stem, dot, kind = folder.rpartition(".")
                 if dot and kind in ("dist-info", "egg-info"):
