@@ -147,7 +147,7 @@ def find_carried(purelib: Path) -> tuple[CarriedSelection, ...]:
         path = os.path.join(base, dist_info, tail)
         if not os.path.lexists(path):
             continue
-        check_file(path, "a carried selection")
+        check_file(path, "a carried selection", inside=base)  # as the record (guard.py)
         found.append(_parse(Path(path)))
     return tuple(found)
 

@@ -148,6 +148,38 @@ def is_running_interpreter(python: Path) -> bool:
         return False
 
 
+def writable_by_others(folder: Path | str) -> list[tuple[str, int]]:
+    """``folder`` (real path) and every folder above it that group or others can write to and
+    that is not sticky (``/tmp`` is, and lets no one replace what is inside): (path, mode)."""
+    import stat
+
+    found = []
+    path = os.path.realpath(folder)
+    while True:
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None
+        if st is not None and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) \
+                and not st.st_mode & stat.S_ISVTX:
+            found.append((path, stat.S_IMODE(st.st_mode)))
+        above = os.path.dirname(path)
+        if above == path:
+            return found
+        path = above
+
+
+def shared_environment_warnings(env: TargetEnvironment) -> list[str]:
+    """One line per folder of the environment's site-packages path that others can write to:
+    they can change what its processes run, and the guard's record, so the guard's protection
+    is only as good as their intentions."""
+    return [f"{path} (mode {mode:04o}) can be written by group or others: they can change what "
+            f"this environment runs, and the record the guard acts on; the guard still stops "
+            f"a process whose patches are missing, but cannot protect this environment "
+            f"against them; fix: chmod g-w,o-w {path}"
+            for path, mode in writable_by_others(env.purelib)]
+
+
 class ModuleQuery(NamedTuple):
     distribution: str
     module: str

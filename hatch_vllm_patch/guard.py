@@ -114,7 +114,12 @@ def _check(logger: logging.Logger, override: str | None, started: float) -> None
     problem = None
     if state.exists:
         try:
-            check_file(state.path, "the environment's record")
+            # The record as a file of the environment, like vLLM's own: this user's or root's,
+            # not writable by others, no symlink. Its folders are not asked: whoever can write
+            # site-packages already decides what this process runs (a .pth file, vLLM itself),
+            # and a site-packages others can write to (2775 on a shared server) must not turn
+            # the owner's `error` into a warning (`apply` and `verify` warn about it instead).
+            check_file(state.path, "the environment's record", inside=purelib)
         except UntrustedPath as exc:
             problem = str(exc)
         else:

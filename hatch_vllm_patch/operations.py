@@ -40,6 +40,7 @@ from .environment import (
     choose_interpreter,
     inspect_environment,
     run_target_python,
+    shared_environment_warnings,
 )
 from .errors import CatalogError, ConfigurationError, TargetEnvironmentError, UsageError
 from .files import (
@@ -269,8 +270,9 @@ def run(operation: str, request: Request) -> Report:
     if operation == "verify" and request.deep:
         deep: dict[str, tuple[bool | None, str]] = {}  # one probe per patch, for all its targets
         outcomes = [_deep(o, catalog, env, deep) for o in outcomes]
+    warnings = shared_environment_warnings(env) if operation in {"apply", "verify"} else []
     return Report(operation, env, tuple(outcomes), tuple(notes), request.project_dir,
-                  config.source if config else None, tuple(errors))
+                  config.source if config else None, tuple(errors), tuple(warnings))
 
 
 class _Session:
