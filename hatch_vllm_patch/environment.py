@@ -3,7 +3,7 @@
 The environment probe (``_probe.py``) answers everything (versions, file locations, RECORD
 hashes, the bytecode prefix) without importing vLLM, as the target interpreter itself sees it:
 uv venvs, ``.pth``-injected parent site-packages and editable checkouts included. When the target
-is the running interpreter (``python -m hatch_vllm_patch verify`` inside the environment, or the
+is the running interpreter (``vllm-patch verify`` inside the environment, or the
 guard in a vLLM process) it runs in this process; otherwise in one subprocess of the target.
 """
 

@@ -675,7 +675,7 @@ class _Session:
                     "or dropped by another release, written by a newer one, or another "
                     f"project's own patch{origin}", ok, path,
                     next_step=None if ok else (
-                        f"run: python -m hatch_vllm_patch revert --python {self.env.python} "
+                        f"run: vllm-patch revert --python {self.env.python} "
                         "(removes every block of ours and restores the original), then apply")))
         return outcomes
 
@@ -713,7 +713,7 @@ class _Session:
                     pid, Verdict.NOT_SELECTED,
                     f"present but not selected by {self._selector()}: {who}; apply from a "
                     "project does not remove it", not strict, Path(name),
-                    next_step=(f"select it, or remove it: python -m hatch_vllm_patch revert "
+                    next_step=(f"select it, or remove it: vllm-patch revert "
                                f"--python {self.env.python} --patch {pid}") if strict else None))
         return outcomes
 
@@ -771,8 +771,8 @@ class _Session:
         return PatchOutcome(
             entry.id, plan.verdict, f"no longer selected by {self._selector()}, but its block "
             f"could not be removed: {plan.reason}", False, shown,
-            next_step=(f"restore {path} (reinstall {entry.distribution}), or run: python -m "
-                       f"hatch_vllm_patch revert --python {self.env.python} --patch "
+            next_step=(f"restore {path} (reinstall {entry.distribution}), or run: vllm-patch "
+                       f"revert --python {self.env.python} --patch "
                        f"{entry.id}"))
 
     def _record_hash(self, path: Path) -> str | None:
@@ -952,7 +952,7 @@ def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: Fi
     target, python = patch.target.distribution, env.python
     version = env.version_of(target)
     if verdict is Verdict.MISSING or verdict is Verdict.STALE:
-        return f"run: python -m hatch_vllm_patch apply --python {python} --patch {patch.id}"
+        return f"run: vllm-patch apply --python {python} --patch {patch.id}"
     if verdict is Verdict.EDITING:
         return (f"finish the edit with `vllm-patch create ID` (or `vllm-patch update "
                 f"{patch.id} --continue` after a conflicting update), or end it with "
@@ -974,7 +974,7 @@ def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: Fi
                 f"file {target} installs here: fix the patch folder ({patch.folder}); "
                 "hatch-vllm-patch writes only into its target distribution's own files")
     if verdict is Verdict.BLOCKED:
-        return (f"run: python -m hatch_vllm_patch revert --python {python} (removes every "
+        return (f"run: vllm-patch revert --python {python} (removes every "
                 "block of ours and restores the original), then apply")
     if verdict is Verdict.ERROR:
         return (f"check that {facts.path} and its directory are writable by this user (or run "
