@@ -491,13 +491,19 @@ def run_probe(python: Path, script: str, job: dict[str, Any], workdir: Path) -> 
     out_file = workdir / f"{name}.out.json"
     job_file.write_text(json.dumps(job, indent=1), encoding="utf-8")
     out_file.unlink(missing_ok=True)
-    env = {**_uv_env(), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_LOGGING_LEVEL": "WARNING",
+    from hatch_vllm_patch.environment import run_target_python
+    from hatch_vllm_patch.errors import TargetEnvironmentError
+
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
            # trust_remote_code copies the configuration modules here, not into ~/.cache
-           "HF_MODULES_CACHE": str(workdir / "hf-modules")}
+           "HF_MODULES_CACHE": str(workdir.resolve() / "hf-modules")}
     start = time.perf_counter()
-    _run([str(python), str(BENCHMARKS / script), str(job_file), str(out_file)],
-         what=f"{script} in {python}", env=env)
+    try:  # isolated, as every helper of the tool (python -I, a folder of its own)
+        run_target_python(python, [str(BENCHMARKS / script), str(job_file.resolve()),
+                                   str(out_file.resolve())], timeout=7200,
+                          what=f"{script} in {python}", extra_env=env, check=True)
+    except TargetEnvironmentError as exc:
+        sys.exit(str(exc))
     print(f"{script}: {time.perf_counter() - start:.0f} s", flush=True)
     result: dict[str, Any] = json.loads(out_file.read_text(encoding="utf-8"))
     return result
