@@ -2,8 +2,9 @@
 base of ``update`` for a patch made before patches kept their base).
 
 Wheels are kept in ``$HATCH_VLLM_PATCH_WHEEL_CACHE`` (default ``~/.cache/hatch-vllm-patch/
-wheels``), one folder per ``<name>-<version>``, downloaded once with pip (``python -I -m
-pip download``, or ``uv tool run pip`` when no interpreter at hand has pip). Never inside a project.
+wheels``), one folder per ``<name>-<version>``, downloaded once with pip (``python -I -m pip
+download``, isolated as every helper, or ``uv tool run pip`` when no interpreter at hand has
+pip). Never inside a project.
 """
 
 from __future__ import annotations
