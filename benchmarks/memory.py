@@ -493,13 +493,19 @@ def run_probe(python: Path, script: str, job: dict[str, Any], workdir: Path) -> 
     out_file = workdir / f"{name}.out.json"
     write_atomic(job_file, json.dumps(job, indent=1))
     out_file.unlink(missing_ok=True)
-    env = {**_uv_env(), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_LOGGING_LEVEL": "WARNING",
+    from hatch_vllm_patch.environment import run_target_python
+    from hatch_vllm_patch.errors import TargetEnvironmentError
+
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
            # trust_remote_code copies the configuration modules here, not into ~/.cache
-           "HF_MODULES_CACHE": str(workdir / "hf-modules")}
+           "HF_MODULES_CACHE": str(workdir.resolve() / "hf-modules")}
     start = time.perf_counter()
-    _run([str(python), str(BENCHMARKS / script), str(job_file), str(out_file)],
-         what=f"{script} in {python}", env=env)
+    try:  # isolated, as every helper of the tool (python -I, a folder of its own)
+        run_target_python(python, [str(BENCHMARKS / script), str(job_file.resolve()),
+                                   str(out_file.resolve())], timeout=7200,
+                          what=f"{script} in {python}", extra_env=env, check=True)
+    except TargetEnvironmentError as exc:
+        sys.exit(str(exc))
     print(f"{script}: {time.perf_counter() - start:.0f} s", flush=True)
     result: dict[str, Any] = json.loads(out_file.read_text(encoding="utf-8"))
     return result
@@ -568,14 +574,14 @@ CACHE_DTYPES = {"bf16": "auto", "fp8": "fp8"}  # every model here has bf16 weigh
 TORCHVISION_STUB = REPO / "tests" / "fixtures" / "torchvision_stub"
 
 
-def _stub_env(python: Path) -> dict[str, str]:
-    """PYTHONPATH with a torchvision stand-in where the environment has none (a CPU torch
-    build from /opt/wheels): transformers' Qwen2-VL image processor imports it when vLLM
+def _stub_paths(python: Path) -> list[Path]:
+    """A torchvision stand-in for the child's sys.path where the environment has none (a CPU
+    torch build from /opt/wheels): transformers' Qwen2-VL image processor imports it when vLLM
     inspects a Qwen3.5 architecture, and nothing on the KV path calls it."""
     site = next(python.parent.parent.glob("lib/python3*/site-packages"), None)
     if site is None or (site / "torchvision").is_dir():
-        return {}
-    return {"PYTHONPATH": str(TORCHVISION_STUB)}
+        return []
+    return [TORCHVISION_STUB]
 
 
 def run_kv_probe(python: Path, workdir: Path, with_patch: bool,
@@ -591,7 +597,7 @@ def run_kv_probe(python: Path, workdir: Path, with_patch: bool,
                      if only is None or c["name"] in only],
            "variants": variants(patches)}
     start = time.perf_counter()
-    answer = run_child(python, job, workdir=workdir, extra_env=_stub_env(python))
+    answer = run_child(python, job, workdir=workdir, extra_paths=_stub_paths(python))
     print(f"doctor's probe in {python}: {time.perf_counter() - start:.0f} s", flush=True)
     return answer
 

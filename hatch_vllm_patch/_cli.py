@@ -217,6 +217,8 @@ def _print_report(report: Report, out: TextIO) -> None:
             _print_description(o, pad, out)
     for note in report.notes:
         print(f"note: {note}", file=out)
+    for warning in report.warnings:
+        print(f"warning: {warning}", file=out)
     for error in report.errors:
         print(f"error: {error}", file=out)
     counts = Counter(o.verdict.value for o in report.outcomes)
@@ -301,7 +303,7 @@ def _document(operation: str | None, outcome: _Outcome, project: Path | None
         doc.update(project=str(project) if project else None,
                    config=failure.config if failure else None, environment=None, patches=[],
                    notes=[*(failure.notes if failure else ()), *outcome.notes],
-                   errors=list(failure.errors) if failure else [])
+                   warnings=[], errors=list(failure.errors) if failure else [])
     if outcome.result is not None:
         doc["result"] = outcome.result
     return doc

@@ -631,6 +631,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     job = json.loads(Path(argv[1]).read_text(encoding="utf-8"))
+    # Run isolated (python -I): only the caller's explicit additions join sys.path.
+    sys.path[:0] = [p for p in job.get("extra_paths", ()) if isinstance(p, str)]
     answer = run_job(job)
     out = Path(argv[2])
     # A new file of a random name, never one planted under a name that could be guessed (the

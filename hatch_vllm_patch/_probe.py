@@ -4,10 +4,11 @@ Runs either in this process (when the target is the running interpreter) or as t
 ``python -c`` in the target interpreter (any Python >= 3.8, where hatch-vllm-patch may not be
 installed). So: standard library only, no import of this package, and no import of vLLM:
 top-level packages are found with ``importlib.util.find_spec`` (which does not import a
-top-level package), and distributions by their ``.dist-info`` folder on ``sys.path``, in
-``sys.path`` order as ``importlib.metadata`` finds them, read directly: ``METADATA``'s Name and
-Version, ``RECORD``'s lines, ``direct_url.json``. (``importlib.metadata`` itself would cost
-tens of milliseconds per run, most of ``verify``'s time, for the same answers.)
+top-level package), and distributions by their ``.dist-info`` folder in the site directories
+on ``sys.path`` (never the working directory), in ``sys.path`` order as ``importlib.metadata``
+finds them, read directly: ``METADATA``'s Name and Version, ``RECORD``'s lines,
+``direct_url.json``. (``importlib.metadata`` itself would cost tens of milliseconds per run,
+most of ``verify``'s time, for the same answers.)
 
 Answer (JSON): ``executable``, ``prefix``, ``base_prefix``, ``python_version``, ``purelib``,
 ``pycache_prefix``, ``site_dirs`` (the site-packages folders on ``sys.path``, by real path),
@@ -31,6 +32,7 @@ and nothing reads or writes it.
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib.util
 import json
 import os
@@ -45,24 +47,47 @@ def _normalize(name: str) -> str:
 
 
 _FOLDERS: dict[str, dict[str, str]] = {}  # sys.path entry -> normalized name -> folder
+_SITE = ("site-packages", "dist-packages")
+
+
+def _site_dirs() -> set[str]:
+    """The environment's own site directories (real paths): those ``site`` and ``sysconfig``
+    name, and every ``site-packages`` / ``dist-packages`` folder on sys.path (a parent
+    environment's, added by a ``.pth`` file)."""
+    import site
+
+    found = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+             *getattr(site, "getsitepackages", list)()]
+    if site.ENABLE_USER_SITE:
+        found.append(site.getusersitepackages())
+    found += [e for e in sys.path if e and os.path.basename(e.rstrip(os.sep)) in _SITE]
+    return {os.path.realpath(d) for d in found if os.path.isdir(d)}
 
 
 def _metadata_folder(name: str) -> str | None:
-    """The first ``<name>-<version>.dist-info`` (or ``.egg-info``) folder on sys.path; each
-    entry is listed once per process."""
+    """The first ``<name>-<version>.dist-info`` (or ``.egg-info``) folder in a site directory
+    on sys.path, in sys.path order; each entry is listed once per process.
+
+    Only site directories: never ``''`` nor the working directory, which a vLLM started with
+    ``python -c`` / ``-m`` has first on sys.path, nor a script's folder (another user's fake
+    ``vllm-0.99.0.dist-info`` there would otherwise stand for the installed vLLM). An editable
+    install keeps its ``.dist-info`` in site-packages too; only its code lies elsewhere."""
     wanted = _normalize(name)
+    sites: set[str] | None = None
     for entry in sys.path:
         if entry not in _FOLDERS:
+            if sites is None:
+                sites = _site_dirs()
             found: dict[str, str] = {}
-            try:
-                names = sorted(os.listdir(entry or "."))
-            except OSError:
-                names = []
+            names: list[str] = []
+            if entry and os.path.isabs(entry) and os.path.realpath(entry) in sites:
+                with contextlib.suppress(OSError):
+                    names = sorted(os.listdir(entry))
             for folder in names:
                 stem, dot, kind = folder.rpartition(".")
                 if dot and kind in ("dist-info", "egg-info"):
                     found.setdefault(_normalize(stem.split("-")[0]),
-                                     os.path.join(entry or ".", folder))
+                                     os.path.join(entry, folder))
             _FOLDERS[entry] = found
         path = _FOLDERS[entry].get(wanted)
         if path is not None and os.path.isdir(path):

@@ -97,8 +97,8 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
             carried = ""
             if self.target_name == "wheel":
                 self._carry(config, selection, build_data)
-                carried = ("; the wheel carries the selection, which `python -m hatch_vllm_patch "
-                           "apply` and the guard use where it is installed")
+                carried = ("; the wheel carries the selection, which `vllm-patch apply` "
+                           "and the guard use where it is installed")
             self.app.display_info(
                 f"{PREFIX} building {kind}, which may be installed anywhere: no environment is "
                 f"patched ({_ids(selection)}){carried}; where it is installed, {_next_command()}"
@@ -254,7 +254,8 @@ def _without_frontend_isolation() -> Iterator[None]:
 
 def _next_command(root: Path | None = None) -> str:
     where = f"in {root}" if root else "in the project directory"
-    return f"run `uv run vllm-patch apply` (or `python -m hatch_vllm_patch apply`) {where}"
+    return (f"run `uv run vllm-patch apply` (or `vllm-patch apply` with the environment "
+            f"active) {where}")
 
 
 def _when_missing(isolated: bool, root: Path) -> str:

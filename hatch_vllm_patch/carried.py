@@ -13,7 +13,7 @@ The build hook, on a regular (non-editable) wheel build, writes into the wheel's
     the project's own selected patch folders (``patch.toml``, ``block.py``, ``classify.py``,
     ``probe.py``).
 
-One reader serves ``python -m hatch_vllm_patch apply`` run with no project and the guard: it
+One reader serves ``vllm-patch apply`` run with no project and the guard: it
 joins every installed distribution's selection into one :class:`~.config.Config`, the way a
 project's ``[tool.vllm-patch]`` is, so the engine never learns where a selection came from.
 Several distributions: the union, each reason naming its distribution; a clash (one id with two
@@ -148,7 +148,7 @@ def find_carried(purelib: Path) -> tuple[CarriedSelection, ...]:
         path = os.path.join(base, dist_info, tail)
         if not os.path.lexists(path):
             continue
-        check_file(path, "a carried selection")
+        check_file(path, "a carried selection", inside=base)  # as the record (guard.py)
         found.append(_parse(Path(path)))
     return tuple(found)
 

@@ -153,7 +153,7 @@ def blocks_digest(digests: Iterable[str]) -> str:
 
 def _not_run(source: str) -> tuple[str, str]:
     return ("unknown", "its shape check is a classify.py, which the guard never runs, and the "
-            "record remembers no check of this code: run `python -m hatch_vllm_patch apply`")
+            "record remembers no check of this code: run `vllm-patch apply`")
 
 
 class Catalog(Mapping[str, Patch]):

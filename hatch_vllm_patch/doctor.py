@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any, NamedTuple
 
 from .catalog import Patch
 from .engine import Verdict
-from .environment import TargetEnvironment, run_bounded
+from .environment import TargetEnvironment, last_line, run_target_python
 from .errors import ConfigurationError, TargetEnvironmentError, UsageError
 from .files import write_atomic
 from .models import FAMILY_BY_MODEL_TYPE, read_model
@@ -289,30 +288,28 @@ def case_of(request: DoctorRequest, model_dir: Path, hf_overrides: Mapping[str, 
 
 
 def run_child(python: Path, job: dict[str, Any], *, timeout: float = PROBE_TIMEOUT,
-              workdir: Path | None = None,
-              extra_env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Run ``_kv_probe.py`` with ``python`` on ``job``; its answer, or TargetEnvironmentError."""
+              workdir: Path | None = None, extra_env: Mapping[str, str] | None = None,
+              extra_paths: Sequence[Path] = ()) -> dict[str, Any]:
+    """Run ``_kv_probe.py`` with ``python`` on ``job``; its answer, or TargetEnvironmentError.
+    The child is isolated as every helper is (``run_target_python``); ``extra_paths`` are put
+    first on its ``sys.path`` by the probe itself (a stand-in package of a benchmark)."""
     with tempfile.TemporaryDirectory(prefix="hvp-doctor-", dir=workdir) as tmp:
         job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "answer.json"
+        if extra_paths:
+            job = {**job, "extra_paths": [os.path.abspath(p) for p in extra_paths]}
         write_atomic(job_file, json.dumps(job))
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "HF_DATASETS_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1",
+        env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "HF_DATASETS_OFFLINE": "1",
                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
                "HF_MODULES_CACHE": str(Path(tmp) / "hf-modules"),
                "CUDA_VISIBLE_DEVICES": "", **(extra_env or {})}
-        env.pop("PYTHONHOME", None)
-        try:
-            proc = run_bounded([str(python), str(PROBE), str(job_file), str(out_file)],
-                               timeout=timeout, env=env)
-        except OSError as exc:
-            raise TargetEnvironmentError(f"cannot run {python}: {exc.strerror or exc}") from None
-        except subprocess.TimeoutExpired:
-            raise TargetEnvironmentError(
-                f"{python} did not answer within {timeout:.0f} s (it imports vLLM)") from None
+        proc = run_target_python(python, [str(PROBE), str(job_file), str(out_file)],
+                                 timeout=timeout, what="doctor's probe, which imports vLLM",
+                                 extra_env=env, bytecode=False)
         if proc.returncode != 0 or not out_file.is_file():
-            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             raise TargetEnvironmentError(
-                f"the doctor's probe failed in {python} (exit {proc.returncode}): {tail}")
+                f"the doctor's probe failed in {python} (exit {proc.returncode}): "
+                f"{last_line(proc.stderr)}")
         answer: dict[str, Any] = json.loads(out_file.read_text(encoding="utf-8"))
         return answer
 

@@ -3,7 +3,7 @@
 The environment probe (``_probe.py``) answers everything (versions, file locations, RECORD
 hashes, the bytecode prefix) without importing vLLM, as the target interpreter itself sees it:
 uv venvs, ``.pth``-injected parent site-packages and editable checkouts included. When the target
-is the running interpreter (``python -m hatch_vllm_patch verify`` inside the environment, or the
+is the running interpreter (``vllm-patch verify`` inside the environment, or the
 guard in a vLLM process) it runs in this process; otherwise in one subprocess of the target.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -184,6 +184,38 @@ def is_running_interpreter(python: Path) -> bool:
         return False
 
 
+def writable_by_others(folder: Path | str) -> list[tuple[str, int]]:
+    """``folder`` (real path) and every folder above it that group or others can write to and
+    that is not sticky (``/tmp`` is, and lets no one replace what is inside): (path, mode)."""
+    import stat
+
+    found = []
+    path = os.path.realpath(folder)
+    while True:
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None
+        if st is not None and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) \
+                and not st.st_mode & stat.S_ISVTX:
+            found.append((path, stat.S_IMODE(st.st_mode)))
+        above = os.path.dirname(path)
+        if above == path:
+            return found
+        path = above
+
+
+def shared_environment_warnings(env: TargetEnvironment) -> list[str]:
+    """One line per folder of the environment's site-packages path that others can write to:
+    they can change what its processes run, and the guard's record, so the guard's protection
+    is only as good as their intentions."""
+    return [f"{path} (mode {mode:04o}) can be written by group or others: they can change what "
+            f"this environment runs, and the record the guard acts on; the guard still stops "
+            f"a process whose patches are missing, but cannot protect this environment "
+            f"against them; fix: chmod g-w,o-w {path}"
+            for path, mode in writable_by_others(env.purelib)]
+
+
 class ModuleQuery(NamedTuple):
     distribution: str
     module: str
@@ -191,16 +223,17 @@ class ModuleQuery(NamedTuple):
 
 
 def run_bounded(cmd: list[str], *, timeout: float, env: Mapping[str, str] | None = None,
-                ) -> subprocess.CompletedProcess[str]:
+                cwd: str | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` in its own process group; on a timeout (or Ctrl-C) kill the whole group, so
-    no grandchild is left running. Raises ``subprocess.TimeoutExpired`` / ``OSError``."""
+    no grandchild is left running. Raises ``subprocess.TimeoutExpired`` / ``OSError``. (The
+    target's interpreter is started with :func:`run_target_python`, which uses this.)"""
     import contextlib
     import signal
     import subprocess
 
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(env) if env is not None else None, start_new_session=True,
-                            errors="replace")
+                            errors="replace", cwd=cwd)
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException:
@@ -209,6 +242,71 @@ def run_bounded(cmd: list[str], *, timeout: float, env: Mapping[str, str] | None
         proc.communicate()
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def target_environ(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a child of the target interpreter: without any
+    ``PYTHON*`` variable (``PYTHONPATH``, ``PYTHONHOME``, ``PYTHONSTARTUP``, ``PYTHONUSERBASE``,
+    ...), so neither the child nor what it starts in turn (pip's build, vLLM's workers) imports
+    from a folder they name; everything else (``PATH``, ``HOME``, ``HF_*``, ``VLLM_*``,
+    ``PIP_*``) is kept. ``extra`` is added last."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(extra or {})
+    return env
+
+
+def run_target_python(python: Path | str, args: Sequence[str], *, timeout: float, what: str,
+                      extra_env: Mapping[str, str] | None = None, bytecode: bool = True,
+                      check: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run the target interpreter ``python`` on ``args`` (``-c SOURCE ...``, ``-m pip ...``,
+    an absolute script path), isolated: ``-I`` (neither the working directory, nor the script's
+    folder, nor the user site, nor any ``PYTHON*`` variable reaches ``sys.path``), in a private
+    working directory of its own (removed afterwards: a relative path in ``args`` finds
+    nothing), with the environment of :func:`target_environ`. The one way this package starts
+    the target's interpreter.
+
+    ``$PYTHONPYCACHEPREFIX`` of this process is passed on as ``-X pycache_prefix`` (``-I``
+    ignores the variable): the processes of the user running vLLM use it, and the environment
+    probe reports it for bytecode invalidation. ``bytecode=False``: ``-B``, and
+    ``PYTHONDONTWRITEBYTECODE=1`` for the child's own children.
+
+    Raises UnusableInterpreterError when it cannot be started, TargetEnvironmentError when it
+    does not answer within ``timeout`` (its whole process group is killed: see
+    :func:`run_bounded`) and, with ``check``, when it exits with an error; ``what`` names the
+    job in those messages ("the environment probe (given with --python)")."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    options = ["-I"]
+    prefix = os.environ.get("PYTHONPYCACHEPREFIX")
+    if prefix:
+        options += ["-X", f"pycache_prefix={os.path.abspath(prefix)}"]
+    extra = dict(extra_env or {})
+    if not bytecode:
+        options.append("-B")
+        extra["PYTHONDONTWRITEBYTECODE"] = "1"
+    workdir = tempfile.mkdtemp(prefix="hvp-target-")
+    try:
+        proc = run_bounded([str(python), *options, *args], timeout=timeout,
+                           env=target_environ(extra), cwd=workdir)
+    except OSError as exc:
+        raise UnusableInterpreterError(
+            f"cannot run {python} ({what}): {exc.strerror or exc}") from None
+    except subprocess.TimeoutExpired:
+        raise TargetEnvironmentError(
+            f"{python} did not answer within {timeout:.0f} s ({what})") from None
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if check and proc.returncode != 0:
+        raise TargetEnvironmentError(
+            f"{what} failed in {python} (exit {proc.returncode}): {last_line(proc.stderr)}")
+    return proc
+
+
+def last_line(output: str) -> str:
+    """The last line of a child's output (its error, usually), or "no output"."""
+    return (output.strip().splitlines() or ["no output"])[-1]
 
 
 def _probe_source() -> str:
@@ -238,21 +336,11 @@ def inspect_environment(
             f"the target interpreter {python} ({choice.reason}) does not exist; "
             "run `uv sync` first, or pass --python PATH"
         )
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if k not in {"PYTHONHOME"}}
-    try:
-        proc = run_bounded([str(python), "-c", _probe_source(), json.dumps(payload)],
-                           timeout=PROBE_TIMEOUT, env=env)
-    except OSError as exc:
-        raise UnusableInterpreterError(
-            f"cannot run {python} ({choice.reason}): {exc.strerror or exc}") from None
-    except subprocess.TimeoutExpired:
-        raise TargetEnvironmentError(
-            f"{python} ({choice.reason}) did not answer within {PROBE_TIMEOUT:.0f} s") from None
+    proc = run_target_python(python, ["-c", _probe_source(), json.dumps(payload)],
+                             timeout=PROBE_TIMEOUT, what=choice.reason)
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UnusableInterpreterError(f"cannot inspect {python} ({choice.reason}): {last}")
+        raise UnusableInterpreterError(
+            f"cannot inspect {python} ({choice.reason}): {last_line(proc.stderr)}")
     lines = proc.stdout.strip().splitlines()
     try:
         data = json.loads(lines[-1])

@@ -103,7 +103,7 @@ def check() -> None:
         # which catch their own errors): with no mode there is no order to stop. Every step
         # after it is run by _guarded, which stops an error or apply process.
         logger.warning("hatch-vllm-patch: the guard could not check this environment (%s: %s); "
-                       "run `python -m hatch_vllm_patch verify`", type(exc).__name__, exc)
+                       "run `vllm-patch verify`", type(exc).__name__, exc)
 
 
 def _check(logger: logging.Logger, override: str | None, started: float) -> None:
@@ -114,7 +114,12 @@ def _check(logger: logging.Logger, override: str | None, started: float) -> None
     problem = None
     if state.exists:
         try:
-            check_file(state.path, "the environment's record")
+            # The record as a file of the environment, like vLLM's own: this user's or root's,
+            # not writable by others, no symlink. Its folders are not asked: whoever can write
+            # site-packages already decides what this process runs (a .pth file, vLLM itself),
+            # and a site-packages others can write to (2775 on a shared server) must not turn
+            # the owner's `error` into a warning (`apply` and `verify` warn about it instead).
+            check_file(state.path, "the environment's record", inside=purelib)
         except UntrustedPath as exc:
             problem = str(exc)
         else:
@@ -199,7 +204,7 @@ def _cannot(logger: logging.Logger, mode: str, why: str, reason: str) -> None:
     if mode == "warn":
         logger.warning("%s", message)
         return
-    message += ("\n  fix the above, or run: python -m hatch_vllm_patch verify --python "
+    message += ("\n  fix the above, or run: vllm-patch verify --python "
                 f"{sys.executable}; set HATCH_VLLM_PATCH_GUARD=warn to start anyway")
     logger.error("%s", message)
     raise GuardStop(message)
@@ -218,8 +223,8 @@ def _recorded_request(selection: Selection, logger: logging.Logger) -> Request:
         if not folder.is_absolute():
             raise _CannotCheck(f"the record names a relative patch folder {raw!r}")
         if not folder.is_dir():
-            raise _CannotCheck(f"the recorded patch folder {folder} is gone; run: python -m "
-                               f"hatch_vllm_patch apply --python {sys.executable} (in the project)")
+            raise _CannotCheck(f"the recorded patch folder {folder} is gone; run: vllm-patch "
+                               f"apply --python {sys.executable} (in the project)")
         catalog = catalog.merged(load_patch_folders(
             admit_folder(folder, "the patch folder", Rule.RULE)))
     missing = [f"{p.id} (recorded from {p.folder})" for p in selection.patches
@@ -410,10 +415,10 @@ def _message(report: Report, mode: str, why: str, changed: Mapping[str, str | No
                 f"folder changed since it was selected (block "
                 f"{catalog[o.patch_id].blocks_digest[:12]}, selected "
                 f"{recorded[:12] if recorded else 'none'}): the guard heals only to the "
-                f"selected block; fix: review {catalog[o.patch_id].folder}, then run: python -m "
-                f"hatch_vllm_patch apply --python {sys.executable}")
+                f"selected block; fix: review {catalog[o.patch_id].folder}, then run: vllm-patch "
+                f"apply --python {sys.executable}")
             continue
-        fix = o.next_step or f"python -m hatch_vllm_patch apply --python {sys.executable}"
+        fix = o.next_step or f"vllm-patch apply --python {sys.executable}"
         lines.append(f"  {o.patch_id}: {o.verdict.value} in {o.file or 'its target'}: "
                      f"{o.reason}; fix: {fix}")
     lines += [f"  {e}" for e in report.errors]

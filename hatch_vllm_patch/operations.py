@@ -42,7 +42,8 @@ from .environment import (
     TargetEnvironment,
     choose_interpreter,
     inspect_environment,
-    run_bounded,
+    run_target_python,
+    shared_environment_warnings,
 )
 from .errors import CatalogError, ConfigurationError, TargetEnvironmentError, UsageError
 from .files import (
@@ -242,14 +243,9 @@ def _purelib(choice: InterpreterChoice) -> Path:
         import sysconfig
 
         return Path(sysconfig.get_paths()["purelib"])
-    import subprocess
-
-    try:
-        proc = run_bounded([str(choice.python), "-c", "import sysconfig; "
-                            "print(sysconfig.get_paths()['purelib'])"], timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise TargetEnvironmentError(f"{choice.python} ({choice.reason}) cannot be run: {exc}"
-                                     ) from None
+    proc = run_target_python(choice.python, ["-c", "import sysconfig; "
+                             "print(sysconfig.get_paths()['purelib'])"], timeout=60,
+                             what=choice.reason)
     if proc.returncode != 0 or not proc.stdout.strip():
         raise TargetEnvironmentError(f"{choice.python} ({choice.reason}) does not answer "
                                      "where its site-packages are")
@@ -334,8 +330,9 @@ def run(operation: str, request: Request) -> Report:
     if operation == "verify" and request.deep:
         deep: dict[str, tuple[bool | None, str]] = {}  # one probe per patch, for all its targets
         outcomes = [_deep(o, catalog, env, deep) for o in outcomes]
+    warnings = shared_environment_warnings(env) if operation in {"apply", "verify"} else []
     return Report(operation, env, tuple(outcomes), tuple(notes), request.project_dir,
-                  config.source if config else None, tuple(errors))
+                  config.source if config else None, tuple(errors), tuple(warnings))
 
 
 class _Session:
@@ -739,7 +736,7 @@ class _Session:
                     "or dropped by another release, written by a newer one, or another "
                     f"project's own patch{origin}", ok, path,
                     next_step=None if ok else (
-                        f"run: python -m hatch_vllm_patch revert --python {self.env.python} "
+                        f"run: vllm-patch revert --python {self.env.python} "
                         "(removes every block of ours and restores the original), then apply")))
         return outcomes
 
@@ -777,7 +774,7 @@ class _Session:
                     pid, Verdict.NOT_SELECTED,
                     f"present but not selected by {self._selector()}: {who}; apply from a "
                     "project does not remove it", not strict, Path(name),
-                    next_step=(f"select it, or remove it: python -m hatch_vllm_patch revert "
+                    next_step=(f"select it, or remove it: vllm-patch revert "
                                f"--python {self.env.python} --patch {pid}") if strict else None))
         return outcomes
 
@@ -836,8 +833,7 @@ class _Session:
             entry.id, plan.verdict, f"no longer selected by {self._selector()}, but its block "
             f"could not be removed: {plan.reason}", False, shown,
             next_step=(f"restore {path} (reinstall {self.env.name_of(entry.distribution)}), "
-                       "or run: python -m "
-                       f"hatch_vllm_patch revert --python {self.env.python} --patch "
+                       f"or run: vllm-patch revert --python {self.env.python} --patch "
                        f"{entry.id}"))
 
     def _record_hash(self, path: Path) -> str | None:
@@ -1018,7 +1014,7 @@ def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: Fi
     target, python = env.name_of(patch.target.distribution), env.python
     version = env.version_of(target)
     if verdict is Verdict.MISSING or verdict is Verdict.STALE:
-        return f"run: python -m hatch_vllm_patch apply --python {python} --patch {patch.id}"
+        return f"run: vllm-patch apply --python {python} --patch {patch.id}"
     if verdict is Verdict.EDITING:
         return (f"finish the edit with `vllm-patch create ID` (or `vllm-patch update "
                 f"{patch.id} --continue` after a conflicting update), or end it with "
@@ -1041,7 +1037,7 @@ def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: Fi
                 f"a file {target} installs here: fix the patch folder ({patch.folder}); "
                 "hatch-vllm-patch writes only into its target distribution's own files")
     if verdict is Verdict.BLOCKED:
-        return (f"run: python -m hatch_vllm_patch revert --python {python} (removes every "
+        return (f"run: vllm-patch revert --python {python} (removes every "
                 "block of ours and restores the original), then apply")
     if verdict is Verdict.ERROR:
         return (f"check that {facts.path} and its directory are writable by this user (or run "
@@ -1106,8 +1102,6 @@ def run_binding_probe(patch: Patch, env: TargetEnvironment) -> tuple[bool | None
     """Without a ``probe.py``: import the patched modules in the target and confirm that each
     target symbol is defined by the patch's block (its code lies between the block's markers
     in the module's file), not the original nor anything else."""
-    import subprocess
-
     from .markers import BEGIN, END
 
     begin, end_marker = BEGIN.decode().strip() + " ", END.decode().strip() + " "
@@ -1127,10 +1121,10 @@ def run_binding_probe(patch: Patch, env: TargetEnvironment) -> tuple[bool | None
     query = [[m.target.module, list(m.target.symbols)] for m in patch.parts
              if m.target.module in spans]
     try:
-        proc = run_bounded([str(env.python), "-c", _BINDING_PROBE, json.dumps(query)],
-                           timeout=PROBE_TIMEOUT,
-                           env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        proc = run_target_python(env.python, ["-c", _BINDING_PROBE, json.dumps(query)],
+                                 timeout=PROBE_TIMEOUT, what="the binding probe",
+                                 bytecode=False)
+    except TargetEnvironmentError as exc:
         return False, f"the patched modules did not import: {exc}"
     try:
         found = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -1159,13 +1153,12 @@ def run_probe(patch: Patch, env: TargetEnvironment) -> tuple[bool | None, str]:
     on a module the target lacks that is not the patched distribution's (torch in a
     ``--no-deps`` vLLM): the probe cannot tell anything there, which is no failure of the
     patch. The detail then says where it could not run ("on this machine: ...")."""
-    import subprocess
-
     assert patch.probe_path is not None
     try:
-        proc = run_bounded([str(env.python), str(patch.probe_path)], timeout=PROBE_TIMEOUT,
-                           env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        proc = run_target_python(env.python, [os.path.abspath(patch.probe_path)],
+                                 timeout=PROBE_TIMEOUT, what=f"{patch.id}'s probe.py",
+                                 bytecode=False)
+    except TargetEnvironmentError as exc:
         return False, f"probe did not run: {exc}"
     for line in reversed(proc.stdout.strip().splitlines()):
         try:

@@ -58,6 +58,9 @@ class Report(NamedTuple):
     project_dir: Path | None = None
     config_source: Path | None = None
     errors: tuple[str, ...] = ()
+    # What weakens the guard's protection (an environment others can write to); the operation
+    # still succeeds.
+    warnings: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -72,5 +75,6 @@ class Report(NamedTuple):
             "environment": self.environment.to_json(),
             "patches": [o.to_json() for o in self.outcomes],
             "notes": list(self.notes),
+            "warnings": list(self.warnings),
             "errors": list(self.errors),
         }

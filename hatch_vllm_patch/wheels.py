@@ -2,8 +2,9 @@
 base of ``update`` for a patch made before patches kept their base).
 
 Wheels are kept in ``$HATCH_VLLM_PATCH_WHEEL_CACHE`` (default ``~/.cache/hatch-vllm-patch/
-wheels``), one folder per ``<name>-<version>``, downloaded once with pip (``python -m pip
-download``, or ``uv tool run pip`` when no interpreter at hand has pip). Never inside a project.
+wheels``), one folder per ``<name>-<version>``, downloaded once with pip (``python -I -m pip
+download``, isolated as every helper, or ``uv tool run pip`` when no interpreter at hand has
+pip). Never inside a project.
 """
 
 from __future__ import annotations
@@ -26,21 +27,33 @@ def wheel_cache() -> Path:
                 / "wheels")
 
 
-def _downloaders(python: Path | None) -> list[list[str]]:
-    found = []
+def _downloaders(python: Path | None) -> list[tuple[str, list[str]]]:
+    """(interpreter or "", command) for each pip at hand: an interpreter's own (run isolated,
+    ``python -I -m pip``, as every helper), else ``uv tool run pip``."""
+    from .environment import run_target_python
+
+    found: list[tuple[str, list[str]]] = []
     for interpreter in (sys.executable, str(python) if python else None):
-        if interpreter and subprocess.run([interpreter, "-m", "pip", "--version"],
-                                          capture_output=True, check=False).returncode == 0:
-            found.append([interpreter, "-m", "pip"])
+        if not interpreter:
+            continue
+        try:
+            usable = run_target_python(interpreter, ["-m", "pip", "--version"], timeout=120,
+                                       what="pip --version").returncode == 0
+        except TargetEnvironmentError:
+            usable = False
+        if usable:
+            found.append((interpreter, ["-m", "pip"]))
     uv = shutil.which("uv")
     if uv:
-        found.append([uv, "tool", "run", "pip"])
+        found.append(("", [uv, "tool", "run", "pip"]))
     return found
 
 
 def release_wheel(name: str, version: str, python: Path | None = None) -> Path:
     """The wheel of ``name==version`` from the cache, downloaded into it on first use;
     TargetEnvironmentError when it cannot be had (offline, no such release)."""
+    from .environment import last_line, run_bounded, run_target_python, target_environ
+
     folder = wheel_cache() / f"{name}-{version}"
     found = sorted(folder.glob("*.whl"))
     if found:
@@ -49,17 +62,25 @@ def release_wheel(name: str, version: str, python: Path | None = None) -> Path:
     partial = Path(tempfile.mkdtemp(prefix=f".{name}-{version}.", dir=folder.parent))
     problems = []
     try:
-        for command in _downloaders(python):
-            proc = subprocess.run([*command, "download", "--quiet", "--no-deps",
-                                   "--only-binary=:all:", "--dest", str(partial),
-                                   f"{name}=={version}"], capture_output=True, text=True,
-                                  timeout=3600, check=False)
+        for interpreter, command in _downloaders(python):
+            args = [*command, "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                    "--dest", str(partial.resolve()), f"{name}=={version}"]
+            try:
+                if interpreter:
+                    proc = run_target_python(interpreter, args, timeout=3600,
+                                             what="pip download")
+                else:  # uv's own pip, in a folder of its own, as isolated as the rest
+                    proc = run_bounded(args, timeout=3600, env=target_environ(),
+                                       cwd=str(partial))
+            except (TargetEnvironmentError, OSError, subprocess.TimeoutExpired) as exc:
+                problems.append(str(exc))
+                continue
             wheels = sorted(partial.glob("*.whl"))
             if proc.returncode == 0 and wheels:
                 folder.mkdir(exist_ok=True)
                 os.replace(wheels[0], folder / wheels[0].name)
                 return folder / wheels[0].name
-            problems.append((proc.stderr.strip().splitlines() or ["no output"])[-1])
+            problems.append(last_line(proc.stderr))
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     raise TargetEnvironmentError(

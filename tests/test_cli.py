@@ -370,7 +370,7 @@ def test_stale_block_through_the_cli(tmp_path: Path, demo_venv: Path) -> None:
                catalog=old).returncode == 0
     stale = cli("verify", "--python", str(demo_venv), "--patch", "demo-fix", catalog=new)
     assert stale.returncode == 1 and "stale" in stale.stdout and "another version" in stale.stdout
-    assert "next: run: python -m hatch_vllm_patch apply" in stale.stdout
+    assert "next: run: vllm-patch apply" in stale.stdout
     updated = cli("apply", "--python", str(demo_venv), "--patch", "demo-fix", catalog=new)
     assert updated.returncode == 0 and "updated a stale block" in updated.stdout
     assert cli("verify", "--python", str(demo_venv), "--patch", "demo-fix",

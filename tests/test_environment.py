@@ -152,3 +152,26 @@ def test_of_two_distributions_of_a_package_the_imported_one_owns_it(
     assert info is not None and (info.name, info.version) == ("demo-pkg-cpu", "1.0.0")
     assert env.modules["demo_pkg.core"].file == \
         site_packages(tmp_path / "two") / "demo_pkg" / "core.py"
+
+
+def test_target_python_is_isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_target_python: -I (no '' nor working directory on sys.path), no PYTHON* variable
+    but the pycache prefix as -X, a fresh empty working directory removed afterwards, and the
+    rest of the environment kept."""
+    import json
+
+    from hatch_vllm_patch.environment import run_target_python
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", "pycache")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code = ("import json, os, sys; print(json.dumps([sys.path, sorted(k for k in os.environ "
+            "if k.startswith('PYTHON')), os.getcwd(), os.listdir('.'), sys.pycache_prefix, "
+            "sys.flags.isolated, os.environ.get('HF_HUB_OFFLINE')]))")
+    proc = run_target_python(sys.executable, ["-c", code], timeout=60, what="a test")
+    path, variables, cwd, listing, prefix, isolated, offline = json.loads(proc.stdout)
+    assert "" not in path and str(tmp_path) not in path and os.getcwd() not in path
+    assert variables == [] and isolated == 1 and offline == "1"
+    assert cwd != str(tmp_path) and listing == [] and not os.path.exists(cwd)
+    assert prefix == str(tmp_path / "pycache")

@@ -73,8 +73,7 @@ def test_modes_after_a_reinstall_behind_our_back(guarded: Path, tmp_path: Path,
     assert stopped.returncode == 1 and "Traceback" not in stopped.stderr
     assert "patched:" not in stopped.stdout
     message = stopped.stderr
-    for part in ("demo-fix: missing in", str(target), "fix: run: python -m hatch_vllm_patch "
-                 "apply", "guard error"):
+    for part in ("demo-fix: missing in", str(target), "fix: run: vllm-patch apply", "guard error"):
         assert part in message, message
 
     warned = vllm_like(guarded, tmp_path, mode="warn", catalog=catalog)
@@ -161,7 +160,7 @@ def test_heals_only_to_the_recorded_block(guarded: Path, tmp_path: Path,
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "its patch folder changed since it was selected" in proc.stderr
     assert "heals only to the selected block" in proc.stderr
-    assert "python -m hatch_vllm_patch apply" in proc.stderr
+    assert "vllm-patch apply" in proc.stderr
     assert "a block nobody applied" not in proc.stdout + proc.stderr
     assert target.read_bytes() == unpatched
     block.write_text(DEMO_BLOCK)
@@ -402,7 +401,7 @@ def _spawn_scenarios(python: Path, tmp_path: Path) -> None:
     stopped = spawn()
     assert stopped.returncode == 1 and "CHILD patched" not in stopped.stdout
     assert f"{PATCH}: missing in {target}" in stopped.stderr
-    assert "fix: run: python -m hatch_vllm_patch apply" in stopped.stderr
+    assert "fix: run: vllm-patch apply" in stopped.stderr
 
     warned = spawn(mode="warn")
     assert warned.returncode == 0 and "CHILD patched: None" in warned.stdout

@@ -5,6 +5,7 @@ the classifier imported."""
 from __future__ import annotations
 
 import ast
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,8 +13,14 @@ from pathlib import Path
 
 from ..catalog import Patch, _load_patch
 from ..config import DEFAULT_PATCH_DIR
-from ..environment import ModuleQuery, TargetEnvironment, inspect_environment, run_bounded
-from ..errors import CatalogError, UsageError, VllmPatchError
+from ..environment import (
+    ModuleQuery,
+    TargetEnvironment,
+    inspect_environment,
+    last_line,
+    run_target_python,
+)
+from ..errors import CatalogError, TargetEnvironmentError, UsageError, VllmPatchError
 from ..markers import MarkerError, parse_file
 from ..operations import Request, resolve
 from ..trust import AdmittedPath, Rule, admit_folder, chosen
@@ -129,13 +136,18 @@ def _check_one(patch: Patch, env: TargetEnvironment | None) -> FolderCheck:
     for member in patch.parts:
         _check_target(member, env, errors, warnings, info)
     if patch.probe_path is not None and not errors:
-        proc = run_bounded([str(env.python), "-c", _IMPORT_PROBE, str(patch.probe_path)],
-                           timeout=600)
-        if proc.returncode != 0:
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            errors.append(f"{patch.probe_path}: does not import in {env.python}: {last}")
+        try:
+            proc = run_target_python(env.python, ["-c", _IMPORT_PROBE,
+                                                  os.path.abspath(patch.probe_path)],
+                                     timeout=600, what="the import check of probe.py")
+        except TargetEnvironmentError as exc:
+            errors.append(f"{patch.probe_path}: not imported: {exc}")
         else:
-            info.append(f"probe.py imports in {env.python}")
+            if proc.returncode != 0:
+                errors.append(f"{patch.probe_path}: does not import in {env.python}: "
+                              f"{last_line(proc.stderr)}")
+            else:
+                info.append(f"probe.py imports in {env.python}")
     return FolderCheck(folder, tuple(errors), tuple(warnings), tuple(info))
 
 
