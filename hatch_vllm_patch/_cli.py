@@ -647,6 +647,9 @@ def _doctor_parser(sub: argparse._SubParsersAction[_Parser],
                    help="whose block-size rules: cuda (vLLM's hybrid alignment with "
                         "FlashAttention's block sizes, the default) or cpu (vLLM's CPU "
                         "platform and attention backend)")
+    p.add_argument("--all", action="store_true", dest="all_patches",
+                   help="try every patch that applies to this vLLM, also those declared for "
+                        "other architectures (default: only the patches for this model)")
     p.add_argument("--json", action="store_true", help="print one machine-readable JSON object")
 
 
@@ -678,9 +681,10 @@ def _doctor(args: argparse.Namespace, project: Path, finish: Callable[..., int])
                           if args.hf_overrides else None),
             trust_remote_code=args.trust_remote_code,
         )
-        _notice("doctor: running vLLM's start-up steps in the target environment "
-                "(imports vLLM: about a minute)")
-        report = run_doctor(request, project_dir=project, python=args.python)
+        report = run_doctor(request, project_dir=project, python=args.python,
+                            everything=args.all_patches, on_import=lambda: _notice(
+                                "doctor: running vLLM's start-up steps in the target "
+                                "environment (imports vLLM: about a minute)"))
     except (ConfigurationError, UsageError, InterpreterNotFoundError, UnusableInterpreterError,
             TargetEnvironmentError, CatalogError) as exc:
         failure = _failure(exc)

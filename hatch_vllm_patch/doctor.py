@@ -10,12 +10,13 @@ CLI prints it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -24,6 +25,7 @@ from .engine import Verdict
 from .environment import TargetEnvironment, run_bounded
 from .errors import TargetEnvironmentError, UsageError
 from .models import FAMILY_BY_MODEL_TYPE, read_model
+from .selection import overlaps, without_replaced
 
 PROBE = Path(__file__).with_name("_kv_probe.py")
 PROBE_TIMEOUT = 1800.0
@@ -31,6 +33,7 @@ GIB = 1 << 30
 PLATFORMS = ("cuda", "cpu")
 INSTALLED = "installed"
 ALL_TOGETHER = "all together"
+RECOMMENDED = "the recommended patches"
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": GIB, "gb": 1000**3, "gib": GIB, "t": 1 << 40, "tb": 1000**4,
           "tib": 1 << 40}
@@ -253,19 +256,62 @@ def resolve_model(name: str, environ: Mapping[str, str] | None = None,
 
 
 def blocks_of(patch: Patch) -> list[dict[str, str]]:
-    """What the child executes to make ``patch`` active: its block, in its module."""
-    return [{"id": patch.id, "module": patch.target.module, "source": patch.block}]
+    """What the child executes to make ``patch`` active: every target's block, in its module
+    (what ``apply`` writes)."""
+    return [{"id": patch.id, "module": m.target.module, "source": m.block} for m in patch.parts]
 
 
 def variants(patches: Sequence[Patch]) -> list[dict[str, Any]]:
-    """Installed, each patch alone, and (with more than one) all of them together."""
+    """Installed, each patch alone, and (with more than one that can be selected together)
+    all of those together: never two patches that replace one symbol (``compatible``)."""
     out: list[dict[str, Any]] = [{"name": INSTALLED, "patches": [], "blocks": []}]
     for patch in patches:
         out.append({"name": patch.id, "patches": [patch.id], "blocks": blocks_of(patch)})
-    if len(patches) > 1:
-        out.append({"name": ALL_TOGETHER, "patches": [p.id for p in patches],
-                    "blocks": [b for p in patches for b in blocks_of(p)]})
+    together, _ = compatible(patches)
+    if len(together) > 1:
+        out.append(combined(ALL_TOGETHER, together))
     return out
+
+
+def combined(name: str, patches: Sequence[Patch]) -> dict[str, Any]:
+    return {"name": name, "patches": [p.id for p in patches],
+            "blocks": [b for p in patches for b in blocks_of(p)]}
+
+
+MODELS_PACKAGE = "vllm.model_executor.models."
+
+
+def concerns(patch: Patch, names: Collection[str], modules: Collection[str]) -> bool:
+    """Whether ``patch`` is for a model run as one of ``names`` (its architectures and the
+    families its config resolves to), whose code lies in ``modules``: the patch's declared
+    architectures name one of them; with none declared, a target lies in such a module or
+    replaces a method of such a class, or no target lies in a model's module (engine code
+    that every model runs)."""
+    if patch.architectures:
+        return any(a in names for a in patch.architectures)
+    targets = [m.target for m in patch.parts]
+    if any(t.module in modules or any(s.split(".")[0] in names for s in t.symbols)
+           for t in targets):
+        return True
+    return not any(t.module.startswith(MODELS_PACKAGE) for t in targets)
+
+
+def compatible(patches: Sequence[Patch]) -> tuple[list[Patch], list[str]]:
+    """The patches that can be selected together, earlier ones first (a patch one of them
+    ``replaces`` is dropped, and so is a later patch that replaces a symbol an earlier one
+    already replaces), and one note per patch left out."""
+    kept, replaced = without_replaced(patches)
+    notes = [f"{new} replaces {old} (its patch.toml says so): {old} left out"
+             for old, new in replaced.items()]
+    chosen: list[Patch] = []
+    for patch in kept:
+        clash = next((o for o in overlaps([*chosen, patch]) if o.second == patch.id), None)
+        if clash is None:
+            chosen.append(patch)
+        else:
+            notes.append(f"{patch.id} and {clash.first} both replace {clash.where}: they "
+                         f"cannot be selected together; {clash.first} is the one counted")
+    return chosen, notes
 
 
 def case_of(request: DoctorRequest, model_dir: Path, hf_overrides: Mapping[str, Any] | None,
@@ -455,9 +501,14 @@ def neuron_line(env: TargetEnvironment) -> str | None:
 
 def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[str, Patch],
              verdicts: Mapping[str, Verdict], registered: Sequence[str] | None,
-             *, timeout: float = PROBE_TIMEOUT) -> DoctorReport:
+             *, timeout: float = PROBE_TIMEOUT, modules: Mapping[str, str] | None = None,
+             everything: bool = False, prefer: Collection[str] = (),
+             on_import: Callable[[], None] | None = None) -> DoctorReport:
     """Run the child for ``request`` and judge it. ``verdicts`` are the status of every
-    patch in ``patches`` in this environment."""
+    patch in ``patches`` in this environment; ``modules`` each registered architecture's
+    module. Only patches that concern the model are tried (``concerns``), every one with
+    ``everything``; those in ``prefer`` (the project's selection) come first, then the
+    catalog's, when two of them replace one symbol."""
     if request.platform not in PLATFORMS:
         raise UsageError(f"--platform {request.platform}: expected one of {', '.join(PLATFORMS)}")
     model_is_dir = Path(request.model).expanduser().is_dir()
@@ -474,17 +525,46 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
         speculative["model"] = str(resolve_model(speculative["model"],
                                                  option="--speculative-config model"))
     request = request._replace(speculative_config=speculative or None)
-    candidates = [patches[pid] for pid, v in verdicts.items() if v is Verdict.MISSING]
+    info = read_model(model_dir, "--model")
+    architecture = (overrides.get("architectures") or info.architectures or ["?"])[0]
+    names = {architecture, *info.architectures, *info.families}
+    draft = speculative.get("model")
+    if isinstance(draft, str) and Path(draft).is_dir():
+        with contextlib.suppress(UsageError, ValueError, OSError):
+            names.update(read_model(Path(draft), "--speculative-config model").architectures)
+    model_modules = {(modules or {})[n] for n in names if n in (modules or {})}
+    missing = [patches[pid] for pid, v in verdicts.items() if v is Verdict.MISSING]
+    chosen = [p for p in missing if everything or concerns(p, names, model_modules)]
+    if len(chosen) < len(missing):
+        notes.append(f"{len(missing) - len(chosen)} patch(es) for other models not tried "
+                     "(--all tries every patch)")
+    own = {p.id for p in chosen if p.folder.parent != _catalog_root(patches)}
+    candidates = sorted(chosen, key=lambda p: (p.id not in prefer, p.id in own))
     in_place = tuple(pid for pid, v in verdicts.items() if v is Verdict.APPLIED)
     job_variants = variants(candidates)
-    job = {"cases": [case_of(request, model_dir, overrides or None,
-                             request.trust_remote_code)],
-           "variants": job_variants,
+    cases = [case_of(request, model_dir, overrides or None, request.trust_remote_code)]
+    job = {"cases": cases, "variants": job_variants,
            "neuron": env.version_of("vllm-neuron") is not None}
+    if on_import is not None:  # every input is checked: now the slow part starts
+        on_import()
     answer = run_child(env.python, job, timeout=timeout)
     raw = answer["cases"][0]["variants"]
     runs = tuple(run_of(v, raw[v["name"]]) for v in job_variants)
     needed, verdict = judge(runs, [p.id for p in candidates])
+    kept, left_out = compatible([patches[p] for p in needed])
+    if len(kept) < len(needed):
+        needed = tuple(p.id for p in kept)
+        notes += left_out
+    if len(needed) > 1 and not any(set(r.patches) == set(needed) for r in runs):
+        # What apply would write is this combination: run it, as it will run.
+        extra = combined(RECOMMENDED, kept)
+        again = run_child(env.python, {**job, "variants": [extra], "neuron": False},
+                          timeout=timeout)
+        together = run_of(extra, again["cases"][0]["variants"][RECOMMENDED])
+        runs = (*runs, together)
+        if not together.starts:
+            needed = needed[:1]
+            verdict += f"; with {', '.join(together.patches[1:])} as well it does not start"
     neuron = tuple(NeuronBudget(name, b.get("bytes_per_token"), b.get("max_concurrency"),
                                 b.get("layers"), _err(b.get("error")))
                    for name, b in (answer["cases"][0].get("neuron") or {}).items())
@@ -495,21 +575,27 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
     if neuron:
         notes.append("the vllm-neuron plugin is vLLM's platform here: its config hook ran in "
                      "the config step; the block-size step is the one of --platform")
-    info = read_model(model_dir, "--model")
-    architecture = (overrides.get("architectures") or info.architectures or ["?"])[0]
     lines = config_lines(needed, architecture, request.model, model_is_dir)
     return DoctorReport(env, answer["vllm"], request, model_dir, architecture, runs,
                         tuple(p.id for p in candidates), in_place, needed, lines, verdict,
                         tuple(notes), neuron, neuron_line(env))
 
 
+def _catalog_root(patches: Mapping[str, Patch]) -> Path | None:
+    root = getattr(patches, "root", None)
+    return root if isinstance(root, Path) else None
+
+
 def run_doctor(request: DoctorRequest, *, project_dir: Path | None, python: str | None,
-               timeout: float = PROBE_TIMEOUT) -> DoctorReport:
+               timeout: float = PROBE_TIMEOUT, everything: bool = False,
+               on_import: Callable[[], None] | None = None) -> DoctorReport:
     """Every catalog and project patch's status in the target environment, then
-    :func:`diagnose`. Raises UsageError / ConfigurationError / TargetEnvironmentError."""
+    :func:`diagnose` (``everything``: try every patch, not only those for the model).
+    Raises UsageError / ConfigurationError / TargetEnvironmentError; a project that selects
+    two patches of one symbol is refused as ``apply`` refuses it."""
     from .environment import inspect_environment
     from .operations import _REGISTRY, Request, resolve, run
-    from .selection import registered_architectures
+    from .selection import architecture_modules, registered_architectures
 
     resolve_model(request.model)  # usage errors first, before the environment is asked
     if request.platform not in PLATFORMS:
@@ -523,10 +609,12 @@ def run_doctor(request: DoctorRequest, *, project_dir: Path | None, python: str 
             "runs the installed vLLM's own code; pass --python for the environment that serves")
     verdicts = {o.patch_id: o.verdict for o in status.outcomes if o.patch_id in catalog}
     registry = inspect_environment(choice, [_REGISTRY]).modules[_REGISTRY.module].file
-    report = diagnose(request, status.environment, catalog, verdicts,
-                      registered_architectures(registry), timeout=timeout)
-    notes = [*status.notes, *report.notes]
     selected = {p.id for p in selection.patches}
+    report = diagnose(request, status.environment, catalog, verdicts,
+                      registered_architectures(registry), timeout=timeout,
+                      modules=architecture_modules(registry), everything=everything,
+                      prefer=selected, on_import=on_import)
+    notes = [*status.notes, *report.notes]
     if config is not None and report.needed and set(report.needed) <= selected:
         notes.append(f"[tool.vllm-patch] in {config.source} already selects "
                      f"{', '.join(report.needed)}: `vllm-patch apply` puts it in place")

@@ -68,7 +68,13 @@ from .record import (
 )
 from .record import Selection as SelectionRecord
 from .report import PatchOutcome, Report
-from .selection import Selection, registered_architectures, select, unknown_architecture_notes
+from .selection import (
+    Selection,
+    refuse_overlaps,
+    registered_architectures,
+    select,
+    unknown_architecture_notes,
+)
 
 OPERATIONS = ("apply", "verify", "revert", "status", "diff")
 _REGISTRY = ModuleQuery("vllm", "vllm.model_executor.models.registry",
@@ -112,14 +118,18 @@ class Request(NamedTuple):
         return bool(self.patches or self.architectures or self.models)
 
 
-def resolve(request: Request, config_problems: list[str] | None = None, carried: bool = False
+def resolve(request: Request, config_problems: list[str] | None = None, carried: bool = False,
+            overlap_ok: bool = False
             ) -> tuple[Catalog, Config | None, Selection, InterpreterChoice]:
     """The pure-ish front half shared by every operation and the build hook: no writes.
 
     ``config_problems``: when given, an unusable pyproject.toml is described there and treated
     as no configuration (``revert``, the way out, must not depend on it).
     ``carried``: with no ``[tool.vllm-patch]`` and nothing selected on the command line, select
-    what the distributions installed in the target carry (``carried.py``)."""
+    what the distributions installed in the target carry (``carried.py``).
+    Two selected patches that replace one symbol are refused here, before anything is written
+    (ConfigurationError, or UsageError for a command line's), unless ``overlap_ok`` (``revert``
+    and ``status``, which must reach both)."""
     catalog = request.catalog or load_catalog()
     project_dir = request.project_dir
     config = request.config
@@ -148,6 +158,9 @@ def resolve(request: Request, config_problems: list[str] | None = None, carried:
             catalog = config.catalog
     selection = select(catalog, config, patches=request.patches,
                        architectures=request.architectures, models=request.models)
+    if not overlap_ok:
+        refuse_overlaps(selection, config, command_line=request.command_line_selection
+                        and request.config is None)
     return catalog, config, selection, choice
 
 
@@ -203,7 +216,8 @@ def run(operation: str, request: Request) -> Report:
     problems: list[str] = []
     catalog, config, selection, choice = resolve(
         request, problems if operation == "revert" else None,
-        carried=operation in {"apply", "verify", "diff"})
+        carried=operation in {"apply", "verify", "diff"},
+        overlap_ok=operation in {"revert", "status"})
     patches: Sequence[Patch] = selection.patches
     why = dict(selection.why)
     if not patches and operation in {"revert", "status"}:
