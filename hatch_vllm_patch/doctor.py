@@ -149,7 +149,17 @@ class DoctorReport(NamedTuple):
 
     @property
     def ok(self) -> bool:
-        return self.installed.starts
+        """Nothing to select: it starts as installed and allocates as it should."""
+        return self.outcome == "nothing-needed"
+
+    @property
+    def outcome(self) -> str:
+        """``nothing-needed`` (it starts as installed and allocates as it should),
+        ``patch-needed`` (select ``needed``: it does not start without it, or sizes the state
+        wrongly), or ``no-fix`` (it does not start, and no patch here fixes it)."""
+        if self.needed:
+            return "patch-needed"
+        return "nothing-needed" if self.installed.starts else "no-fix"
 
     def run(self, name: str) -> Run | None:
         return next((r for r in self.runs if r.name == name), None)
@@ -159,6 +169,8 @@ class DoctorReport(NamedTuple):
         return {
             "operation": "doctor",
             "ok": self.ok,
+            "outcome": self.outcome,
+            "starts": self.installed.starts,
             "verdict": self.verdict,
             "environment": self.environment.to_json(),
             "vllm": self.vllm,
@@ -409,7 +421,13 @@ def run_of(variant: Mapping[str, Any], raw: Mapping[str, Any]) -> Run:
 
 
 def judge(runs: Sequence[Run], candidates: Sequence[str]) -> tuple[tuple[str, ...], str]:
-    """(the patches to select, the verdict in one line)."""
+    """(the patches to select, the verdict in one line).
+
+    When it starts as installed, a patch that gives the recurrent state other shapes is
+    needed: the state's shape follows from the model and the settings (a draft's tokens), so
+    the installed code sized it for other settings (the spec-conv-state bugs: a conv state
+    without the draft's rows). A patch that changes only the pages and their padding is not
+    needed: both layouts hold the same state; the table shows which holds more tokens."""
     installed = runs[0]
     alone = [r for r in runs[1:] if len(r.patches) == 1]
     together = next((r for r in runs if r.name == ALL_TOGETHER), None)
@@ -419,16 +437,32 @@ def judge(runs: Sequence[Run], candidates: Sequence[str]) -> tuple[tuple[str, ..
                                or run.state_shapes != installed.state_shapes)
 
     if installed.starts:
-        changing = tuple(r.patches[0] for r in alone if changes(r))
-        if not changing:
-            return (), "starts as installed: nothing needed"
-        return changing, ("starts as installed, but " + ", ".join(changing)
-                          + " changes what vLLM allocates (see below)")
+        reshaping = [r for r in alone if r.starts and r.state_shapes != installed.state_shapes]
+        if reshaping:
+            first = reshaping[0]
+            needed = tuple(r.patches[0] for r in reshaping)
+            return needed, (
+                f"starts as installed, but sizes the recurrent state wrongly for these "
+                f"settings: {first.patches[0]} is needed (state shapes "
+                f"{_shapes(installed.state_shapes)} as installed, "
+                f"{_shapes(first.state_shapes)} with it; the installed ones are too small "
+                "for them)" if _smaller(installed.state_shapes, first.state_shapes) else
+                f"starts as installed, but sizes the recurrent state differently from "
+                f"{first.patches[0]}, which is needed (state shapes "
+                f"{_shapes(installed.state_shapes)} as installed, "
+                f"{_shapes(first.state_shapes)} with it)")
+        paging = [r.patches[0] for r in alone if changes(r)]
+        if paging:
+            return (), ("starts as installed: nothing needed (" + ", ".join(paging)
+                        + " would only lay out the same KV cache differently: optional, "
+                        "see the table)")
+        return (), "starts as installed: nothing needed"
     assert installed.failed is not None
     fixing = [r for r in alone if r.starts]
     if fixing:
         first = fixing[0]
-        also = tuple(r.patches[0] for r in alone if r is not first and changes(r)
+        also = tuple(r.patches[0] for r in alone if r is not first and r.starts
+                     and r.state_shapes != first.state_shapes
                      and r.patches[0] not in first.patches)
         needed = (*first.patches, *also)
         return needed, (f"does not start as installed ({installed.failed.name}); "
@@ -436,10 +470,31 @@ def judge(runs: Sequence[Run], candidates: Sequence[str]) -> tuple[tuple[str, ..
     if together is not None and together.starts:
         return together.patches, (f"does not start as installed ({installed.failed.name}); "
                                   "the patches together fix it")
-    where = f"{installed.failed.name}: {installed.failed.error}"
+    where = f"{installed.failed.name}: {shorten(installed.failed.error or '', 300)}"
     if candidates:
         return (), f"this fails and no patch here fixes it ({where})"
     return (), f"this fails and no patch here fixes it ({where}); no patch applies here"
+
+
+def _shapes(shapes: Sequence[Sequence[int]]) -> str:
+    return ", ".join("(" + ", ".join(map(str, s)) + ")" for s in shapes) or "none"
+
+
+def _smaller(before: Sequence[Sequence[int]], after: Sequence[Sequence[int]]) -> bool:
+    return len(before) == len(after) and all(
+        len(a) == len(b) and all(x <= y for x, y in zip(a, b, strict=True))
+        for a, b in zip(before, after, strict=True)) and before != after
+
+
+def shorten(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters at a word's end, marked with an
+    ellipsis: never a cut inside a word (or a URL)."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    cut = text[:limit - 1]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > 0 else cut).rstrip(" ,;:") + "\u2026"
 
 
 def judge_neuron(budgets: Sequence[NeuronBudget]) -> tuple[tuple[str, ...], str]:
@@ -493,6 +548,24 @@ def unregistered_override(model_dir: Path, registered: Sequence[str] | None
     return None, None
 
 
+def refuse_unregistered(architectures: Sequence[str], registered: Sequence[str] | None,
+                        model: str, where: str) -> None:
+    """UsageError when the installed vLLM registers none of ``architectures`` (a misspelt
+    name, with its model_type naming no family it registers): vLLM would not run this model's
+    own class, so no verdict about it can be given."""
+    if registered is None or not architectures or any(a in registered for a in architectures):
+        return
+    import difflib
+
+    close = [c for a in architectures
+             for c in difflib.get_close_matches(a, registered, n=2, cutoff=0.8)]
+    hint = f" (did you mean {' or '.join(dict.fromkeys(close))}?)" if close else ""
+    raise UsageError(f"--model {model}: the installed vLLM registers no architecture "
+                     f"{', '.join(architectures)} of {where}{hint}, and its model_type names no "
+                     "family it does: fix the name, or pass --hf-overrides "
+                     "'{\"architectures\": [\"NAME\"]}' with a registered one")
+
+
 def neuron_line(env: TargetEnvironment) -> str | None:
     if env.version_of("vllm-neuron") is None:
         return "Neuron: the vllm-neuron plugin is not installed here (no Neuron KV budget)"
@@ -520,6 +593,10 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
         if auto:
             overrides.update(auto)
             notes.append(note or "")
+    refuse_unregistered(overrides.get("architectures") or read_model(
+        model_dir, "--model").architectures, registered, request.model,
+        "--hf-overrides" if request.hf_overrides and "architectures" in request.hf_overrides
+        else f"{model_dir}/config.json")
     speculative = dict(request.speculative_config or {})
     if isinstance(speculative.get("model"), str) and speculative.get("method") != "mtp":
         speculative["model"] = str(resolve_model(speculative["model"],
@@ -542,29 +619,25 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
     candidates = sorted(chosen, key=lambda p: (p.id not in prefer, p.id in own))
     in_place = tuple(pid for pid, v in verdicts.items() if v is Verdict.APPLIED)
     job_variants = variants(candidates)
-    cases = [case_of(request, model_dir, overrides or None, request.trust_remote_code)]
-    job = {"cases": cases, "variants": job_variants,
-           "neuron": env.version_of("vllm-neuron") is not None}
-    if on_import is not None:  # every input is checked: now the slow part starts
-        on_import()
-    answer = run_child(env.python, job, timeout=timeout)
-    raw = answer["cases"][0]["variants"]
-    runs = tuple(run_of(v, raw[v["name"]]) for v in job_variants)
-    needed, verdict = judge(runs, [p.id for p in candidates])
-    kept, left_out = compatible([patches[p] for p in needed])
-    if len(kept) < len(needed):
-        needed = tuple(p.id for p in kept)
-        notes += left_out
-    if len(needed) > 1 and not any(set(r.patches) == set(needed) for r in runs):
-        # What apply would write is this combination: run it, as it will run.
-        extra = combined(RECOMMENDED, kept)
-        again = run_child(env.python, {**job, "variants": [extra], "neuron": False},
-                          timeout=timeout)
-        together = run_of(extra, again["cases"][0]["variants"][RECOMMENDED])
-        runs = (*runs, together)
-        if not together.starts:
-            needed = needed[:1]
-            verdict += f"; with {', '.join(together.patches[1:])} as well it does not start"
+    with tempfile.TemporaryDirectory(prefix="hvp-doctor-model-") as scratch:
+        loaded_from = model_dir
+        if not request.trust_remote_code and remote_code_of(model_dir) and registered \
+                and architecture in registered:
+            loaded_from = native_copy(model_dir, Path(scratch))
+            notes.append(f"{model_dir}/config.json names remote code (auto_map), but vLLM "
+                         f"registers {architecture} itself: doctor loaded it natively, "
+                         "without the model's code (pass --trust-remote-code to run that "
+                         "code instead, as `vllm serve` must where transformers does not "
+                         f"know model_type {info.model_type!r})")
+        case = case_of(request, loaded_from, overrides or None, request.trust_remote_code)
+        case["native_config"] = loaded_from != model_dir
+        job = {"cases": [case], "variants": job_variants,
+               "neuron": env.version_of("vllm-neuron") is not None}
+        if on_import is not None:  # every input is checked: now the slow part starts
+            on_import()
+        answer = run_child(env.python, job, timeout=timeout)
+        needed, verdict, runs, notes = _recommend(
+            job, answer, job_variants, candidates, patches, env, timeout, notes)
     neuron = tuple(NeuronBudget(name, b.get("bytes_per_token"), b.get("max_concurrency"),
                                 b.get("layers"), _err(b.get("error")))
                    for name, b in (answer["cases"][0].get("neuron") or {}).items())
@@ -579,6 +652,55 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
     return DoctorReport(env, answer["vllm"], request, model_dir, architecture, runs,
                         tuple(p.id for p in candidates), in_place, needed, lines, verdict,
                         tuple(notes), neuron, neuron_line(env))
+
+
+def _recommend(job: dict[str, Any], answer: dict[str, Any], job_variants: list[dict[str, Any]],
+               candidates: Sequence[Patch], patches: Mapping[str, Patch],
+               env: TargetEnvironment, timeout: float, notes: list[str]
+               ) -> tuple[tuple[str, ...], str, tuple[Run, ...], list[str]]:
+    """Judge the child's answer; never two patches of one symbol; when the recommended
+    combination was not among the runs, run it (what ``apply`` would write)."""
+    raw = answer["cases"][0]["variants"]
+    runs = tuple(run_of(v, raw[v["name"]]) for v in job_variants)
+    needed, verdict = judge(runs, [p.id for p in candidates])
+    kept, left_out = compatible([patches[p] for p in needed])
+    if len(kept) < len(needed):
+        needed = tuple(p.id for p in kept)
+        notes = [*notes, *left_out]
+    if len(needed) > 1 and not any(set(r.patches) == set(needed) for r in runs):
+        extra = combined(RECOMMENDED, kept)
+        again = run_child(env.python, {**job, "variants": [extra], "neuron": False},
+                          timeout=timeout)
+        together = run_of(extra, again["cases"][0]["variants"][RECOMMENDED])
+        runs = (*runs, together)
+        if not together.starts:
+            needed = needed[:1]
+            verdict += f"; with {', '.join(together.patches[1:])} as well it does not start"
+    return needed, verdict, runs, notes
+
+
+def remote_code_of(model_dir: Path) -> bool:
+    """Does the model's config.json name remote code (``auto_map``)?"""
+    try:
+        data = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and bool(data.get("auto_map"))
+
+
+def native_copy(model_dir: Path, folder: Path) -> Path:
+    """The model's JSON files in ``folder``, config.json without ``auto_map``: what doctor
+    loads when vLLM registers the architecture itself (no weights, no code are copied)."""
+    target = folder / model_dir.name
+    target.mkdir()
+    for source in model_dir.glob("*.json"):
+        text = source.read_text(encoding="utf-8")
+        if source.name == "config.json":
+            data = json.loads(text)
+            data.pop("auto_map", None)
+            text = json.dumps(data, indent=1)
+        (target / source.name).write_text(text, encoding="utf-8")
+    return target
 
 
 def _catalog_root(patches: Mapping[str, Patch]) -> Path | None:
