@@ -70,6 +70,7 @@ from .record import Selection as SelectionRecord
 from .report import PatchOutcome, Report
 from .selection import (
     Selection,
+    overlaps,
     refuse_overlaps,
     registered_architectures,
     select,
@@ -433,7 +434,14 @@ class _Session:
                              and location.package_dir is None),
             known_shapes=frozenset(f"{pid}:{key}" for pid, key in
                                    (entry.known_shapes.items() if entry else ())),
+            overlapping=self.overlapping(patch),
         )
+
+    def overlapping(self, member: Patch) -> dict[str, str]:
+        """The other known patches that replace a symbol ``member`` (one target) replaces."""
+        others = [p for p in self.catalog.patches if p.id != member.id]
+        return {o.second: o.where for o in overlaps([member, *others])
+                if o.first == member.id}
 
     def read(self, path: Path) -> tuple[bytes | None, str | None]:
         if str(path) in self.contents:
@@ -991,12 +999,29 @@ def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: Fi
                 f"file {target} installs here: fix the patch folder ({patch.folder}); "
                 "hatch-vllm-patch writes only into its target distribution's own files")
     if verdict is Verdict.BLOCKED:
+        rival = _rival_block(facts)
+        if rival is not None:
+            return (f"keep one of {rival} and {patch.id}: `python -m hatch_vllm_patch revert "
+                    f"--python {python} --patch {rival}` removes {rival}'s block (if the "
+                    f"selection that applied it agrees), or drop {patch.id} from this "
+                    "selection")
         return (f"run: python -m hatch_vllm_patch revert --python {python} (removes every "
                 "block of ours and restores the original), then apply")
     if verdict is Verdict.ERROR:
         return (f"check that {facts.path} and its directory are writable by this user (or run "
                 "as the environment's owner), and that the disk has room; then run again")
     return None
+
+
+def _rival_block(facts: FileFacts) -> str | None:
+    """The patch whose block in the file replaces a symbol of the one planned, if any."""
+    if not facts.overlapping or facts.content is None:
+        return None
+    try:
+        blocks = parse_file(facts.content).blocks
+    except MarkerError:
+        return None
+    return next((b.patch_id for b in blocks if b.patch_id in facts.overlapping), None)
 
 
 def _deep(outcome: PatchOutcome, catalog: Catalog, env: TargetEnvironment,

@@ -287,3 +287,24 @@ def test_doctor_refuses_a_project_selecting_both(tmp_path: Path) -> None:
     assert f"both replace {SYMBOL}" in proc.stderr
     assert "imports vLLM" not in proc.stderr
 
+
+
+def test_a_block_of_the_same_symbol_in_place_blocks_the_other(tmp_path: Path,
+                                                               demo_venv: Path) -> None:
+    """demo-fix applied by one selection (the command line), then a project selecting
+    demo-alt (of the same function) applies: demo-alt is blocked naming demo-fix and the
+    symbol, the file keeps one block, and the next step removes only demo-fix's block."""
+    catalog = two_patch_catalog(tmp_path / "catalog")
+    first = cli("apply", "--python", str(demo_venv), "--patch", "demo-fix", catalog=catalog,
+                cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    core = site_packages(demo_venv.parent.parent) / "demo_pkg" / "core.py"
+    after_first = core.read_bytes()
+    second = cli("apply", "--python", str(demo_venv), "--patch", "demo-alt", "--json",
+                 catalog=catalog, cwd=tmp_path)
+    assert second.returncode == 1, second.stdout + second.stderr
+    (alt,) = [o for o in json.loads(second.stdout)["patches"] if o["id"] == "demo-alt"]
+    assert alt["verdict"] == "blocked"
+    assert f"the block of demo-fix, which also replaces {SYMBOL}" in alt["reason"]
+    assert "revert --python" in alt["next_step"] and "--patch demo-fix" in alt["next_step"]
+    assert core.read_bytes() == after_first
