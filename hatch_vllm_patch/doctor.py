@@ -293,19 +293,20 @@ def combined(name: str, patches: Sequence[Patch]) -> dict[str, Any]:
 MODELS_PACKAGE = "vllm.model_executor.models."
 
 
-def concerns(patch: Patch, names: Collection[str], modules: Collection[str]) -> bool:
+def concerns(patch: Patch, names: Collection[str], modules: Collection[str],
+             selected: Collection[str] = ()) -> bool:
     """Whether ``patch`` is for a model run as one of ``names`` (its architectures and the
-    families its config resolves to), whose code lies in ``modules``: the patch's declared
+    families its config resolves to), whose code lies in ``modules``: its declared
     architectures name one of them; with none declared, a target lies in such a module or
-    replaces a method of such a class, or no target lies in a model's module (engine code
-    that every model runs)."""
+    replaces a method of such a class, or the project selects it for every model
+    (``selected``). A patch of engine code that nothing selects (a connector's) is for the
+    settings doctor does not take: tried only with ``--all``."""
     if patch.architectures:
         return any(a in names for a in patch.architectures)
     targets = [m.target for m in patch.parts]
-    if any(t.module in modules or any(s.split(".")[0] in names for s in t.symbols)
-           for t in targets):
-        return True
-    return not any(t.module.startswith(MODELS_PACKAGE) for t in targets)
+    return patch.id in selected or any(
+        t.module in modules or any(s.split(".")[0] in names for s in t.symbols)
+        for t in targets)
 
 
 def compatible(patches: Sequence[Patch]) -> tuple[list[Patch], list[str]]:
@@ -611,7 +612,8 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
             names.update(read_model(Path(draft), "--speculative-config model").architectures)
     model_modules = {(modules or {})[n] for n in names if n in (modules or {})}
     missing = [patches[pid] for pid, v in verdicts.items() if v is Verdict.MISSING]
-    chosen = [p for p in missing if everything or concerns(p, names, model_modules)]
+    chosen = [p for p in missing
+              if everything or concerns(p, names, model_modules, prefer)]
     if len(chosen) < len(missing):
         notes.append(f"{len(missing) - len(chosen)} patch(es) for other models not tried "
                      "(--all tries every patch)")

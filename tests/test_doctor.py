@@ -229,14 +229,16 @@ def test_every_target_of_a_patch_is_activated() -> None:
 
 def test_only_patches_for_the_model_are_tried() -> None:
     """A patch declaring architectures is tried for them only; one declaring none, for the
-    model whose module or class it targets, and for every model when it targets engine code."""
+    model whose module or class it targets, or for every model when the project selects it
+    (engine code that nothing selects is for settings doctor does not take: --all)."""
     qwen = ({"Qwen3NextForCausalLM"}, {MODELS + "qwen3_next"})
     granite = ({"GraniteMoeHybridForCausalLM"}, {MODELS + "granitemoehybrid"})
     assert not concerns(BAMBA, *qwen) and not concerns(FALCON, *granite)
     assert concerns(FALCON, {"FalconH1ForCausalLM"}, set())
     assert concerns(SPEC_CONV, *granite) and not concerns(SPEC_CONV, *qwen)
     assert concerns(SPEC_CONV, {"Zamba2ForCausalLM"}, set())  # by its class, no registry
-    assert concerns(ENGINE, *qwen) and concerns(ENGINE, *granite)
+    assert not concerns(ENGINE, *qwen)
+    assert concerns(ENGINE, *qwen, {"engine-wide"}) and concerns(ENGINE, *granite, {"engine-wide"})
 
 
 def test_never_two_patches_of_one_symbol_together() -> None:
