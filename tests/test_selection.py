@@ -308,3 +308,84 @@ def test_a_block_of_the_same_symbol_in_place_blocks_the_other(tmp_path: Path,
     assert f"the block of demo-fix, which also replaces {SYMBOL}" in alt["reason"]
     assert "revert --python" in alt["next_step"] and "--patch demo-fix" in alt["next_step"]
     assert core.read_bytes() == after_first
+
+
+# --- on real vLLM files ---------------------------------------------------------------------------
+
+SPEC_CONV = {  # the three catalog patches a backport of upstream's fix covers in one patch
+    "falcon-h1-spec-conv-state": "falcon_h1",
+    "granitemoehybrid-spec-conv-state": "granitemoehybrid",
+    "zamba2-spec-conv-state": "zamba2",
+}
+FALCON_SYMBOL = ("vllm.model_executor.models.falcon_h1.FalconH1ForCausalLM."
+                 "get_mamba_state_shape_from_config")
+
+
+def spec_conv_num_spec(root: Path) -> Path:
+    """A project patch over falcon_h1, granitemoehybrid and zamba2 (what `create --from-diff`
+    of upstream's num_spec fix makes: one [[targets]] per module, no architectures), built from
+    the catalog's blocks and known shapes."""
+    from hatch_vllm_patch.catalog import load_catalog
+
+    catalog = load_catalog(Path(__file__).resolve().parents[1] / "patches")
+    folder = root / "spec-conv-num-spec"
+    folder.mkdir(parents=True)
+    lines = ['id = "spec-conv-num-spec"', 'summary = "Mamba-2 conv state with the draft rows"',
+             "architectures = []"]
+    for pid, module in SPEC_CONV.items():
+        patch = catalog[pid]
+        (folder / f"{module}.py").write_text(patch.block)
+        shapes = ", ".join(f'"{d}"' for d in sorted(patch.shapes))
+        lines += ["", "[[targets]]", 'distribution = "vllm"',
+                  f'module = "{patch.target.module}"', f'symbol = "{patch.target.symbol}"',
+                  f'block = "{module}.py"', f"shapes = [{shapes}]"]
+    (folder / "patch.toml").write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.mark.slow
+def test_real_vllm_catalog_and_project_patch_of_one_classmethod(tmp_path: Path) -> None:
+    """vLLM 0.20.2's files (--no-deps): a project selecting the catalog's
+    falcon-h1-spec-conv-state and its own spec-conv-num-spec (both rebind
+    FalconH1ForCausalLM.get_mamba_state_shape_from_config) is refused by check and apply
+    (exit 2, both named, the symbol), nothing written; its own patch alone applies to all three
+    modules; the catalog patch added then by --patch is blocked, the file left as it was."""
+    from venvs import release_venv
+
+    python = release_venv(tmp_path / "vllm", "vllm", "0.20.2")
+    models = site_packages(python.parent.parent) / "vllm" / "model_executor" / "models"
+    files = {m: models / f"{m}.py" for m in SPEC_CONV.values()}
+    pristine = {m: f.read_bytes() for m, f in files.items()}
+    project = tmp_path / "svc"
+    spec_conv_num_spec(project / "vllm-patches")
+    (project / "pyproject.toml").write_text(textwrap.dedent(f"""\
+        [project]
+        name = "svc"
+        version = "1.0"
+
+        [tool.vllm-patch]
+        python = "{python}"
+        patches = ["falcon-h1-spec-conv-state", "spec-conv-num-spec"]
+        """))
+    for command in ("check", "apply"):
+        proc = cli(command, cwd=project)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "'falcon-h1-spec-conv-state'" in proc.stderr
+        assert "'spec-conv-num-spec'" in proc.stderr
+        assert f"both replace {FALCON_SYMBOL}" in proc.stderr
+    assert {m: f.read_bytes() for m, f in files.items()} == pristine
+    text = (project / "pyproject.toml").read_text()
+    (project / "pyproject.toml").write_text(text.replace('"falcon-h1-spec-conv-state", ', ""))
+    applied = cli("apply", cwd=project)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    for module, path in files.items():
+        assert "# >>> hatch-vllm-patch: spec-conv-num-spec" in path.read_text(), module
+    falcon = files["falcon_h1"].read_bytes()
+    added = cli("apply", "--patch", "falcon-h1-spec-conv-state", "--json", cwd=project)
+    assert added.returncode == 1, added.stdout + added.stderr
+    (outcome,) = [o for o in json.loads(added.stdout)["patches"]
+                  if o["id"] == "falcon-h1-spec-conv-state"]
+    assert outcome["verdict"] == "blocked"
+    assert f"the block of spec-conv-num-spec, which also replaces {FALCON_SYMBOL}" in \
+        outcome["reason"]
+    assert files["falcon_h1"].read_bytes() == falcon
