@@ -130,7 +130,7 @@ def resolve(request: Request, config_problems: list[str] | None = None, carried:
     what the distributions installed in the target carry (``carried.py``).
     Two selected patches that replace one symbol are refused here, before anything is written
     (ConfigurationError, or UsageError for a command line's), unless ``overlap_ok`` (``revert``
-    and ``status``, which must reach both)."""
+    and ``status``, which must reach both; the authoring commands, which apply no selection)."""
     catalog = request.catalog or load_catalog()
     project_dir = request.project_dir
     config = request.config

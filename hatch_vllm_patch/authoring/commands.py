@@ -87,7 +87,7 @@ def _check_new_id(patch_id: str, request: Request) -> _NewPatch:
     if not _ID.match(patch_id):
         raise UsageError(f"{patch_id!r}: a patch id is kebab-case (lowercase letters, digits and "
                          "single hyphens), e.g. clearer-kv-memory-error")
-    catalog, config, _, choice = resolve(request)
+    catalog, config, _, choice = resolve(request, overlap_ok=True)
     if patch_id in catalog:
         raise UsageError(f"{patch_id!r} is already a patch ({catalog[patch_id].folder}); "
                          "choose another id")
@@ -146,7 +146,7 @@ def _inspect(request: Request, module: str, choice: InterpreterChoice | None = N
         raise UsageError(f"{module!r} is not a dotted module path inside a package "
                          "(e.g. vllm.v1.core.kv_cache_utils)")
     if choice is None:
-        choice = resolve(request)[3]
+        choice = resolve(request, overlap_ok=True)[3]
     return inspect_environment(choice, [ModuleQuery("", module, module_relative_path(module))],
                                in_process=request.in_process)
 

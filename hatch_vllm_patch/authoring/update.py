@@ -69,7 +69,7 @@ class _Merged(NamedTuple):
 
 
 def _project_patch(request: Request, patch_id: str) -> tuple[Patch, Path]:
-    catalog, config, _, _ = resolve(request)
+    catalog, config, _, _ = resolve(request, overlap_ok=True)
     if patch_id not in catalog:
         raise UsageError(f"{patch_id!r} is not a patch of this project (nor of the catalog)")
     patch = catalog[patch_id]
@@ -213,7 +213,7 @@ def update(request: Request, patch_id: str, *, base: Path | None = None,
            set_fixed_in: bool = False, resume: bool = False) -> UpdateResult:
     """Merge ``patch_id`` onto the installed release (see the module's docstring)."""
     patch, project = _project_patch(request, patch_id)
-    choice = resolve(request)[3]
+    choice = resolve(request, overlap_ok=True)[3]
     env = inspect_environment(choice, [
         ModuleQuery(m.target.distribution, m.target.module, m.target.relative_path)
         for m in patch.parts], in_process=request.in_process)
