@@ -82,6 +82,15 @@ def test_cli_usage_errors_exit_2(args: list[str], message: str) -> None:
     assert "imports vLLM" not in err  # said only when it imports
 
 
+def test_help_names_the_exit_codes() -> None:
+    """`doctor --help` says what each exit code means, 3 (a patch is needed) among them."""
+    code, out, _ = cli("doctor", "--help")
+    assert code == 0
+    text = " ".join(out.split())
+    assert "exit codes: 0 it starts as installed, no patch needed; 3 a patch is needed" in text
+    assert "--all" in text
+
+
 def test_cli_usage_error_as_json() -> None:
     """With --json the usage error is one JSON object, in the schema of the other commands."""
     import jsonschema
@@ -417,5 +426,7 @@ def test_human_output_reads_in_ten_seconds() -> None:
     assert "with other: fails at page unification (the same)\n" in text
     assert "with kv: starts\n" in text
     assert "8192 B (0.76%)" in text and "20.89x" in text and "max_model_len 32768" in text
+    assert ("CPU path: tokens/GiB follow the CPU platform's block rule (1056-token attention "
+            "blocks beside the state pages here)") in text
     assert text.rstrip().endswith('[tool.vllm-patch.architectures.Arch]\n  patches = ["kv"]')
     assert len(text.splitlines()) <= 16
