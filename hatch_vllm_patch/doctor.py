@@ -615,8 +615,8 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
     chosen = [p for p in missing
               if everything or concerns(p, names, model_modules, prefer)]
     if len(chosen) < len(missing):
-        notes.append(f"{len(missing) - len(chosen)} patch(es) for other models not tried "
-                     "(--all tries every patch)")
+        notes.append(f"not tried: {len(missing) - len(chosen)} patch(es) for other models or "
+                     "settings (--all tries every patch)")
     own = {p.id for p in chosen if p.folder.parent != _catalog_root(patches)}
     candidates = sorted(chosen, key=lambda p: (p.id not in prefer, p.id in own))
     in_place = tuple(pid for pid, v in verdicts.items() if v is Verdict.APPLIED)
