@@ -594,10 +594,11 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
         if auto:
             overrides.update(auto)
             notes.append(note or "")
-    refuse_unregistered(overrides.get("architectures") or read_model(
-        model_dir, "--model").architectures, registered, request.model,
-        "--hf-overrides" if request.hf_overrides and "architectures" in request.hf_overrides
-        else f"{model_dir}/config.json")
+    if not request.trust_remote_code:  # the model's own code may bring its class
+        refuse_unregistered(overrides.get("architectures") or read_model(
+            model_dir, "--model").architectures, registered, request.model,
+            "--hf-overrides" if request.hf_overrides and "architectures" in request.hf_overrides
+            else f"{model_dir}/config.json")
     speculative = dict(request.speculative_config or {})
     if isinstance(speculative.get("model"), str) and speculative.get("method") != "mtp":
         speculative["model"] = str(resolve_model(speculative["model"],
