@@ -64,6 +64,14 @@ _AUTHORING = {
 
 _DOCTOR = ("will MODEL start on the installed vLLM, and which patch does it need? (runs vLLM's "
            "start-up KV steps in the target environment, on CPU, offline, without weights)")
+EXIT_PATCH_NEEDED = 3
+# doctor's exit codes, by DoctorReport.outcome (2: usage, as every command)
+DOCTOR_EXIT = {"nothing-needed": EXIT_OK, "no-fix": EXIT_FAILED,
+               "patch-needed": EXIT_PATCH_NEEDED}
+_DOCTOR_EPILOG = ("exit codes: 0 it starts as installed, no patch needed; 3 a patch is needed "
+                  "(it does not start without it, or sizes the recurrent state wrongly): "
+                  "select the lines shown; 1 it does not start and no patch here fixes it, "
+                  "or the probe could not run; 2 usage")
 
 
 class _ArgumentError(Exception):
@@ -670,7 +678,8 @@ def _author(args: argparse.Namespace, request: Request) -> int:
 
 def _doctor_parser(sub: argparse._SubParsersAction[_Parser],
                    where: _Parser) -> None:
-    p = sub.add_parser("doctor", parents=[where], help=_DOCTOR, description=_DOCTOR)
+    p = sub.add_parser("doctor", parents=[where], help=_DOCTOR, description=_DOCTOR,
+                       epilog=_DOCTOR_EPILOG)
     p.add_argument("--model", required=True, metavar="DIR|HUB_ID",
                    help="a model directory with config.json, or a hub id in the local Hugging "
                         "Face cache (HF_HOME / HF_HUB_CACHE); never downloaded")
@@ -696,6 +705,9 @@ def _doctor_parser(sub: argparse._SubParsersAction[_Parser],
                    help="whose block-size rules: cuda (vLLM's hybrid alignment with "
                         "FlashAttention's block sizes, the default) or cpu (vLLM's CPU "
                         "platform and attention backend)")
+    p.add_argument("--all", action="store_true", dest="all_patches",
+                   help="try every patch that applies to this vLLM, also those declared for "
+                        "other architectures (default: only the patches for this model)")
     p.add_argument("--json", action="store_true", help="print one machine-readable JSON object")
 
 
@@ -728,15 +740,16 @@ def _doctor(args: argparse.Namespace, project: Path, finish: Callable[..., int],
                           if args.hf_overrides else None),
             trust_remote_code=args.trust_remote_code,
         )
-        _notice("doctor: running vLLM's start-up steps in the target environment "
-                "(imports vLLM: about a minute)")
         report = run_doctor(request, project_dir=project, python=args.python,
-                            project_rule=project_rule)
+                            project_rule=project_rule,
+                            everything=args.all_patches, on_import=lambda: _notice(
+                                "doctor: running vLLM's start-up steps in the target "
+                                "environment (imports vLLM: about a minute)"))
     except (ConfigurationError, UsageError, InterpreterNotFoundError, UnusableInterpreterError,
             TargetEnvironmentError, CatalogError) as exc:
         failure = _failure(exc)
         return finish(_Outcome(failure.code, failure=failure), "doctor", project=project)
-    code = EXIT_OK if report.ok else EXIT_FAILED
+    code = DOCTOR_EXIT[report.outcome]
     if args.json:
         return finish(_Outcome(code, result=report.to_json()), "doctor", project=project)
     _write(lambda: _print_doctor(report, sys.stdout))
@@ -753,6 +766,8 @@ def _size(value: float | None) -> str:
 
 
 def _print_doctor(report: DoctorReport, out: TextIO) -> None:
+    from .doctor import RECOMMENDED
+
     r = report.request
     draft = json.dumps(dict(r.speculative_config)) if r.speculative_config else "none"
     installed = report.installed
@@ -772,7 +787,8 @@ def _print_doctor(report: DoctorReport, out: TextIO) -> None:
         print(f"  {_clip(installed.failed.error)}", file=out)
     singles_start = any(one.starts for one in report.runs[1:] if len(one.patches) == 1)
     shown = [one for one in report.runs[1:]
-             if len(one.patches) == 1 or not (installed.starts or singles_start)]
+             if len(one.patches) == 1 or one.name == RECOMMENDED
+             or not (installed.starts or singles_start)]
     for one in shown:
         if one.activation_error:
             result = f"could not be activated: {_clip(one.activation_error)}"
@@ -807,6 +823,12 @@ def _print_doctor(report: DoctorReport, out: TextIO) -> None:
         for row in rows:
             print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
                   .rstrip(), file=out)
+    stated = next((c for _, c in costs if c is not None and c.state_bytes), None)
+    if r.platform == "cpu" and stated is not None:
+        print(f"CPU path: tokens/GiB follow the CPU platform's block rule ({stated.attention_block}"
+              "-token attention blocks beside the state pages here); a GPU server aligns "
+              "blocks its own way, so its tokens/GiB are those of --platform cuda (the "
+              "default)", file=out)
     if report.neuron_note:
         print(report.neuron_note, file=out)
     for budget in report.neuron:
@@ -826,5 +848,6 @@ def _print_doctor(report: DoctorReport, out: TextIO) -> None:
 
 
 def _clip(text: str | None, limit: int = 220) -> str:
-    text = text or ""
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    from .doctor import shorten
+
+    return shorten(text or "", limit)

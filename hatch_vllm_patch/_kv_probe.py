@@ -80,9 +80,14 @@ class StepFailed(Exception):
         self.step = step
 
 
-def _error(exc: BaseException) -> dict[str, str]:
-    text = " ".join(line.strip() for line in str(exc).strip().splitlines())
-    return {"type": type(exc).__name__, "message": text[:600]}
+def _error(exc: BaseException, limit: int = 2000) -> dict[str, str]:
+    """The exception's type and message on one line; a long message is cut at a word's end
+    (never inside a word or a URL) and marked with an ellipsis."""
+    text = " ".join(str(exc).split())
+    if len(text) > limit:
+        cut = text[:limit - 1]
+        text = (cut[:cut.rfind(" ")] if " " in cut else cut) + "\u2026"
+    return {"type": type(exc).__name__, "message": text}
 
 
 # --- patches, active in this process only ---------------------------------------------------------
@@ -129,6 +134,32 @@ def activate(blocks: list[dict[str, str]]) -> _Snapshot:
 
 
 # --- the steps ------------------------------------------------------------------------------------
+
+
+def register_native_config(model: str) -> str | None:
+    """For a config.json whose model_type transformers does not know: register the config
+    class vLLM vendors for it (``vllm.transformers_utils.configs``), so that it loads without
+    the model's remote code; the class's name, or None."""
+    try:
+        model_type = json.loads((Path(model) / "config.json").read_text("utf-8"))["model_type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not isinstance(model_type, str) or model_type in CONFIG_MAPPING:
+        return None
+    import vllm.transformers_utils.configs as configs
+
+    wanted = model_type.replace("_", "").lower() + "config"
+    for name in getattr(configs, "__all__", ()):
+        if name.lower() != wanted:
+            continue
+        cls = getattr(configs, name, None)
+        if isinstance(cls, type) and getattr(cls, "model_type", None) == model_type:
+            AutoConfig.register(model_type, cls, exist_ok=True)
+            return str(name)
+    return None
 
 
 def _model_config(case: dict[str, Any]) -> Any:
@@ -609,6 +640,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                               "cases": []}
     for case in job["cases"]:
         entry: dict[str, Any] = {"case": case.get("name"), "variants": {}}
+        if case.get("native_config"):
+            entry["native_config"] = register_native_config(case["model"])
         for variant in variants:
             start = time.perf_counter()
             try:

@@ -238,18 +238,12 @@ def join_carried(purelib: Path, catalog: Catalog,
             errors.append(f"patch {pid!r} ({blocks[pid][1]}) is neither in the installed catalog "
                           "nor carried with it; install the hatch-vllm-patch release it was "
                           "built with")
-    by_symbol: dict[tuple[str, str, str], str] = {}
-    for pid in sorted(blocks):
-        if pid not in merged:
-            continue
-        for target in (m.target for m in merged[pid].parts):
-            for symbol in target.symbols:
-                key = (target.distribution, target.module, symbol)
-                other = by_symbol.setdefault(key, pid)
-                if other != pid:
-                    errors.append(f"{target.module}.{symbol}: patches {other!r} "
-                                  f"({blocks[other][1]}) and {pid!r} ({blocks[pid][1]}) both "
-                                  "replace it")
+    from .selection import overlaps
+
+    for overlap in overlaps(merged[pid] for pid in sorted(blocks) if pid in merged):
+        first, second = overlap.first, overlap.second
+        errors.append(f"{overlap.where}: patches {first!r} ({blocks[first][1]}) and "
+                      f"{second!r} ({blocks[second][1]}) both replace it")
     if errors:
         raise ConfigurationError([*errors, "the installed distributions' selections clash: "
                                   "install one of them, or apply a project that selects for "

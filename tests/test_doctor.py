@@ -15,17 +15,26 @@ import pytest
 
 from hatch_vllm_patch import _kv_probe
 from hatch_vllm_patch._cli import main
+from hatch_vllm_patch.catalog import Patch, Target
 from hatch_vllm_patch.doctor import (
     ALL_TOGETHER,
     INSTALLED,
     Cost,
     Run,
     Step,
+    blocks_of,
+    compatible,
+    concerns,
     config_lines,
     judge,
+    native_copy,
     parse_memory,
+    refuse_unregistered,
+    remote_code_of,
     resolve_model,
+    shorten,
     unregistered_override,
+    variants,
 )
 from hatch_vllm_patch.errors import UsageError
 
@@ -70,6 +79,16 @@ def test_cli_usage_errors_exit_2(args: list[str], message: str) -> None:
     code, out, err = cli("doctor", "--model", str(FINETUNE), *args)
     assert code == 2
     assert message in err and "Traceback" not in err + out
+    assert "imports vLLM" not in err  # said only when it imports
+
+
+def test_help_names_the_exit_codes() -> None:
+    """`doctor --help` says what each exit code means, 3 (a patch is needed) among them."""
+    code, out, _ = cli("doctor", "--help")
+    assert code == 0
+    text = " ".join(out.split())
+    assert "exit codes: 0 it starts as installed, no patch needed; 3 a patch is needed" in text
+    assert "--all" in text
 
 
 def test_cli_usage_error_as_json() -> None:
@@ -141,10 +160,23 @@ def test_judge_nothing_needed() -> None:
 
 
 def test_judge_a_patch_that_changes_what_vllm_allocates() -> None:
-    """Starts, but a patch changes the state shapes: it is what the model needs."""
+    """Starts, but a patch gives the state other (larger) shapes: it is needed, and the
+    verdict says the installed state is too small, with both shapes."""
     runs = [_run(INSTALLED, ()), _run("p", ("p",), shapes=((5, 4),)), _run("q", ("q",))]
     needed, verdict = judge(runs, ["p", "q"])
-    assert needed == ("p",) and "p changes what vLLM allocates" in verdict
+    assert needed == ("p",)
+    assert verdict == ("starts as installed, but sizes the recurrent state wrongly for these "
+                       "settings: p is needed (state shapes (3, 4) as installed, (5, 4) with "
+                       "it; the installed ones are too small for them)")
+
+
+def test_judge_a_patch_that_only_lays_pages_out_differently() -> None:
+    """Starts, and a patch changes only pages and padding: nothing needed, the patch named
+    as optional."""
+    runs = [_run(INSTALLED, ()), _run("p", ("p",), cost=_cost(2048))]
+    needed, verdict = judge(runs, ["p"])
+    assert needed == ()
+    assert verdict.startswith("starts as installed: nothing needed (p would only lay out")
 
 
 def test_judge_the_patch_that_fixes_it() -> None:
@@ -168,6 +200,113 @@ def test_judge_no_patch_fixes_it() -> None:
     needed, verdict = judge(runs, ["p"])
     assert needed == ()
     assert verdict.startswith("this fails and no patch here fixes it (config: ")
+
+
+def _patch(pid: str, *targets: tuple[str, str], architectures: tuple[str, ...] = (),
+           replaces: tuple[str, ...] = ()) -> Patch:
+    """A patch with one member per (module, symbol) target, blocks naming both."""
+    members = tuple(Patch(pid, "s", "", (), "", architectures,
+                          Target("vllm", module, (symbol,)), None, {}, f"# {pid} {module}\n",
+                          Path(f"/p/{pid}")) for module, symbol in targets)
+    first = members[0]
+    return first._replace(members=members if len(members) > 1 else (), replaces=replaces)
+
+
+MODELS = "vllm.model_executor.models."
+SPEC_CONV = _patch("spec-conv-num-spec",
+                   (MODELS + "falcon_h1", "FalconH1ForCausalLM.get_mamba_state_shape_from_config"),
+                   (MODELS + "granitemoehybrid",
+                    "GraniteMoeHybridForCausalLM.get_mamba_state_shape_from_config"),
+                   (MODELS + "zamba2", "Zamba2ForCausalLM.get_mamba_state_shape_from_config"))
+FALCON = _patch("falcon-h1-spec-conv-state",
+                (MODELS + "falcon_h1", "FalconH1ForCausalLM.get_mamba_state_shape_from_config"),
+                architectures=("FalconH1ForCausalLM",))
+BAMBA = _patch("bamba-spec-conv-state", (MODELS + "bamba", "BambaForCausalLM.get_x"),
+               architectures=("BambaForCausalLM",))
+ENGINE = _patch("engine-wide", ("vllm.v1.core.kv_cache_utils", "unify"))
+
+
+def test_every_target_of_a_patch_is_activated() -> None:
+    """A patch over several modules activates every target's block, each in its module (the
+    Granite and Zamba2 modules too, not only the first)."""
+    blocks = blocks_of(SPEC_CONV)
+    assert [b["module"] for b in blocks] == [MODELS + "falcon_h1", MODELS + "granitemoehybrid",
+                                             MODELS + "zamba2"]
+    assert all(b["id"] == "spec-conv-num-spec" for b in blocks)
+    assert blocks[1]["source"] == f"# spec-conv-num-spec {MODELS}granitemoehybrid\n"
+
+
+def test_only_patches_for_the_model_are_tried() -> None:
+    """A patch declaring architectures is tried for them only; one declaring none, for the
+    model whose module or class it targets, or for every model when the project selects it
+    (engine code that nothing selects is for settings doctor does not take: --all)."""
+    qwen = ({"Qwen3NextForCausalLM"}, {MODELS + "qwen3_next"})
+    granite = ({"GraniteMoeHybridForCausalLM"}, {MODELS + "granitemoehybrid"})
+    assert not concerns(BAMBA, *qwen) and not concerns(FALCON, *granite)
+    assert concerns(FALCON, {"FalconH1ForCausalLM"}, set())
+    assert concerns(SPEC_CONV, *granite) and not concerns(SPEC_CONV, *qwen)
+    assert concerns(SPEC_CONV, {"Zamba2ForCausalLM"}, set())  # by its class, no registry
+    assert not concerns(ENGINE, *qwen)
+    assert concerns(ENGINE, *qwen, {"engine-wide"}) and concerns(ENGINE, *granite, {"engine-wide"})
+
+
+def test_never_two_patches_of_one_symbol_together() -> None:
+    """The catalog patch and a project patch of the same classmethod are each run alone, but
+    never together; the earlier (preferred) one is kept, the other named in a note."""
+    names = [v["name"] for v in variants([FALCON, SPEC_CONV])]
+    assert names == [INSTALLED, "falcon-h1-spec-conv-state", "spec-conv-num-spec"]
+    names = [v["name"] for v in variants([FALCON, SPEC_CONV, ENGINE])]
+    assert names[-1] == ALL_TOGETHER
+    together = variants([FALCON, SPEC_CONV, ENGINE])[-1]
+    assert together["patches"] == ["falcon-h1-spec-conv-state", "engine-wide"]
+    kept, notes = compatible([SPEC_CONV, FALCON])
+    assert [p.id for p in kept] == ["spec-conv-num-spec"]
+    assert notes == [f"falcon-h1-spec-conv-state and spec-conv-num-spec both replace "
+                     f"{MODELS}falcon_h1.FalconH1ForCausalLM.get_mamba_state_shape_from_config: "
+                     "they cannot be selected together; spec-conv-num-spec is the one counted"]
+    newer = SPEC_CONV._replace(replaces=("falcon-h1-spec-conv-state",))
+    kept, notes = compatible([FALCON, newer])
+    assert [p.id for p in kept] == ["spec-conv-num-spec"] and "replaces" in notes[0]
+
+
+def test_messages_are_never_cut_inside_a_word() -> None:
+    """A long message is cut at a word's end with an ellipsis, in the probe and the report;
+    a short one is left alone."""
+    text = "vLLM failed; for help visit https://docs.vllm.ai/en/latest/usage/troubleshooting"
+    assert shorten(text, 200) == text
+    cut = shorten(text, 50)
+    assert cut == "vLLM failed; for help visit\u2026" and len(cut) <= 50
+    error = _kv_probe._error(RuntimeError("word " * 500 + "https://example.invalid/long"),
+                             limit=100)
+    assert error["message"].endswith("word\u2026") and len(error["message"]) <= 100
+
+
+def test_a_misspelt_architecture_is_a_usage_error() -> None:
+    """An architecture the installed vLLM does not register (no family either) is refused with
+    the close match, not judged 'nothing needed'."""
+    with pytest.raises(UsageError, match=r"registers no architecture FalconH1ForCausalLN .*"
+                                         r"did you mean FalconH1ForCausalLM\?"):
+        refuse_unregistered(["FalconH1ForCausalLN"], ["FalconH1ForCausalLM", "LlamaForCausalLM"],
+                            "m", "m/config.json")
+    refuse_unregistered(["FalconH1ForCausalLM"], ["FalconH1ForCausalLM"], "m", "x")
+    refuse_unregistered(["Anything"], None, "m", "x")  # registry unreadable: no judgement
+
+
+def test_remote_code_config_is_loaded_natively(tmp_path: Path) -> None:
+    """A config.json with auto_map is copied without it (JSON files only, no code), so vLLM
+    loads its own registered family without running the model's code."""
+    model = tmp_path / "nemotron"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+         "auto_map": {"AutoConfig": "configuration_nemotron_h.NemotronHConfig"}}))
+    (model / "configuration_nemotron_h.py").write_text("raise SystemExit('remote code ran')\n")
+    assert remote_code_of(model) and not remote_code_of(FINETUNE)
+    (tmp_path / "scratch").mkdir()
+    copy = native_copy(model, tmp_path / "scratch")
+    assert sorted(p.name for p in copy.iterdir()) == ["config.json"]
+    assert "auto_map" not in json.loads((copy / "config.json").read_text())
+    assert json.loads((copy / "config.json").read_text())["model_type"] == "nemotron_h"
 
 
 def test_config_lines() -> None:
@@ -287,5 +426,7 @@ def test_human_output_reads_in_ten_seconds() -> None:
     assert "with other: fails at page unification (the same)\n" in text
     assert "with kv: starts\n" in text
     assert "8192 B (0.76%)" in text and "20.89x" in text and "max_model_len 32768" in text
+    assert ("CPU path: tokens/GiB follow the CPU platform's block rule (1056-token attention "
+            "blocks beside the state pages here)") in text
     assert text.rstrip().endswith('[tool.vllm-patch.architectures.Arch]\n  patches = ["kv"]')
     assert len(text.splitlines()) <= 16

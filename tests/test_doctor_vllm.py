@@ -42,7 +42,7 @@ def doctor(python: Path, *args: str, project: Path | None = None) -> tuple[int, 
         cmd += ["--project", str(project)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=scrubbed_environ(),
                           cwd=REPO, timeout=900, check=False)
-    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    assert proc.returncode in (0, 1, 3), proc.stdout + proc.stderr
     doc = json.loads(proc.stdout)  # the commands' one schema; the diagnosis under "result"
     assert (doc["schema"], doc["operation"], doc["exit_code"]) == (1, "doctor", proc.returncode)
     assert doc["result"]["ok"] is doc["ok"]
@@ -88,7 +88,7 @@ def test_example_finetune_on_the_cpu_path(vllm_0202: Path) -> None:
     code, data = doctor(vllm_0202, "--model", str(FINETUNE), "--tensor-parallel-size", "2",
                         "--platform", "cpu", "--block-size", "16", "--max-model-len", "32768",
                         "--kv-cache-memory", "8GiB", project=EXAMPLE)
-    assert code == 1 and data["ok"] is False
+    assert code == 3 and data["ok"] is False and data["outcome"] == "patch-needed"
     installed = run_named(data, "installed")
     assert installed["failed"]["name"] == "page unification"
     assert installed["failed"]["error"].startswith("NotImplementedError: The page size of the")
@@ -135,7 +135,7 @@ def test_cuda_path_aligns_and_a_draft_changes_the_answer(vllm_0202: Path,
              "num_speculative_tokens": 2, "kv_cache_dtype": "auto"}
     code, drafted = doctor(vllm_0202, *args, "--speculative-config", json.dumps(draft),
                            project=EXAMPLE)
-    assert code == 1
+    assert code == 3
     assert run_named(drafted, "installed")["failed"]["name"] == "page unification"
     assert drafted["needed"] == ["kv-cache-page-unification"]
     fixed = run_named(drafted, "kv-cache-page-unification")
@@ -149,7 +149,7 @@ def test_failure_no_patch_fixes(vllm_0202: Path, tmp_path: Path) -> None:
              "num_speculative_tokens": 2}
     code, data = doctor(vllm_0202, "--model", str(FAMILIES / "falcon-h1-7b"),
                         "--speculative-config", json.dumps(draft))
-    assert code == 1 and data["needed"] == []
+    assert code == 1 and data["needed"] == [] and data["outcome"] == "no-fix"
     assert data["verdict"].startswith("this fails and no patch here fixes it (config: ")
     assert "eagle3 is only supported for" in data["verdict"]
     assert all(r["failed"]["name"] == "config" for r in data["runs"])
@@ -164,7 +164,7 @@ def test_hybrid_families(vllm_0202: Path, family: str) -> None:
     model = str(FAMILIES / family)
     code, cpu = doctor(vllm_0202, "--model", model, "--tensor-parallel-size", "2",
                        "--platform", "cpu", "--block-size", "16")
-    assert code == 1
+    assert code == 3
     assert run_named(cpu, "installed")["failed"]["name"] == "page unification"
     assert run_named(cpu, "kv-cache-page-unification")["steps"][-1]["name"] in (
         "kv config",)
@@ -332,3 +332,55 @@ def test_each_release_its_own_platform_code(vllm_0221: Path) -> None:
     assert "CpuPlatform.update_block_size_for_backend" in installed["platform"]
     assert installed["cost"]["page"] == 1081344 and installed["cost"]["attention_block"] == 1056
     assert "kv-cache-page-unification" in data["candidates"]  # 0.22.1 has the old function
+
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+
+
+def test_every_target_of_a_project_patch_and_never_a_pair(vllm_0202: Path,
+                                                          tmp_path: Path) -> None:
+    """Granite 4.0-H at TP 2 with a 2-token n-gram draft, from a project holding its own
+    spec-conv-num-spec (one patch over falcon_h1, granitemoehybrid and zamba2): doctor runs
+    its Granite block (before, only the Falcon module ran: "same KV cache"), which gives the
+    state the draft's rows exactly as the catalog's granitemoehybrid-spec-conv-state does;
+    the two are never run or recommended together, the catalog's is needed (exit 3), and
+    patches for other models are not tried."""
+    from test_selection import spec_conv_num_spec
+
+    project = tmp_path / "svc"
+    spec_conv_num_spec(project / "vllm-patches")
+    (project / "pyproject.toml").write_text('[project]\nname = "svc"\nversion = "1.0"\n\n'
+                                            "[tool.vllm-patch]\n")
+    code, data = doctor(vllm_0202, "--model", str(FAMILIES / "granite-4.0-h-tiny"),
+                        "--tensor-parallel-size", "2", "--speculative-config", NGRAM,
+                        project=project)
+    assert code == 3 and data["outcome"] == "patch-needed" and data["starts"] is True
+    installed = run_named(data, "installed")
+    catalog = run_named(data, "granitemoehybrid-spec-conv-state")
+    own = run_named(data, "spec-conv-num-spec")
+    assert own["state_shapes"] == catalog["state_shapes"] != installed["state_shapes"]
+    assert own["state_shapes"][0][0] == installed["state_shapes"][0][0] + 2  # the draft's rows
+    assert own["cost"] == catalog["cost"] != installed["cost"]
+    pair = {"granitemoehybrid-spec-conv-state", "spec-conv-num-spec"}
+    assert not any(pair <= set(r["patches"]) for r in data["runs"])
+    assert data["needed"] == ["granitemoehybrid-spec-conv-state"]
+    assert any("both replace" in n and "spec-conv-num-spec" in n for n in data["notes"])
+    assert not {"falcon-h1-spec-conv-state", "bamba-spec-conv-state",
+                "mamba-split-external-kv"} & set(data["candidates"])
+    assert data["verdict"].startswith("starts as installed, but sizes the recurrent state "
+                                      "wrongly for these settings: granitemoehybrid-spec-"
+                                      "conv-state is needed")
+
+
+def test_remote_code_config_of_a_registered_family(vllm_0202: Path, tmp_path: Path) -> None:
+    """Nemotron-H's published config.json names remote code (auto_map), which transformers
+    4.57 cannot read without it; vLLM registers the family itself: doctor loads it natively
+    (no --trust-remote-code, no code file) and says so, instead of "no patch here fixes it"."""
+    memory = load_benchmark()
+    nemotron = next(m for m in memory.MODELS if m.name == "Nemotron-H-8B")
+    model = memory.write_model(tmp_path / "nemotron-h", nemotron.config)
+    code, data = doctor(vllm_0202, "--model", model, "--tensor-parallel-size", "2")
+    assert code == 0 and data["outcome"] == "nothing-needed", data["verdict"]
+    assert run_named(data, "installed")["steps"][-1]["name"] == "kv config"
+    assert any("auto_map" in n and "natively" in n for n in data["notes"])
+    assert "bamba-spec-conv-state" not in data["candidates"]

@@ -7,11 +7,11 @@ from __future__ import annotations
 import ast
 import os
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..catalog import Patch, _load_patch
+from ..catalog import Patch, _load_patch, load_catalog
 from ..config import DEFAULT_PATCH_DIR
 from ..environment import (
     ModuleQuery,
@@ -83,16 +83,55 @@ def check(request: Request, folders: list[Path]) -> list[FolderCheck]:
                     problems.append(f"{block}: not valid Python: {error}")
             loaded.append((folder, None, "\n".join(problems)))
     env: TargetEnvironment | None = None
+    known: Sequence[Patch] = ()
+    selected: set[str] = set()
     try:  # the target is optional for check: the folders are checked regardless
-        choice = resolve(request).choice
+        resolved = resolve(request, overlap_ok=True)
+        catalog, selection, choice = resolved.catalog, resolved.selection, resolved.choice
+        known, selected = catalog.patches, {p.id for p in selection.patches}
         env = inspect_environment(choice, [
             ModuleQuery(m.target.distribution, m.target.module, m.target.relative_path)
             for _, p, _ in loaded if p is not None for m in p.parts],
             in_process=request.in_process)
     except VllmPatchError:
         env = None
-    return [FolderCheck(folder, tuple(problem.splitlines()), (), ()) if patch is None
-            else _check_one(patch, env) for folder, patch, problem in loaded]
+    if not known:
+        try:
+            known = load_catalog().patches
+        except VllmPatchError:
+            known = ()
+    results = []
+    for folder, patch, problem in loaded:
+        if patch is None:
+            results.append(FolderCheck(folder, tuple(problem.splitlines()), (), ()))
+            continue
+        result = _check_one(patch, env)
+        clash, beside = _overlapping(patch, known, selected)
+        results.append(replace(result, errors=(*clash, *result.errors),
+                                       warnings=(*result.warnings, *beside)))
+    return results
+
+
+def _overlapping(patch: Patch, known: Sequence[Patch], selected: set[str]
+                 ) -> tuple[list[str], list[str]]:
+    """Other known patches that replace a symbol ``patch`` replaces: an error when the project
+    selects both (apply refuses it), else a warning (never select both)."""
+    from ..selection import overlaps
+
+    others = [p for p in known if p.id != patch.id]
+    errors, warnings = [], []
+    for overlap in overlaps([patch, *others]):
+        if overlap.first != patch.id:
+            continue
+        other = overlap.second
+        if patch.id in selected and other in selected:
+            errors.append(f"the project selects both {patch.id} and {other}, which both replace "
+                          f"{overlap.where}: apply refuses the pair; select one of them")
+        else:
+            warnings.append(f"{other} ({next(p for p in others if p.id == other).folder}) also "
+                            f"replaces {overlap.where}: never select both (or declare "
+                            f'replaces = ["{other}"] in {patch.folder / "patch.toml"})')
+    return errors, warnings
 
 
 def _check_one(patch: Patch, env: TargetEnvironment | None) -> FolderCheck:

@@ -88,7 +88,7 @@ def _check_new_id(patch_id: str, request: Request) -> _NewPatch:
     a patch of the catalog or of the project)."""
     if not is_patch_id(patch_id):
         raise UsageError(f"{shown(patch_id)}: {ID_RULE}")
-    catalog, config, _, choice, *_ = resolve(request)
+    catalog, config, _, choice, *_ = resolve(request, overlap_ok=True)
     if patch_id in catalog:
         raise UsageError(f"{patch_id!r} is already a patch ({catalog[patch_id].folder}); "
                          "choose another id")
@@ -147,7 +147,7 @@ def _inspect(request: Request, module: str, choice: InterpreterChoice | None = N
         raise UsageError(f"{module!r} is not a dotted module path inside a package "
                          "(e.g. vllm.v1.core.kv_cache_utils)")
     if choice is None:
-        choice = resolve(request).choice
+        choice = resolve(request, overlap_ok=True).choice
     return inspect_environment(choice, [ModuleQuery("", module, module_relative_path(module))],
                                in_process=request.in_process)
 

@@ -74,7 +74,7 @@ class _Merged(NamedTuple):
 def _project_patch(request: Request, patch_id: str) -> tuple[Patch, Path]:
     if not is_patch_id(patch_id):
         raise UsageError(f"{shown(patch_id)}: {ID_RULE}")
-    catalog, config, *_ = resolve(request)
+    catalog, config, *_ = resolve(request, overlap_ok=True)
     if patch_id not in catalog:
         raise UsageError(f"{patch_id!r} is not a patch of this project (nor of the catalog)")
     patch = catalog[patch_id]
@@ -218,7 +218,7 @@ def update(request: Request, patch_id: str, *, base: Path | None = None,
            set_fixed_in: bool = False, resume: bool = False) -> UpdateResult:
     """Merge ``patch_id`` onto the installed release (see the module's docstring)."""
     patch, project = _project_patch(request, patch_id)
-    choice = resolve(request).choice
+    choice = resolve(request, overlap_ok=True).choice
     env = inspect_environment(choice, [
         ModuleQuery(m.target.distribution, m.target.module, m.target.relative_path)
         for m in patch.parts], in_process=request.in_process)
