@@ -554,13 +554,15 @@ def _author(args: argparse.Namespace, request: Request) -> int:
                                     ask=None if args.json else authoring.interactive_ask(),
                                     **texts)
         code = EXIT_OK if made.report is None or made.report.ok else EXIT_FAILED
+        select = (f"commit the folder and {made.selected_in.name}"
+                  if made.selected_in is not None else
+                  f"select it in [tool.vllm-patch] patches = [\"{made.folder.name}\"] (unless "
+                  "it is), commit the folder")
         if args.json:
             return as_json(code, {
                 "folder": str(made.folder), "module": made.module, "diff": made.diff,
                 "changes": [{"symbol": c.symbol, "added": c.added} for c in made.changes],
-                "warnings": list(made.warnings)}, [
-                *made.notes, f"select it in [tool.vllm-patch] patches = [\"{made.folder.name}\"] "
-                "(unless it is), commit the folder"], made.report)
+                "warnings": list(made.warnings)}, [*made.notes, select], made.report)
 
         def show() -> None:
             out = sys.stdout
@@ -576,8 +578,7 @@ def _author(args: argparse.Namespace, request: Request) -> int:
             manifest = made.folder / "patch.toml"
             todo = f"fill in the TODOs of {manifest}, " if "TODO" in manifest.read_text(
                 encoding="utf-8") else ""
-            print(f"next: {todo}select it in [tool.vllm-patch] patches = "
-                  f"[\"{made.folder.name}\"] (unless it is), commit the folder", file=out)
+            print(f"next: {todo}{select}", file=out)
 
         _write(show)
         return code

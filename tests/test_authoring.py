@@ -388,17 +388,24 @@ def test_edit_create_cycle(session: tuple[Path, Path, Path]) -> None:
 
 
 def test_create_in_a_project_without_the_table(session: tuple[Path, Path, Path]) -> None:
-    """Without [tool.vllm-patch], create still writes vllm-patches/ID and applies it, and says
-    that the project needs the table for apply, the hook and the guard to keep it."""
+    """Without [tool.vllm-patch], create writes vllm-patches/ID, adds the table with
+    patches = [ID] to pyproject.toml (the rest of the file as it was) and applies it as the
+    project's: verify from the project passes."""
     python, project, target = session
-    (project / "pyproject.toml").write_text('[project]\nname = "serve"\nversion = "0"\n')
+    (project / "pyproject.toml").write_text('[project]\nname = "serve"  # ours\nversion = "0"\n')
     vp("edit", "demo_pkg.core", "--python", str(python), cwd=project)
     target.write_text(edited_source("compute"))
     made = vp("create", "demo-fix", "--python", str(python), cwd=project, stdin="")
     assert made.returncode == 0, made.stdout + made.stderr
-    assert "has no [tool.vllm-patch] table: add one, with patches = [\"demo-fix\"]" in made.stdout
+    assert f"selected it in {project / 'pyproject.toml'}" in made.stdout, made.stdout
+    assert "next: fill in the TODOs" in made.stdout and "commit the folder and pyproject.toml" \
+        in made.stdout
+    assert (project / "pyproject.toml").read_text() == (
+        '[project]\nname = "serve"  # ours\nversion = "0"\n\n[tool.vllm-patch]\n'
+        'patches = ["demo-fix"]\n')
     assert (project / "vllm-patches" / "demo-fix" / "block.py").is_file()
     assert "# >>> hatch-vllm-patch: demo-fix" in target.read_text()
+    assert vp("verify", "--python", str(python), cwd=project).returncode == 0
 
 
 def test_create_refuses_a_module_level_edit_and_writes_nothing(

@@ -23,7 +23,7 @@ from ..config import DEFAULT_PATCH_DIR
 from ..engine import locate_in, node_source, scope_classes
 from ..environment import ModuleQuery, TargetEnvironment, inspect_environment
 from ..errors import CatalogError, UsageError
-from ..files import FileIdentity, locked, read_identified, replace_module_files
+from ..files import FileIdentity, locked, read_identified, replace_module_files, write_atomic
 from ..markers import MarkerError, parse_file, sha256_hex
 from ..operations import Request, resolve, run
 from ..record import EditSession, drop_pristine, keep_pristine, save_record
@@ -39,6 +39,7 @@ from .commands import (
 from .draft import BASE_DIR, Draft, ModuleChange, base_name, draft_patch
 from .merge import has_conflict_markers, merge3
 from .render import _dedent_code, _snake, render_manifest_of
+from .toml_edit import edit_manifest
 
 
 class SymbolMerge(NamedTuple):
@@ -372,6 +373,8 @@ def _replace_patch_files(patch: Patch, draft: Draft) -> None:
             else:
                 shutil.copy2(item, staging / item.name)
         for name, text in draft.files.items():
+            if name == "patch.toml" and (folder / name).is_file():  # the author's file, edited
+                text = edit_manifest((folder / name).read_text(encoding="utf-8"), text)
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
             (staging / name).write_text(text, encoding="utf-8")
         shutil.rmtree(old, ignore_errors=True)
@@ -393,8 +396,8 @@ def _replace_patch_files(patch: Patch, draft: Draft) -> None:
 
 
 def _rewrite_manifest(patch: Patch, *, fixed_in: str) -> None:
-    text = render_manifest_of(patch, fixed_in=fixed_in)
+    """``fixed-in`` set in the patch's ``patch.toml``, everything else of the file kept."""
     manifest = patch.folder / "patch.toml"
-    temp = manifest.with_name(".patch.toml.hvp-tmp")
-    temp.write_text(text, encoding="utf-8")
-    os.replace(temp, manifest)
+    text = edit_manifest(manifest.read_text(encoding="utf-8"),
+                         render_manifest_of(patch, fixed_in=fixed_in))
+    write_atomic(manifest, text.encode("utf-8"))
