@@ -943,7 +943,7 @@ class _Session:
         drops them."""
         previous = self.record.selection
         partial = self.request.command_line_selection
-        ids = {p.id for p in self.patches}
+        ids = {p.id for p in self.patches} | set(self.loose)
         if self.operation == "revert":
             kept = tuple(p for p in previous.patches if p.id not in ids) \
                 if previous and partial else ()

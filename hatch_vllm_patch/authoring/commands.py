@@ -80,6 +80,7 @@ class _NewPatch(NamedTuple):
     configured: bool  # the project's [tool.vllm-patch] finds that folder (apply, hook, guard)
     choice: InterpreterChoice
     pyproject: Path | None = None  # the project's pyproject.toml (create selects the patch)
+    known: frozenset[str] = frozenset()  # the ids of the project's catalog
 
 
 def _check_new_id(patch_id: str, request: Request) -> _NewPatch:
@@ -95,11 +96,12 @@ def _check_new_id(patch_id: str, request: Request) -> _NewPatch:
     project = request.project_dir or Path.cwd()
     source = config.source if config is not None else project / "pyproject.toml"
     pyproject = source if source.name == "pyproject.toml" and source.is_file() else None
+    known = frozenset(catalog)
     if config is not None and config.patch_dirs:
-        return _NewPatch(config.patch_dirs[0], project, True, choice, pyproject)
+        return _NewPatch(config.patch_dirs[0], project, True, choice, pyproject, known)
     # The default folder counts once it exists, but only for a project with the table.
     return _NewPatch(project / DEFAULT_PATCH_DIR, project, config is not None, choice,
-                     pyproject)
+                     pyproject, known)
 
 
 def _module_of(env: TargetEnvironment, module: str) -> tuple[Path, str, str]:
@@ -402,7 +404,14 @@ def create(request: Request, patch_id: str, *, module: str | None = None,
         for _, session, _ in opened:
             drop_pristine(env.purelib, session.pristine_sha256)
     removed = tuple(dict.fromkeys(r for _, s, _ in opened for r in s.removed))
-    return _apply_new(request, new_patch, folder, draft, removed)
+    # Blocks edit took out that another project owns (its own patches, which this project's
+    # catalog does not hold): put back from the patch folders the record names for them.
+    recorded = {e.id: Path(e.folder).parent for e in
+                (record.selection.patches if record.selection else ()) if e.folder}
+    elsewhere = tuple(dict.fromkeys(recorded[r] for r in removed
+                                    if r not in new_patch.known and r in recorded))
+    removed = tuple(r for r in removed if r in new_patch.known or r in recorded)
+    return _apply_new(request, new_patch, folder, draft, removed, elsewhere)
 
 
 def _installed_pristine(env: TargetEnvironment, module: str) -> tuple[Path, str, str, str]:
@@ -517,10 +526,11 @@ def _write_draft(new_patch: _NewPatch, patch_id: str, draft: Draft) -> Path:
 
 
 def _apply_new(request: Request, new_patch: _NewPatch, folder: Path, draft: Draft,
-               also: tuple[str, ...] = ()) -> CreateResult:
+               also: tuple[str, ...] = (), elsewhere: tuple[Path, ...] = ()) -> CreateResult:
     notes = list(draft.notes)
     pyproject = _select_new(new_patch, folder, notes)
     extra = () if pyproject is not None or new_patch.configured else (new_patch.folder,)
+    extra = (*extra, *elsewhere)
     # Applied as the project's selection: the record names its pyproject.toml, so dropping
     # the patch from [tool.vllm-patch] removes it at the next apply (or uv sync).
     report = run("apply", Request(project_dir=new_patch.project, python=request.python,
