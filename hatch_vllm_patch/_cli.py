@@ -43,7 +43,8 @@ SCHEMA_VERSION = 1
 _HELP = {
     "apply": "patch the target environment (idempotent)",
     "verify": "check that every selected patch is in place; changes nothing",
-    "revert": "remove our patches, restoring the files installed by the wheel",
+    "revert": "remove our patches, restoring the files installed by the wheel (without --patch: "
+              "every block of ours in the environment, other projects' too)",
     "status": "show the state of each patch (all catalog patches when none is selected)",
     "diff": "show what apply would change, as a unified diff; changes nothing",
 }
@@ -53,7 +54,7 @@ _AUTHORING = {
     "edit": "make an installed module safe to edit in place (its own file, pristine bytes "
             "kept); prints its path",
     "create": "turn the edit of a module into a patch folder of the project, restore the "
-              "module and apply the patch",
+              "module, select the patch in pyproject.toml and apply it",
     "update": "merge a project patch onto the installed release, symbol by symbol (three-way); "
               "conflicts open the module for editing",
     "new": "scaffold a patch folder with a wrapper of MODULE:SYMBOL that calls the original",
