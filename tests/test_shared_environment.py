@@ -193,15 +193,19 @@ def test_a_command_line_own_patch_is_not_unknown_to_another_projects_patch_run(
     `verify` does (it was `unknown-patch`, exit 1, with the advice to revert everything)."""
     shared.select(shared.a, "demo-fix")  # a-own not in the table: applied by hand
     assert shared.cli(shared.a, "apply", "--patch", "a-own")["exit_code"] == 0
+    assert shared.cli(shared.a, "apply")["exit_code"] == 0
     assert shared.recorded()["a-own"] == ["command line"]
-    assert shared.cli(shared.b, "apply")["exit_code"] == 0
-    for args in (("verify",), ("verify", "--patch", "demo-other"), ("revert", "--patch",
-                                                                     "demo-other")):
+    for args, code in ((("verify",), 1),  # B's own patches are missing
+                       (("verify", "--patch", "demo-fix"), 0),
+                       (("status", "--patch", "demo-other"), 0)):
         data = shared.cli(shared.b, *args)
         assert verdicts(data)["a-own"] == "not-selected", (args, data)
-        assert data["exit_code"] == 0, (args, data)
+        assert data["exit_code"] == code, (args, data)
         no_advice_against(data, {"a-own"})
-    assert shared.blocks() == {"a-own", "b-own"}
+    assert shared.cli(shared.b, "apply")["exit_code"] == 0
+    back = shared.cli(shared.b, "revert", "--patch", "demo-other")
+    assert back["exit_code"] == 0 and verdicts(back)["a-own"] == "not-selected", back
+    assert shared.blocks() == {"a-own", "demo-fix", "b-own"}
 
 
 def test_revert_removes_every_block_and_names_whose(shared: Shared) -> None:
@@ -280,3 +284,58 @@ def test_a_created_patch_is_the_projects_and_dropping_it_removes_it(shared: Shar
     assert verdicts(shared.cli(a, "apply"))["a-compute"] == "removed"
     assert shared.blocks() == {"a-own", "demo-other", "b-own"}
     assert "a-compute" not in shared.recorded()
+
+
+@pytest.mark.slow
+def test_two_projects_on_vllm_0_20_2(tmp_path: Path) -> None:
+    """The issue's trial on vLLM 0.20.2's real files (--no-deps): A serves Qwen3-Next and
+    Zamba2 (the KV and Zamba2 patches) and applied its own wrapper of kv_cache_utils with
+    `--patch` (recorded for the command line); B selects the scheduler patch. From B, `verify`,
+    `verify --patch kv-cache-page-unification` and `status` call A's blocks not-selected (exit
+    0, no advice that removes them); B's `revert` removes all four blocks, and
+    kv_cache_utils.py, zamba2.py and scheduler.py are RECORD's bytes again."""
+    from venvs import release_venv
+
+    python = release_venv(tmp_path / "venv", "vllm", "0.20.2")
+    sp = site_packages(tmp_path / "venv")
+    files = ("vllm/v1/core/kv_cache_utils.py", "vllm/model_executor/models/zamba2.py",
+             "vllm/v1/core/sched/scheduler.py")
+
+    def pristine(relative: str) -> bool:
+        digest = hashlib.sha256((sp / relative).read_bytes()).hexdigest()
+        return digest == record_sha256(sp, "vllm", relative)
+
+    def cli(where: Path, *args: str) -> dict[str, object]:
+        proc = subprocess.run([sys.executable, "-m", "hatch_vllm_patch", *args, "--python",
+                               str(python), "--json"], cwd=where, capture_output=True,
+                              text=True, timeout=600, check=False, env=_env())
+        return dict(json.loads(proc.stdout))
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for project, table in ((a, "[tool.vllm-patch.architectures.Qwen3NextForCausalLM]\n"
+                                "[tool.vllm-patch.architectures.Zamba2ForCausalLM]\n"),
+                           (b, 'patches = ["mamba-split-external-kv"]\n')):
+        project.mkdir()
+        (project / "pyproject.toml").write_text(f'[project]\nname = "{project.name}"\n\n'
+                                                f"[tool.vllm-patch]\n{table}")
+    made = cli(a, "new", "a-wrap", "--target",
+               "vllm.v1.core.kv_cache_utils:get_kv_cache_groups")
+    assert made["exit_code"] == 0, made
+    assert cli(a, "apply", "--patch", "a-wrap")["exit_code"] == 0
+    first = cli(a, "apply")
+    assert first["exit_code"] == 0, first
+    assert verdicts(first)["kv-cache-page-unification"] == "applied", first
+    assert verdicts(cli(b, "apply"))["mamba-split-external-kv"] == "applied"
+    a_blocks = {"a-wrap", "kv-cache-page-unification", "zamba2-spec-conv-state"}
+    for args in (("verify",), ("verify", "--patch", "kv-cache-page-unification"), ("status",)):
+        data = cli(b, *args)
+        found = verdicts(data)
+        assert data["exit_code"] == 0, (args, data)
+        for pid in a_blocks - {args[-1]}:
+            assert found[pid] == "not-selected", (args, found)
+        no_advice_against(data, a_blocks)
+    everything = cli(b, "revert")
+    assert everything["exit_code"] == 0, everything
+    found = verdicts(everything)
+    assert all(found[pid] == "reverted" for pid in [*a_blocks, "mamba-split-external-kv"]), found
+    assert all(pristine(f) for f in files)

@@ -82,6 +82,16 @@ def _project_patch(request: Request, patch_id: str) -> tuple[Patch, Path]:
     return patch, project
 
 
+def _selected_by(request: Request, patch_id: str) -> tuple[tuple[str, str], ...]:
+    """The project's pyproject.toml as the selector of ``patch_id`` when its [tool.vllm-patch]
+    selects it: the updated patch stays the project's (convergence removes it once dropped)."""
+    _, config, selection, _ = resolve(request)
+    if config is None or config.source.name != "pyproject.toml" or patch_id not in {
+            p.id for p in selection.patches}:
+        return ()
+    return ((patch_id, str(config.source)),)
+
+
 def _patched_symbol(block: str, tree: ast.Module, patch_id: str, symbol: str) -> str | None:
     """The patched text of ``symbol`` as it reads in the module (methods without the holder's
     indentation)."""
@@ -248,7 +258,8 @@ def update(request: Request, patch_id: str, *, base: Path | None = None,
     _replace_patch_files(patch, draft)
     report = run("apply", Request(project_dir=project, python=request.python,
                                   patches=(patch_id,), in_process=request.in_process,
-                                  on_wait=request.on_wait))
+                                  on_wait=request.on_wait,
+                                  selected_by=_selected_by(request, patch_id)))
     return UpdateResult(patch_id, "updated", patch.folder, symbols, installed, draft.diff,
                         report, notes=draft.notes)
 
@@ -346,7 +357,8 @@ def _continue(request: Request, patch: Patch, env: TargetEnvironment) -> UpdateR
     removed = tuple(dict.fromkeys(r for s in sessions.values() for r in s.removed))
     report = run("apply", Request(project_dir=request.project_dir, python=request.python,
                                   patches=(patch.id, *removed), in_process=request.in_process,
-                                  on_wait=request.on_wait))
+                                  on_wait=request.on_wait,
+                                  selected_by=_selected_by(request, patch.id)))
     installed = ", ".join(dict.fromkeys(f"{c.distribution} {c.version}" for c in changes))
     return UpdateResult(patch.id, "updated", patch.folder, symbols, installed, draft.diff,
                         report, notes=draft.notes)
