@@ -829,7 +829,7 @@ class _Session:
                     "there (that project's next apply removes it)")
         if any(s.startswith(CARRIED) for s in others):
             return (f"it is {', '.join(others)}: select it here too, or uninstall that "
-                    f"distribution; to remove the block anyway: {one}")
+                    "distribution (the next apply of the carried selections removes it)")
         return f"select it, or remove it: {one}"
 
     def _selector(self) -> str:
