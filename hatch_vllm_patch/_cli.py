@@ -45,7 +45,8 @@ SCHEMA_VERSION = 1
 _HELP = {
     "apply": "patch the target environment (idempotent)",
     "verify": "check that every selected patch is in place; changes nothing",
-    "revert": "remove our patches, restoring the files installed by the wheel",
+    "revert": "remove our patches, restoring the files installed by the wheel (without --patch: "
+              "every block of ours in the environment, other projects' too)",
     "status": "show the state of each patch (all catalog patches when none is selected)",
     "diff": "show what apply would change, as a unified diff; changes nothing",
 }
@@ -55,7 +56,7 @@ _AUTHORING = {
     "edit": "make an installed module safe to edit in place (its own file, pristine bytes "
             "kept); prints its path",
     "create": "turn the edit of a module into a patch folder of the project, restore the "
-              "module and apply the patch",
+              "module, select the patch in pyproject.toml and apply it",
     "update": "merge a project patch onto the installed release, symbol by symbol (three-way); "
               "conflicts open the module for editing",
     "new": "scaffold a patch folder with a wrapper of MODULE:SYMBOL that calls the original",
@@ -611,13 +612,15 @@ def _author(args: argparse.Namespace, request: Request) -> int:
                                     ask=None if args.json else authoring.interactive_ask(),
                                     **texts)
         code = EXIT_OK if made.report is None or made.report.ok else EXIT_FAILED
+        select = (f"commit the folder and {made.selected_in.name}"
+                  if made.selected_in is not None else
+                  f"select it in [tool.vllm-patch] patches = [\"{made.folder.name}\"] (unless "
+                  "it is), commit the folder")
         if args.json:
             return as_json(code, {
                 "folder": str(made.folder), "module": made.module, "diff": made.diff,
                 "changes": [{"symbol": c.symbol, "added": c.added} for c in made.changes],
-                "warnings": list(made.warnings)}, [
-                *made.notes, f"select it in [tool.vllm-patch] patches = [\"{made.folder.name}\"] "
-                "(unless it is), commit the folder"], made.report)
+                "warnings": list(made.warnings)}, [*made.notes, select], made.report)
 
         def show() -> None:
             out = sys.stdout
@@ -633,8 +636,7 @@ def _author(args: argparse.Namespace, request: Request) -> int:
             manifest = made.folder / "patch.toml"
             todo = f"fill in the TODOs of {manifest}, " if "TODO" in manifest.read_text(
                 encoding="utf-8") else ""
-            print(f"next: {todo}select it in [tool.vllm-patch] patches = "
-                  f"[\"{made.folder.name}\"] (unless it is), commit the folder", file=out)
+            print(f"next: {todo}{select}", file=out)
 
         _write(show)
         return code

@@ -23,9 +23,10 @@ When it fails the build
     On an invalid configuration (of ``[tool.vllm-patch]`` or of this hook) and, with
     ``strict = true``, when a patch is refused. Never because vLLM or the environment is missing.
 
-uv shows a build's output only with ``-v`` (or when the build fails), so a refused patch is not
-seen at ``uv sync`` time unless ``strict = true``: ``vllm-patch verify`` (exit 1) is the check to
-run in CI, and the README shows a vLLM plugin that reports it in every vLLM process.
+uv and pip show a build's output only with ``-v`` (or when the build fails): when the hook
+removed or refused a patch it also says so in one line on the user's terminal (``/dev/tty``),
+so ``uv sync`` shows it without ``-v``. Without a terminal (CI) ``strict = true`` or ``vllm-patch
+verify`` (exit 1) is the check, and the guard reports it in every vLLM process.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import contextlib
 import os
 import sys
 import sysconfig
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -195,6 +196,9 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
             self.app.display_info(f"{PREFIX} note: {note}")
         for error in report.errors:
             self.app.display_warning(f"{PREFIX} {error}")
+        removed = [o for o in done if o.verdict is Verdict.REMOVED]
+        if removed or refused or report.errors:
+            _tell_terminal(_headline(removed, refused, report.errors, env.prefix))
         if (refused or report.errors) and strict:
             self._fail("strict = true and a patch was refused",
                        [f"{o.patch_id}: {o.verdict.value}" for o in refused] + list(report.errors))
@@ -218,6 +222,42 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
         self.app.display_error("\n".join(lines))
         self.app.abort(f"{PREFIX} the build fails on purpose; fix the above and build again")
         raise SystemExit(1)  # abort() exits; this line only tells type checkers so
+
+
+def _headline(removed: list[Any], refused: list[Any], errors: Iterable[str], prefix: str
+              ) -> str:
+    """One line for the terminal: what the build removed or refused, and where to read more."""
+    parts = []
+    if removed:
+        parts.append(f"removed {', '.join(o.patch_id for o in removed)} (no longer selected)")
+    if refused:
+        parts.append("refused " + ", ".join(f"{o.patch_id} ({o.verdict.value})"
+                                            for o in refused))
+    if errors:
+        parts.append("could not save the environment's record")
+    more = "`vllm-patch verify` says why and what to run" if refused or errors else \
+        "`vllm-patch status` lists what is in place"
+    return f"{PREFIX} {'; '.join(parts)} in {prefix}; {more} (the build's output: uv -v)"
+
+
+def _tell_terminal(line: str, environ: Mapping[str, str] | None = None) -> None:
+    """Say ``line`` on the user's terminal when the frontend hides the build's output (uv and
+    pip capture it, and show it only with -v): through ``/dev/tty``, once; nothing without a
+    terminal (CI: `strict = true` or `vllm-patch verify`), nothing when stderr is the
+    terminal already (the frontend shows the build's output)."""
+    environ = os.environ if environ is None else environ
+    # uv (it sets $UV for what it runs) draws two progress lines while it builds ("Building
+    # <project>", "Preparing packages...") and redraws them in place, erasing the last two
+    # lines: write the line over the first, leave a blank one for the redraw, so the bars land
+    # below it.
+    text = f"\x1b[1A\r\x1b[2K{line}\n\r\x1b[2K\n" if "UV" in environ else f"\n{line}\n"
+    try:
+        if sys.stderr.isatty():
+            return
+        with open("/dev/tty", "w", encoding="utf-8", errors="replace") as tty:
+            tty.write(text)
+    except OSError:  # no controlling terminal
+        pass
 
 
 def _ids(selection: Selection) -> str:

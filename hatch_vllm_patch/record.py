@@ -252,7 +252,9 @@ def merge_selection(previous: tuple[SelectedPatch, ...], origin: str,
     they bring their own (the carrier distributions of each carried patch). An entry some
     selection had before keeps its other selectors — except from the command line, which takes
     over only patches nobody selected (re-applying a project's patch with ``--patch``, or a
-    guard's heal, does not make it the command line's). With ``converge`` (an apply of a whole
+    guard's heal, does not make it the command line's); a command-line entry that brings its
+    own selector (``create`` and ``update`` applying for a project) adds it, in place of
+    :data:`COMMAND_LINE`. With ``converge`` (an apply of a whole
     configuration), a previous entry loses the selectors ``origin`` owns and does not name now;
     one left with no selector is returned as removed (the caller reverts its block). Entries of
     other selectors, and of none known, are kept as they are. Selectors keep their order, so
@@ -266,6 +268,9 @@ def merge_selection(previous: tuple[SelectedPatch, ...], origin: str,
         own = entry.selected_by or (origin,)
         if origin == COMMAND_LINE:
             selectors = had or own
+            if entry.selected_by and had:  # on behalf of a project: it is the project's
+                selectors = (*(s for s in had if s != COMMAND_LINE),
+                             *(s for s in own if s not in had))
         else:
             selectors = (*(s for s in had if not _owns(origin, s) or s in own),
                          *(s for s in own if s not in had))

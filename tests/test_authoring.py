@@ -388,17 +388,24 @@ def test_edit_create_cycle(session: tuple[Path, Path, Path]) -> None:
 
 
 def test_create_in_a_project_without_the_table(session: tuple[Path, Path, Path]) -> None:
-    """Without [tool.vllm-patch], create still writes vllm-patches/ID and applies it, and says
-    that the project needs the table for apply, the hook and the guard to keep it."""
+    """Without [tool.vllm-patch], create writes vllm-patches/ID, adds the table with
+    patches = [ID] to pyproject.toml (the rest of the file as it was) and applies it as the
+    project's: verify from the project passes."""
     python, project, target = session
-    (project / "pyproject.toml").write_text('[project]\nname = "serve"\nversion = "0"\n')
+    (project / "pyproject.toml").write_text('[project]\nname = "serve"  # ours\nversion = "0"\n')
     vp("edit", "demo_pkg.core", "--python", str(python), cwd=project)
     target.write_text(edited_source("compute"))
     made = vp("create", "demo-fix", "--python", str(python), cwd=project, stdin="")
     assert made.returncode == 0, made.stdout + made.stderr
-    assert "has no [tool.vllm-patch] table: add one, with patches = [\"demo-fix\"]" in made.stdout
+    assert f"selected it in {project / 'pyproject.toml'}" in made.stdout, made.stdout
+    assert "next: fill in the TODOs" in made.stdout and "commit the folder and pyproject.toml" \
+        in made.stdout
+    assert (project / "pyproject.toml").read_text() == (
+        '[project]\nname = "serve"  # ours\nversion = "0"\n\n[tool.vllm-patch]\n'
+        'patches = ["demo-fix"]\n')
     assert (project / "vllm-patches" / "demo-fix" / "block.py").is_file()
     assert "# >>> hatch-vllm-patch: demo-fix" in target.read_text()
+    assert vp("verify", "--python", str(python), cwd=project).returncode == 0
 
 
 def test_create_refuses_a_module_level_edit_and_writes_nothing(
@@ -589,12 +596,21 @@ def test_create_from_a_diff(session: tuple[Path, Path, Path], tmp_path: Path) ->
     assert core.read_text() == MODULE_SOURCE and extra.read_text() == EXTRA_SOURCE
 
 
+def changed_lines(old: str, new: str) -> list[str]:
+    """The lines removed from ``old`` and added in ``new``, with their diff sign."""
+    import difflib
+
+    return [line for line in difflib.ndiff(old.splitlines(), new.splitlines())
+            if line[:1] in "+-"]
+
+
 def test_update_onto_later_releases(session: tuple[Path, Path, Path],
                                     demo_releases: dict[str, Path], tmp_path: Path) -> None:
-    """A patch made on 1.0.0, on releases where its function changed: a change elsewhere in it
-    merges cleanly (known on both, runs on both, probe.py kept); a change of the patched line
-    gives conflict markers and nothing applied, and --continue finishes; a release with the
-    fix itself is not-needed, and --set-fixed-in records it."""
+    """A patch made on 1.0.0, on releases where its function changed: apply's next step names
+    `vllm-patch update`; a change elsewhere in it merges cleanly (known on both, runs on both,
+    probe.py kept, patch.toml edited in place: only its version and shapes change); a change
+    of the patched line gives conflict markers and nothing applied, and --continue finishes; a
+    release with the fix itself is not-needed, and --set-fixed-in adds just that line."""
     python, project, core = session
     extra = core.parent / "extra.py"
     vp("edit", "demo_pkg.extra", "--python", str(python), cwd=project)
@@ -605,6 +621,12 @@ def test_update_onto_later_releases(session: tuple[Path, Path, Path],
     (folder / "probe.py").write_text("print('{\"ok\": true, \"detail\": \"kept\"}')\n")
     (project / "pyproject.toml").write_text('[project]\nname = "serve"\nversion = "0"\n\n'
                                             '[tool.vllm-patch]\npatches = ["carry-fix"]\n')
+    manifest = folder / "patch.toml"
+    lines = manifest.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("removal = "))
+    lines[at:at + 1] = ['removal = """', "When demo-pkg says 'out of'", "itself.", '"""']
+    hand = "# Our fix; written by hand from here on.\n" + "\n".join(lines) + "\n"
+    manifest.write_text(hand)
 
     def release(version: str) -> tuple[Path, Path]:
         python = create_venv(tmp_path / version, str(demo_releases[version]))
@@ -620,13 +642,19 @@ def test_update_onto_later_releases(session: tuple[Path, Path, Path],
     assert "--set-fixed-in" in done.stdout
     assert vp("update", "carry-fix", "--set-fixed-in", "--python", str(fixed),
               cwd=project).returncode == 0
-    assert 'fixed-in = "1.3.0"' in (folder / "patch.toml").read_text()
+    assert changed_lines(hand, manifest.read_text()) == ['+ fixed-in = "1.3.0"']
+    hand = manifest.read_text()
     assert "not-needed" in vp("verify", "--python", str(fixed), cwd=project).stdout
 
     newer, _ = release("1.1.0")
-    assert vp("apply", "--python", str(newer), cwd=project).returncode == 1  # unknown-shape
+    refused = vp("apply", "--python", str(newer), cwd=project)
+    assert refused.returncode == 1 and "unknown-shape  carry-fix" in refused.stdout
+    assert f"next: carry it to demo-pkg 1.1.0: run `vllm-patch update carry-fix --python " \
+        f"{newer}` in {project}; it merges the patch's change" in refused.stdout, refused.stdout
     updated = vp("update", "carry-fix", "--python", str(newer), cwd=project)
     assert updated.returncode == 0, updated.stdout + updated.stderr
+    edits = changed_lines(hand, manifest.read_text())
+    assert edits and all(line.split()[1] in {"version", "shapes"} for line in edits), edits
     assert "merged: describe" in updated.stdout and "+    return f\"{len(values)} out of" in \
         updated.stdout
     assert describe(newer) == "1 out of 10"

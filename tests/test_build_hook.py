@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import os
+import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -331,3 +333,74 @@ def test_editable_build_reverts_what_the_configuration_no_longer_selects(
     assert code == 0, output
     assert "demo-fix removed: no longer selected" in output, output
     assert module.read_bytes() == pristine
+
+
+UV_SYNC_PROJECT = """\
+[build-system]
+requires = ["hatchling>=1.24", "hatch-vllm-patch"]
+build-backend = "hatchling.build"
+
+[project]
+name = "svc"
+version = "0.1.0"
+requires-python = ">=3.10"
+dependencies = ["demo-pkg", "hatchling>=1.24", "editables>=0.3", "hatch-vllm-patch"]
+
+[tool.hatch.build.targets.wheel]
+packages = ["svc"]
+
+[tool.hatch.build.hooks.vllm-patch]
+
+[tool.vllm-patch]
+patches = [{patches}]
+
+[tool.uv]
+no-build-isolation-package = ["svc"]
+cache-keys = [{{ file = "pyproject.toml" }}]
+
+[tool.uv.sources]
+hatch-vllm-patch = {{ path = "{repo}", editable = true }}
+demo-pkg = {{ path = "{wheel}" }}
+"""
+
+
+@pytest.mark.skipif(not shutil.which("script"), reason="needs util-linux `script` for a pty")
+def test_uv_sync_says_a_removal_or_refusal_once_without_verbose(
+        tmp_path: Path, demo_wheels: dict[str, Path]) -> None:
+    """`uv sync` (no -v) of a project whose hook removed demo-fix and refused demo-bad shows
+    one line saying so on the terminal (a real pty); with nothing removed or refused, and
+    without a terminal, it says nothing (uv keeps the build's output for -v)."""
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    bad = catalog / "demo-bad"
+    bad.mkdir()
+    (bad / "patch.toml").write_text((catalog / "demo-fix" / "patch.toml").read_text().replace(
+        'id = "demo-fix"', 'id = "demo-bad"').replace('symbol = "compute"', 'symbol = "other"'))
+    (bad / "block.py").write_text("def other():\n    return 1\n")  # its shape: compute's
+    project = tmp_path / "svc"
+    (project / "svc").mkdir(parents=True)
+    (project / "svc" / "__init__.py").write_text("")
+
+    def sync(patches: str, *, terminal: bool) -> str:
+        (project / "pyproject.toml").write_text(UV_SYNC_PROJECT.format(
+            patches=patches, repo=REPO.as_posix(), wheel=demo_wheels["1.0.0"].as_posix()))
+        command = [UV, "sync"]
+        if terminal:
+            command = ["script", "-qec", " ".join(command), "/dev/null"]
+        proc = run(command, cwd=project, env={**ENV, "HATCH_VLLM_PATCH_CATALOG": str(catalog)})
+        return re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", proc.stdout + proc.stderr)  # no colours
+
+    quiet = sync('"demo-fix"', terminal=True)
+    assert "Built svc" in quiet and "vllm-patch:" not in quiet, quiet
+    module = site_packages(project / ".venv") / "demo_pkg" / "core.py"
+    assert "hatch-vllm-patch: demo-fix" in module.read_text()
+    shown = sync('"demo-bad"', terminal=True)
+    line = (f"vllm-patch: removed demo-fix (no longer selected); refused demo-bad "
+            f"(unknown-shape) in {project / '.venv'}; `vllm-patch verify` says why and what to "
+            "run (the build's output: uv -v)")
+    assert shown.count(line) == 1, shown
+    assert "hatch-vllm-patch" not in module.read_text()
+    sync('"demo-fix"', terminal=False)
+    assert "hatch-vllm-patch: demo-fix" in module.read_text()
+    hidden = sync('"demo-bad"', terminal=False)  # the same removal and refusal, no terminal
+    assert "Built svc" in hidden and "vllm-patch:" not in hidden, hidden
+    assert "hatch-vllm-patch" not in module.read_text()

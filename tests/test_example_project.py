@@ -125,6 +125,7 @@ def test_two_phase_uv_keeps_vllm_patched_through_every_change(tmp_path: Path) ->
     # refused and nothing of it is written (README, "Carry your own fix", step 5).
     assert result.returncode == 1
     assert re.search(r"unknown-shape\s+clearer-kv-memory-error", result.stdout), result.stdout
+    assert "run `vllm-patch update clearer-kv-memory-error --python" in result.stdout  # the road
     content = (site_packages(project / ".venv") / TARGET).read_text()
     assert "hatch-vllm-patch: clearer-kv-memory-error" not in content
     assert f"hatch-vllm-patch: {PATCH}" in content

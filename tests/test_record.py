@@ -135,6 +135,9 @@ def ids(entries: tuple[SelectedPatch, ...]) -> dict[str, tuple[str, ...]]:
     ([("x", A)], A, ["x"], True, {"x": (A,)}, []),
     # a command-line apply removes nothing, and takes over only what nobody selected
     ([("x", A)], COMMAND_LINE, ["x", "y"], False, {"x": (A,), "y": (COMMAND_LINE,)}, []),
+    # create / update applying for project A: the patch is A's (no longer the command line's)
+    ([("x", COMMAND_LINE), ("y", B)], COMMAND_LINE, ["x:" + A, "y:" + A, "z:" + A], False,
+     {"x": (A,), "y": (B, A), "z": (A,)}, []),
     # not converging (a partial apply): nothing is removed
     ([("x", A)], A, [], False, {"x": (A,)}, []),
     # an entry whose selector is not known (no field, no project) is never removed
@@ -145,7 +148,8 @@ def test_merge_selection(previous: list[tuple[str, ...]], origin: str, now: list
                          removed: list[str]) -> None:
     """What an apply keeps of the recorded selection, and what it removes, by who selected it."""
     before = tuple(entry(pid, *by) for pid, *by in previous)
-    merged, gone = merge_selection(before, origin, tuple(entry(p) for p in now), converge)
+    entries = tuple(entry(*p.split(":", 1)) for p in now)  # "id:selector": brings its own
+    merged, gone = merge_selection(before, origin, entries, converge)
     assert ids(merged) == kept
     assert [e.id for e in gone] == removed
 

@@ -81,6 +81,8 @@ class _NewPatch(NamedTuple):
     project: Path
     configured: bool  # the project's [tool.vllm-patch] finds that folder (apply, hook, guard)
     choice: InterpreterChoice
+    pyproject: Path | None = None  # the project's pyproject.toml (create selects the patch)
+    known: frozenset[str] = frozenset()  # the ids of the project's catalog
 
 
 def _check_new_id(patch_id: str, request: Request) -> _NewPatch:
@@ -93,10 +95,14 @@ def _check_new_id(patch_id: str, request: Request) -> _NewPatch:
         raise UsageError(f"{patch_id!r} is already a patch ({catalog[patch_id].folder}); "
                          "choose another id")
     project = request.project_dir or Path.cwd()
+    source = config.source if config is not None else project / "pyproject.toml"
+    pyproject = source if source.name == "pyproject.toml" and source.is_file() else None
+    known = frozenset(catalog)
     if config is not None and config.patch_dirs:
-        return _NewPatch(config.patch_dirs[0], project, True, choice)
+        return _NewPatch(config.patch_dirs[0], project, True, choice, pyproject, known)
     # The default folder counts once it exists, but only for a project with the table.
-    return _NewPatch(project / DEFAULT_PATCH_DIR, project, config is not None, choice)
+    return _NewPatch(project / DEFAULT_PATCH_DIR, project, config is not None, choice,
+                     pyproject, known)
 
 
 def _module_of(env: TargetEnvironment, module: str) -> tuple[Path, str, str]:
@@ -315,6 +321,7 @@ class CreateResult:
     diff: str
     report: Report | None
     notes: tuple[str, ...] = field(default=())
+    selected_in: Path | None = None  # the pyproject.toml whose [tool.vllm-patch] selects it
 
 
 _PROMPTS = {"summary": "summary (one line: what it changes)",
@@ -398,7 +405,14 @@ def create(request: Request, patch_id: str, *, module: str | None = None,
         for _, session, _ in opened:
             drop_pristine(env.purelib, session.pristine_sha256)
     removed = tuple(dict.fromkeys(r for _, s, _ in opened for r in s.removed))
-    return _apply_new(request, new_patch, folder, draft, removed)
+    # Blocks edit took out that another project owns (its own patches, which this project's
+    # catalog does not hold): put back from the patch folders the record names for them.
+    recorded = {e.id: Path(e.folder).parent for e in
+                (record.selection.patches if record.selection else ()) if e.folder}
+    elsewhere = tuple(dict.fromkeys(recorded[r] for r in removed
+                                    if r not in new_patch.known and r in recorded))
+    removed = tuple(r for r in removed if r in new_patch.known or r in recorded)
+    return _apply_new(request, new_patch, folder, draft, removed, elsewhere)
 
 
 def _installed_pristine(env: TargetEnvironment, module: str) -> tuple[Path, str, str, str]:
@@ -513,19 +527,47 @@ def _write_draft(new_patch: _NewPatch, patch_id: str, draft: Draft) -> Path:
 
 
 def _apply_new(request: Request, new_patch: _NewPatch, folder: Path, draft: Draft,
-               also: tuple[str, ...] = ()) -> CreateResult:
+               also: tuple[str, ...] = (), elsewhere: tuple[Path, ...] = ()) -> CreateResult:
     notes = list(draft.notes)
-    extra = () if new_patch.configured else (new_patch.folder,)
-    if extra:
-        notes.append(f"{new_patch.project / 'pyproject.toml'} has no [tool.vllm-patch] table: "
-                     f"add one, with patches = [\"{folder.name}\"], so that apply, the build "
-                     "hook and the guard find and keep the patch")
+    pyproject = _select_new(new_patch, folder, notes)
+    extra = () if pyproject is not None or new_patch.configured else (new_patch.folder,)
+    extra = (*extra, *elsewhere)
+    # Applied as the project's selection: the record names its pyproject.toml, so dropping
+    # the patch from [tool.vllm-patch] removes it at the next apply (or uv sync).
     report = run("apply", Request(project_dir=new_patch.project, python=request.python,
                                   patches=(folder.name, *also), extra_patch_dirs=extra,
-                                  in_process=request.in_process, on_wait=request.on_wait))
+                                  in_process=request.in_process, on_wait=request.on_wait,
+                                  selected_by=((folder.name, str(pyproject)),)
+                                  if pyproject is not None else ()))
     return CreateResult(folder, ", ".join(m for m, _ in draft.changes),
                         tuple(c for _, ch in draft.changes for c in ch), draft.warnings,
-                        draft.diff, report, tuple(notes))
+                        draft.diff, report, tuple(notes), pyproject)
+
+
+def _select_new(new_patch: _NewPatch, folder: Path, notes: list[str]) -> Path | None:
+    """Add the new patch to the project's ``[tool.vllm-patch] patches`` (as ``uv add`` adds a
+    dependency): the pyproject.toml that selects it, or None (no pyproject.toml, or one that
+    cannot be written: then a note says what to add)."""
+    from .toml_edit import select_in_pyproject
+
+    pyproject = new_patch.pyproject
+    line = f'patches = ["{folder.name}"]'
+    if pyproject is None:
+        notes.append(f"{new_patch.project} has no pyproject.toml: add one with [tool.vllm-patch] "
+                     f"{line}, so that apply, the build hook and the guard find and keep the "
+                     "patch")
+        return None
+    try:
+        added = select_in_pyproject(pyproject, folder.name)
+    except (OSError, ValueError) as exc:  # unwritable, or TOML tomlkit cannot round-trip
+        notes.append(f"could not add {folder.name} to {pyproject} ({exc}): add it to "
+                     f"[tool.vllm-patch] yourself ({line})")
+        return None
+    if added:
+        notes.append(f"selected it in {pyproject}: [tool.vllm-patch] patches lists "
+                     f"{folder.name} (move it to an architecture's patches to select it only "
+                     "for that model; drop it to have the next apply remove it)")
+    return pyproject
 
 
 # --- new: a wrapper scaffold --------------------------------------------------------------------

@@ -42,6 +42,7 @@ from .commands import (
 from .draft import BASE_DIR, Draft, ModuleChange, base_name, draft_patch
 from .merge import has_conflict_markers, merge3
 from .render import _dedent_code, _snake, render_manifest_of
+from .toml_edit import edit_manifest
 
 
 class SymbolMerge(NamedTuple):
@@ -84,6 +85,17 @@ def _project_patch(request: Request, patch_id: str) -> tuple[Patch, Path]:
         raise UsageError(f"{patch_id} is a patch of hatch-vllm-patch ({patch.folder}), not of "
                          "this project: update hatch-vllm-patch instead")
     return patch, project
+
+
+def _selected_by(request: Request, patch_id: str) -> tuple[tuple[str, str], ...]:
+    """The project's pyproject.toml as the selector of ``patch_id`` when its [tool.vllm-patch]
+    selects it: the updated patch stays the project's (convergence removes it once dropped)."""
+    resolved = resolve(request, overlap_ok=True)
+    config, selection = resolved.config, resolved.selection
+    if config is None or config.source.name != "pyproject.toml" or patch_id not in {
+            p.id for p in selection.patches}:
+        return ()
+    return ((patch_id, str(config.source)),)
 
 
 def _patched_symbol(block: str, tree: ast.Module, patch_id: str, symbol: str) -> str | None:
@@ -252,7 +264,8 @@ def update(request: Request, patch_id: str, *, base: Path | None = None,
     _replace_patch_files(patch, draft)
     report = run("apply", Request(project_dir=project, python=request.python,
                                   patches=(patch_id,), in_process=request.in_process,
-                                  on_wait=request.on_wait))
+                                  on_wait=request.on_wait,
+                                  selected_by=_selected_by(request, patch_id)))
     return UpdateResult(patch_id, "updated", patch.folder, symbols, installed, draft.diff,
                         report, notes=draft.notes)
 
@@ -350,7 +363,8 @@ def _continue(request: Request, patch: Patch, env: TargetEnvironment) -> UpdateR
     removed = tuple(dict.fromkeys(r for s in sessions.values() for r in s.removed))
     report = run("apply", Request(project_dir=request.project_dir, python=request.python,
                                   patches=(patch.id, *removed), in_process=request.in_process,
-                                  on_wait=request.on_wait))
+                                  on_wait=request.on_wait,
+                                  selected_by=_selected_by(request, patch.id)))
     installed = ", ".join(dict.fromkeys(f"{c.distribution} {c.version}" for c in changes))
     return UpdateResult(patch.id, "updated", patch.folder, symbols, installed, draft.diff,
                         report, notes=draft.notes)
@@ -379,6 +393,8 @@ def _replace_patch_files(patch: Patch, draft: Draft) -> None:
             else:
                 shutil.copy2(item, staging / item.name, follow_symlinks=False)
         for name, text in draft.files.items():
+            if name == "patch.toml" and (folder / name).is_file():  # the author's file, edited
+                text = edit_manifest((folder / name).read_text(encoding="utf-8"), text)
             (staging / name).parent.mkdir(parents=True, exist_ok=True)
             write_atomic(staging / name, text)
         os.rename(folder, old)
@@ -401,5 +417,8 @@ def _replace_patch_files(patch: Patch, draft: Draft) -> None:
 
 
 def _rewrite_manifest(patch: Patch, *, fixed_in: str) -> None:
-    text = render_manifest_of(patch, fixed_in=fixed_in)
-    write_atomic(patch.folder / "patch.toml", text)
+    """``fixed-in`` set in the patch's ``patch.toml``, everything else of the file kept."""
+    manifest = patch.folder / "patch.toml"
+    text = edit_manifest(manifest.read_text(encoding="utf-8"),
+                         render_manifest_of(patch, fixed_in=fixed_in))
+    write_atomic(manifest, text)
