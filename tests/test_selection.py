@@ -27,6 +27,7 @@ from hatch_vllm_patch.selection import (
     select,
     without_replaced,
 )
+from hatch_vllm_patch.trust import chosen
 
 SYMBOL = "demo_pkg.core.compute"
 RECORD = ".hatch-vllm-patch.json"
@@ -71,7 +72,7 @@ def project_selecting_both(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Patch]:
     root = two_patch_catalog(tmp_path_factory.mktemp("catalog"))
-    return dict(load_patch_folders(root))
+    return dict(load_patch_folders(chosen(root)))
 
 
 # --- the pure rule ------------------------------------------------------------------------------
@@ -142,13 +143,13 @@ def test_the_message_names_both_the_symbol_and_how_to_choose(
 def test_select_refuses_both_and_keeps_the_replacing_one(tmp_path: Path) -> None:
     """`select` keeps both (the caller decides); refuse_overlaps raises the command line's
     UsageError; with `replaces`, selecting both selects the replacing one, with a note."""
-    catalog = load_patch_folders(two_patch_catalog(tmp_path / "a"))
+    catalog = load_patch_folders(chosen(two_patch_catalog(tmp_path / "a")))
     selection = select(catalog, None, patches=["demo-fix", "demo-alt"])
     assert [p.id for p in selection.patches] == ["demo-alt", "demo-fix"]
     with pytest.raises(UsageError, match=r"both replace demo_pkg\.core\.compute"):
         refuse_overlaps(selection, None, command_line=True)
-    replacing = load_patch_folders(second_patch(write_demo_catalog(tmp_path / "b"),
-                                                replaces="demo-fix"))
+    replacing = load_patch_folders(chosen(second_patch(write_demo_catalog(tmp_path / "b"),
+                                                       replaces="demo-fix")))
     selection = select(replacing, None, patches=["demo-fix", "demo-alt"])
     assert [p.id for p in selection.patches] == ["demo-alt"]
     assert any("demo-alt replaces demo-fix" in n for n in selection.notes)
@@ -161,7 +162,7 @@ def test_replaces_must_name_another_patch(tmp_path: Path) -> None:
 
     root = second_patch(write_demo_catalog(tmp_path / "c"), replaces="demo-alt")
     with pytest.raises(CatalogError, match=r"replaces\[0\] 'demo-alt' must be another"):
-        load_patch_folders(root)
+        load_patch_folders(chosen(root))
 
 
 def test_architecture_modules_reads_multi_line_entries(tmp_path: Path) -> None:
