@@ -900,7 +900,7 @@ class _Session:
     def _owner_step(self, pid: str, entry: SelectedPatch | None) -> str:
         """The next step for a block this selection does not name: never a command that
         removes another selector's blocks — the selector that owns it, or that one block."""
-        one = f"python -m hatch_vllm_patch revert --python {self.env.python} --patch {pid}"
+        one = f"vllm-patch revert --python {self.env.python} --patch {pid}"
         others = [s for s in (entry.selected_by if entry else ()) if s != self.origin]
         projects = [s for s in others if s != COMMAND_LINE and not s.startswith(CARRIED)]
         if projects:
