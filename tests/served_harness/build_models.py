@@ -11,7 +11,7 @@ state it plans (Granite and Falcon-H1: 146432 B -> 288 tokens x 512 B = 147456 B
 conv rows a 2-token draft adds to the state the layers declare (2 x 1280 x 4 = 10240 B and
 2 x 2304 x 4 = 18432 B), so a plan made without them fails, as Falcon-H1-0.5B and
 Granite-4.0-H-Tiny do at their published sizes under FlashAttention's 16-token rule. The Llama
-draft keeps 640 B of KV per token and layer, 1.25x the Granite target's 512 B.
+draft keeps 640 B of KV per token and layer, 1.25x the Granite targets' 512 B.
 """
 
 from __future__ import annotations
@@ -47,6 +47,15 @@ CONFIGS = {
         **MAMBA, "hidden_size": 128, "intermediate_size": 256, "shared_intermediate_size": 256,
         "num_local_experts": 0, "num_experts_per_tok": 0, "num_hidden_layers": 4,
         "layer_types": ["mamba", "attention", "mamba", "mamba"],
+        "num_attention_heads": 2, "num_key_value_heads": 1, "position_embedding_type": "rope",
+        "tie_word_embeddings": False}),
+    # The same with one group (a 512-channel conv state): 10240 B left over in its padded
+    # page, room for a 2-token draft's rows (4096 B), so a draft start gets as far as page
+    # unification.
+    "granitemoehybrid-1group": ("GraniteMoeHybridConfig", {
+        **MAMBA, "mamba_n_groups": 1, "hidden_size": 128, "intermediate_size": 256,
+        "shared_intermediate_size": 256, "num_local_experts": 0, "num_experts_per_tok": 0,
+        "num_hidden_layers": 4, "layer_types": ["mamba", "attention", "mamba", "mamba"],
         "num_attention_heads": 2, "num_key_value_heads": 1, "position_embedding_type": "rope",
         "tie_word_embeddings": False}),
     "falcon-h1": ("FalconH1Config", {
