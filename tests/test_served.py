@@ -11,15 +11,22 @@ spec-conv patches' blocks replaced by no-ops (the negative control). What is pro
   1.25x its KV bytes per token stops in ``unify_kv_cache_spec_page_size`` with
   NotImplementedError; Granite, Falcon-H1 and Zamba2 with a 2-token n-gram draft stop on
   ``MambaSpec.page_size_bytes``'s assertion (the planned state page lacks the draft's rows);
-- patched, the same engines start;
+- patched, the same engines start (and the KV patch logs the page it chose);
 - without a draft, greedy tokens are exactly transformers' float32 ``generate`` for the same
   prompts, unpatched and patched (the patches keep vLLM's own behaviour there), and for Llama
-  with every patch applied.
+  with every patch applied;
+- with the spec-conv blocks applied but made inert, the n-gram starts fail as released.
 
 What it does not prove: the CPU attention backend is not FlashAttention (whose page layout the
 page patch is careful about), and the tokens of a hybrid with a draft are not judged: vLLM's CPU
 build gives wrong tokens for speculative decoding of hybrids even where no patch is involved
-(KNOWLEDGE §8), so a draft case is judged by its start.
+(KNOWLEDGE §8), so a draft case is judged by its start. Nor is the KV patch's own unification
+served without a draft: on 0.28.0's CPU path the platform's alignment
+(``_align_hybrid_block_size``, for every hybrid with an attention backend, in every Mamba cache
+mode) gives the target's attention and state layers one page before unification runs, and vLLM's
+own function pads a smaller Mamba page; only layers the alignment does not see (a draft's, or
+``kv_cache_dtype_skip_layers`` next to an fp8 KV cache, which the CPU backend offers only with
+AVX-512 or AMX) leave pages that the wrapper has to unify.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ MAX_TOKENS = 16
 # A user-set block of 32 tokens (the CPU attention kernel's multiple): the platform then raises
 # each hybrid's attention block to the smallest multiple of 32 whose page holds the planned
 # state, which the models' dimensions fill closely (build_models.py).
+# Prefix caching off: with it, a hybrid with a draft stops on a Triton-only kernel on CPU.
 ENGINE = {"enforce_eager": True, "max_model_len": 256, "dtype": "float32", "block_size": 32,
           "enable_prefix_caching": False, "seed": 0, "kv_cache_memory_bytes": 256 << 20}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
