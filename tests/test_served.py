@@ -208,6 +208,10 @@ def _noop_catalog(root: Path) -> Path:
     shapes, a block that defines the wrapper and never installs it."""
     catalog = root / "catalog"
     shutil.copytree(REPO / "patches", catalog)
+    # the ownership rule trusts a catalog folder that only its owner can write (a checkout's
+    # group-writable modes are copied along)
+    for path in [catalog, *catalog.rglob("*")]:
+        path.chmod(path.stat().st_mode & ~0o022)
     for patch_id in HYBRIDS.values():
         block = catalog / patch_id / "block.py"
         text = block.read_text()
