@@ -612,8 +612,12 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
             names.update(read_model(Path(draft), "--speculative-config model").architectures)
     model_modules = {(modules or {})[n] for n in names if n in (modules or {})}
     missing = [patches[pid] for pid, v in verdicts.items() if v is Verdict.MISSING]
+    # A plugin's patch (vllm-neuron's) concerns the platform that plugin is, whatever the model:
+    # where the plugin is installed, it is tried as the platform's budget is asked.
+    platform_of = {"vllm-neuron"} if env.version_of("vllm-neuron") is not None else set()
     chosen = [p for p in missing
-              if everything or concerns(p, names, model_modules, prefer)]
+              if everything or concerns(p, names, model_modules, prefer)
+              or p.target.distribution in platform_of]
     if len(chosen) < len(missing):
         notes.append(f"not tried: {len(missing) - len(chosen)} patch(es) for other models or "
                      "settings (--all tries every patch)")

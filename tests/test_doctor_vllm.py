@@ -276,7 +276,9 @@ def vllm_neuron(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_neuron_budget(vllm_neuron: Path, tmp_path: Path) -> None:
     """Where vllm-neuron is installed doctor asks its runner for the KV spec, as installed and
     with each patch active: neuron-runner-kv-spec budgets a quarter of the bytes per token
-    (the Gated DeltaNet layers no longer count as attention), and it is selected."""
+    (the Gated DeltaNet layers no longer count as attention), and it is selected. The plugin's
+    patches concern the platform, so they are tried for a model their architectures do not
+    name (this Qwen3-VL stand-in); vLLM's patches for other architectures are not."""
     memory = load_benchmark()
     qwen = next(m for m in memory.MODELS if m.name == "Qwen3.6-35B-A3B")
     model = memory.write_model(tmp_path / "qwen3.6", qwen.neuron_config)
@@ -286,7 +288,7 @@ def test_neuron_budget(vllm_neuron: Path, tmp_path: Path) -> None:
     # 40 layers (10 full attention) x 1 KV head per rank x 256 x K and V x bf16
     assert before["bytes_per_token"] == 40 * 1 * 256 * 2 * 2
     assert after["bytes_per_token"] == 10 * 1 * 256 * 2 * 2
-    assert budgets["kv-cache-page-unification"]["bytes_per_token"] == before["bytes_per_token"]
+    assert "kv-cache-page-unification" not in budgets  # for Qwen3.5 / hybrids, not Qwen3-VL
     assert "neuron-runner-kv-spec" in data["needed"]
     assert any("neuron-runner-kv-spec" in line for line in data["config_lines"])
     assert "4.00x fewer bytes per token on Neuron" in data["verdict"]
