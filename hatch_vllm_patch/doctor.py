@@ -54,6 +54,7 @@ class DoctorRequest(NamedTuple):
     platform: str = "cuda"
     hf_overrides: Mapping[str, Any] | None = None
     trust_remote_code: bool = False
+    dtype: str = "auto"  # the model's dtype (weights, activations, the state by default)
 
 
 class Step(NamedTuple):
@@ -180,6 +181,7 @@ class DoctorReport(NamedTuple):
             "platform": r.platform,
             "options": {"tensor_parallel_size": r.tensor_parallel_size,
                         "pipeline_parallel_size": r.pipeline_parallel_size,
+                        "dtype": r.dtype,
                         "kv_cache_dtype": r.kv_cache_dtype, "block_size": r.block_size,
                         "max_model_len": r.max_model_len,
                         "speculative_config": dict(r.speculative_config or {}) or None,
@@ -337,6 +339,7 @@ def case_of(request: DoctorRequest, model_dir: Path, hf_overrides: Mapping[str, 
         "hf_overrides": dict(hf_overrides) if hf_overrides else None,
         "tp": request.tensor_parallel_size,
         "pp": request.pipeline_parallel_size,
+        "dtype": request.dtype,
         "kv_cache_dtype": request.kv_cache_dtype,
         "block_size": request.block_size,
         "max_model_len": request.max_model_len,
