@@ -416,7 +416,10 @@ def run_of(variant: Mapping[str, Any], raw: Mapping[str, Any]) -> Run:
                         if platform.get("mamba_page_size_padded") else ""))
     elif platform:
         described = platform.get("note") or "no platform hook"
-    shapes = tuple(tuple(s) for s in raw.get("facts", {}).get("state_shapes", []))
+    planned = next((s.get("detail") or {} for s in raw.get("steps", [])
+                    if s["step"] == "state shapes" and s["ok"]), {})  # also when a later step fails
+    shapes = tuple(tuple(s) for s in raw.get("facts", {}).get("state_shapes")
+                   or planned.get("shapes", []))
     first = (raw.get("steps") or [{}])[0]
     max_len = (first.get("detail") or {}).get("max_model_len") if first.get("ok") else None
     return Run(variant["name"], tuple(variant["patches"]), steps, failed, cost_of(raw),

@@ -15,7 +15,10 @@ spec-conv patches' blocks replaced by no-ops (the negative control). What is pro
 - without a draft, greedy tokens are exactly transformers' float32 ``generate`` for the same
   prompts, unpatched and patched (the patches keep vLLM's own behaviour there), and for Llama
   with every patch applied;
-- with the spec-conv blocks applied but made inert, the n-gram starts fail as released.
+- with the spec-conv blocks applied but made inert, the n-gram starts fail as released;
+- ``vllm-patch doctor --platform cpu`` with a served case's settings, on the as-installed
+  environment, says what the engine did (the step and exception it stopped with, patches among
+  those it started with, the page the KV patch unified to; or that it starts).
 
 What it does not prove: the CPU attention backend is not FlashAttention (whose page layout the
 page patch is careful about), and the tokens of a hybrid with a draft are not judged: vLLM's CPU
