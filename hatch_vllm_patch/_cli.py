@@ -687,6 +687,9 @@ def _doctor_parser(sub: argparse._SubParsersAction[_Parser],
                         "Face cache (HF_HOME / HF_HUB_CACHE); never downloaded")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N")
+    p.add_argument("--dtype", default="auto", metavar="DTYPE",
+                   help="as vLLM takes it: auto, float32, bfloat16, ... (default auto: vLLM's "
+                        "choice for the config's dtype)")
     p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
                    help="as vLLM takes it: auto, fp8, fp8_e4m3, ... (default auto)")
     p.add_argument("--block-size", type=int, default=None, metavar="TOKENS",
@@ -730,6 +733,7 @@ def _doctor(args: argparse.Namespace, project: Path, finish: Callable[..., int],
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             kv_cache_dtype=args.kv_cache_dtype,
+            dtype=args.dtype,
             block_size=args.block_size,
             max_model_len=args.max_model_len,
             speculative_config=(parse_json_object("--speculative-config",
@@ -780,7 +784,9 @@ def _print_doctor(report: DoctorReport, out: TextIO) -> None:
           + (f": {installed.platform}" if installed.platform else ""), file=out)
     max_len = installed.max_model_len or r.max_model_len
     print(f"model: {report.model_dir} as {report.architecture}; TP {r.tensor_parallel_size}, "
-          f"PP {r.pipeline_parallel_size}, KV {r.kv_cache_dtype}, draft {draft}"
+          f"PP {r.pipeline_parallel_size}, "
+          + (f"dtype {r.dtype}, " if r.dtype != "auto" else "")
+          + f"KV {r.kv_cache_dtype}, draft {draft}"
           + (f", max_model_len {max_len}" if max_len else ""), file=out)
     in_place = f" ({', '.join(report.in_place)} in place)" if report.in_place else ""
     chain = " > ".join(s.name if s.ok else f"{s.name} FAILED" for s in installed.steps)

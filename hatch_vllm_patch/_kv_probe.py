@@ -16,10 +16,13 @@ For every case of JOB.json it builds what vLLM builds at start-up, with vLLM's o
    the model's layers for their backend; the probe has no layers, so it answers that question
    with the backend named here and lets vLLM's own method do the rest;
 3. ``state shapes``: the model class's own ``get_mamba_state_shape_from_config`` /
-   ``get_mamba_state_dtype_from_config``;
-4. ``layer specs``: ``MambaSpec`` for each state layer, ``FullAttentionSpec`` for each attention
-   layer (``get_num_kv_heads`` / ``get_head_size`` / vLLM's KV torch dtype), one more attention
-   layer for a draft; split over pipeline stages with vLLM's ``get_pp_indices``;
+   ``get_mamba_state_dtype_from_config`` (the state vLLM planned the page for), and the shapes
+   the layers declare where they differ (a Mamba-2 mixer's draft rows, ``layer_state_shapes``);
+4. ``layer specs``: ``MambaSpec`` for each state layer (the layers' shapes in the planned page:
+   vLLM's ``page_size_bytes`` asserts that they fit, as in the engine), ``FullAttentionSpec``
+   for each attention layer (``get_num_kv_heads`` / ``get_head_size`` / vLLM's KV torch
+   dtype), one more attention layer for a draft; split over pipeline stages with vLLM's
+   ``get_pp_indices``;
 5. ``grouping`` and ``page unification``: vLLM's ``get_kv_cache_groups`` (hybrid KV-cache
    manager on, as on GPU platforms), whose call of ``unify_kv_cache_spec_page_size`` is watched
    so that a failure there is named as that step;
@@ -169,6 +172,8 @@ def _model_config(case: dict[str, Any]) -> Any:
                               "trust_remote_code": bool(case.get("trust_remote_code"))}
     if case.get("max_model_len"):
         kwargs["max_model_len"] = case["max_model_len"]
+    if case.get("dtype") not in (None, "auto"):
+        kwargs["dtype"] = case["dtype"]
     if case.get("hf_overrides"):
         kwargs["hf_overrides"] = case["hf_overrides"]
     return ModelConfig(**kwargs)
@@ -338,9 +343,49 @@ def state_shapes(config: Any) -> tuple[Any, tuple[Any, ...], tuple[Any, ...]]:
     return model_cls, shapes, dtypes
 
 
+def layer_state_shapes(config: Any, model_cls: Any, shapes: tuple[Any, ...]
+                       ) -> tuple[Any, ...]:
+    """The state shapes the model's layers declare, which vLLM allocates: from vLLM 0.17 the
+    Mamba-2 mixer keeps ``num_speculative_tokens`` more conv rows (its ``num_spec``) whether or
+    not the model class's method passes them to ``MambaStateShapeCalculator.mamba2_state_shape``
+    (the spec-conv-state bugs). So the class's method is asked again with the calculator given
+    the layers' ``num_spec``; a family that does not use that calculator keeps its shapes."""
+    import inspect
+
+    spec_config = config.speculative_config
+    num_spec = spec_config.num_speculative_tokens if spec_config else 0
+    if not shapes or not num_spec:
+        return shapes
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+    except ImportError:
+        return shapes
+    original = vars(MambaStateShapeCalculator).get("mamba2_state_shape")
+    if not isinstance(original, classmethod):
+        return shapes
+    function = original.__func__
+    signature = inspect.signature(function)
+    if "num_spec" not in signature.parameters:  # before 0.17: the layers keep no draft rows
+        return shapes
+
+    def with_layer_rows(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(cls, *args, **kwargs)
+        bound.arguments["num_spec"] = num_spec
+        return function(*bound.args, **bound.kwargs)
+
+    MambaStateShapeCalculator.mamba2_state_shape = classmethod(with_layer_rows)
+    try:
+        return tuple(tuple(s) for s in model_cls.get_mamba_state_shape_from_config(config))
+    finally:
+        MambaStateShapeCalculator.mamba2_state_shape = original
+
+
 def layer_specs(config: Any, case: dict[str, Any], shapes: tuple[Any, ...],
-                dtypes: tuple[Any, ...]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Step 4: the specs of every layer, one dict per pipeline stage."""
+                dtypes: tuple[Any, ...], layer_shapes: tuple[Any, ...] | None = None
+                ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Step 4: the specs of every layer, one dict per pipeline stage. ``shapes`` are the
+    class's (the page vLLM planned), ``layer_shapes`` the layers' (what it allocates, in the
+    specs): vLLM's ``MambaSpec.page_size_bytes`` asserts that they fit the planned page."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
     model_config = config.model_config
@@ -355,7 +400,7 @@ def layer_specs(config: Any, case: dict[str, Any], shapes: tuple[Any, ...],
     state = None
     if shapes:
         kwargs: dict[str, Any] = dict(
-            shapes=shapes, dtypes=dtypes,
+            shapes=layer_shapes or shapes, dtypes=dtypes,
             block_size=getattr(cache, "mamba_block_size", None) or model_config.max_model_len,
             page_size_padded=getattr(cache, "mamba_page_size_padded", None),
             mamba_type=_mamba_type(text_type),
@@ -397,6 +442,7 @@ def layer_specs(config: Any, case: dict[str, Any], shapes: tuple[Any, ...],
         "kv_cache_dtype": cache.cache_dtype,
         "mamba_ssm_cache_dtype": getattr(cache, "mamba_ssm_cache_dtype", None),
         "state_shapes": [list(s) for s in shapes],
+        "layer_state_shapes": [list(s) for s in (layer_shapes or shapes)],
         "state_dtypes": [str(d) for d in dtypes],
         "state_page": state.page_size_bytes if state is not None else None,
         "state_bytes": (sum(_nbytes(s, d) for s, d in zip(shapes, dtypes, strict=True))
@@ -543,11 +589,14 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         result["platform"] = align_for_platform(config, case.get("platform", "cuda"))
         done("platform", result["platform"])
         step = "state shapes"
-        _, shapes, dtypes = state_shapes(config)
+        model_cls, shapes, dtypes = state_shapes(config)
+        layer_shapes = layer_state_shapes(config, model_cls, shapes)
         done("state shapes", {"shapes": [list(s) for s in shapes],
-                              "dtypes": [str(d) for d in dtypes]})
+                              "dtypes": [str(d) for d in dtypes],
+                              **({"layer_shapes": [list(s) for s in layer_shapes]}
+                                 if layer_shapes != shapes else {})})
         step = "layer specs"
-        stages, facts = layer_specs(config, case, shapes, dtypes)
+        stages, facts = layer_specs(config, case, shapes, dtypes, layer_shapes)
         result["facts"] = facts
         result["layers"] = [[_kind(s), s.page_size_bytes] for st in stages for s in st.values()]
         done("layer specs", {"layers": len(result["layers"]), "stages": len(stages)})

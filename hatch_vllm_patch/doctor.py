@@ -54,6 +54,7 @@ class DoctorRequest(NamedTuple):
     platform: str = "cuda"
     hf_overrides: Mapping[str, Any] | None = None
     trust_remote_code: bool = False
+    dtype: str = "auto"  # the model's dtype (weights, activations, the state by default)
 
 
 class Step(NamedTuple):
@@ -180,6 +181,7 @@ class DoctorReport(NamedTuple):
             "platform": r.platform,
             "options": {"tensor_parallel_size": r.tensor_parallel_size,
                         "pipeline_parallel_size": r.pipeline_parallel_size,
+                        "dtype": r.dtype,
                         "kv_cache_dtype": r.kv_cache_dtype, "block_size": r.block_size,
                         "max_model_len": r.max_model_len,
                         "speculative_config": dict(r.speculative_config or {}) or None,
@@ -337,6 +339,7 @@ def case_of(request: DoctorRequest, model_dir: Path, hf_overrides: Mapping[str, 
         "hf_overrides": dict(hf_overrides) if hf_overrides else None,
         "tp": request.tensor_parallel_size,
         "pp": request.pipeline_parallel_size,
+        "dtype": request.dtype,
         "kv_cache_dtype": request.kv_cache_dtype,
         "block_size": request.block_size,
         "max_model_len": request.max_model_len,
@@ -413,7 +416,10 @@ def run_of(variant: Mapping[str, Any], raw: Mapping[str, Any]) -> Run:
                         if platform.get("mamba_page_size_padded") else ""))
     elif platform:
         described = platform.get("note") or "no platform hook"
-    shapes = tuple(tuple(s) for s in raw.get("facts", {}).get("state_shapes", []))
+    planned = next((s.get("detail") or {} for s in raw.get("steps", [])
+                    if s["step"] == "state shapes" and s["ok"]), {})  # also when a later step fails
+    shapes = tuple(tuple(s) for s in raw.get("facts", {}).get("state_shapes")
+                   or planned.get("shapes", []))
     first = (raw.get("steps") or [{}])[0]
     max_len = (first.get("detail") or {}).get("max_model_len") if first.get("ok") else None
     return Run(variant["name"], tuple(variant["patches"]), steps, failed, cost_of(raw),

@@ -304,17 +304,24 @@ def test_no_neuron_plugin_one_line(vllm_0202: Path) -> None:
 
 def test_speculative_tokens_without_a_draft_model(vllm_0202: Path) -> None:
     """An n-gram draft adds no attention layer, only speculative tokens; doctor reports the
-    state shapes vLLM 0.20.2 really builds: Falcon-H1's conv state keeps kernel - 1 = 3 rows
-    (its shape function passes no speculative tokens in this release), where the calculator
-    gives 3 + 2 — what a patch for it would change."""
+    state shapes vLLM 0.20.2 plans the page for: Falcon-H1's conv state of kernel - 1 = 3 rows
+    (its shape function passes no speculative tokens in this release), where its Mamba-2 layers
+    declare 3 + 2. Their state then exceeds the padded page, and vLLM's own
+    MambaSpec.page_size_bytes assertion stops the start with the layer specs, as in the
+    engine (tests/test_served.py); the Falcon-H1 spec-conv patch plans the page with the rows."""
     ngram = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
-    _, data = doctor(vllm_0202, "--model", str(FAMILIES / "falcon-h1-7b"),
-                     "--tensor-parallel-size", "2", "--speculative-config", ngram)
+    code, data = doctor(vllm_0202, "--model", str(FAMILIES / "falcon-h1-7b"),
+                        "--tensor-parallel-size", "2", "--speculative-config", ngram)
     installed = run_named(data, "installed")
-    assert installed["starts"]
+    assert installed["failed"] == {"name": "layer specs", "ok": False,
+                                   "error": "AssertionError"}, installed
     # conv: d_ssm / TP + 2 x groups x d_state / TP, with its 1 group repeated on each of 2 ranks
-    assert installed["state_shapes"][0] == [3, 6144 // 2 + 2 * 2 * 256 // 2]
+    conv = 6144 // 2 + 2 * 2 * 256 // 2
+    assert installed["state_shapes"][0] == [3, conv]
     assert installed["state_shapes"][1] == [24 // 2, 256, 256]
+    assert code == 3 and data["needed"] == ["falcon-h1-spec-conv-state"], data["verdict"]
+    patched = run_named(data, "falcon-h1-spec-conv-state")
+    assert patched["starts"] and patched["state_shapes"][0] == [3 + 2, conv]
 
 
 @pytest.fixture(scope="session")
@@ -342,11 +349,12 @@ NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_look
 def test_every_target_of_a_project_patch_and_never_a_pair(vllm_0202: Path,
                                                           tmp_path: Path) -> None:
     """Granite 4.0-H at TP 2 with a 2-token n-gram draft, from a project holding its own
-    spec-conv-num-spec (one patch over falcon_h1, granitemoehybrid and zamba2): doctor runs
-    its Granite block (before, only the Falcon module ran: "same KV cache"), which gives the
-    state the draft's rows exactly as the catalog's granitemoehybrid-spec-conv-state does;
-    the two are never run or recommended together, the catalog's is needed (exit 3), and
-    patches for other models are not tried."""
+    spec-conv-num-spec (one patch over falcon_h1, granitemoehybrid and zamba2): it does not
+    start as installed (the layers' state with the draft's rows exceeds the planned page);
+    doctor runs the project patch's Granite block (before, only the Falcon module ran: "same
+    KV cache"), which gives the state the draft's rows exactly as the catalog's
+    granitemoehybrid-spec-conv-state does; the two are never run or recommended together, the
+    catalog's is needed (exit 3), and patches for other models are not tried."""
     from test_selection import spec_conv_num_spec
 
     project = tmp_path / "svc"
@@ -356,22 +364,21 @@ def test_every_target_of_a_project_patch_and_never_a_pair(vllm_0202: Path,
     code, data = doctor(vllm_0202, "--model", str(FAMILIES / "granite-4.0-h-tiny"),
                         "--tensor-parallel-size", "2", "--speculative-config", NGRAM,
                         project=project)
-    assert code == 3 and data["outcome"] == "patch-needed" and data["starts"] is True
+    assert code == 3 and data["outcome"] == "patch-needed" and data["starts"] is False
     installed = run_named(data, "installed")
+    assert installed["failed"]["name"] == "layer specs", installed
     catalog = run_named(data, "granitemoehybrid-spec-conv-state")
     own = run_named(data, "spec-conv-num-spec")
     assert own["state_shapes"] == catalog["state_shapes"] != installed["state_shapes"]
     assert own["state_shapes"][0][0] == installed["state_shapes"][0][0] + 2  # the draft's rows
-    assert own["cost"] == catalog["cost"] != installed["cost"]
+    assert own["starts"] and own["cost"] == catalog["cost"]
     pair = {"granitemoehybrid-spec-conv-state", "spec-conv-num-spec"}
     assert not any(pair <= set(r["patches"]) for r in data["runs"])
     assert data["needed"] == ["granitemoehybrid-spec-conv-state"]
-    assert any("both replace" in n and "spec-conv-num-spec" in n for n in data["notes"])
     assert not {"falcon-h1-spec-conv-state", "bamba-spec-conv-state",
                 "mamba-split-external-kv"} & set(data["candidates"])
-    assert data["verdict"].startswith("starts as installed, but sizes the recurrent state "
-                                      "wrongly for these settings: granitemoehybrid-spec-"
-                                      "conv-state is needed")
+    assert data["verdict"] == ("does not start as installed (layer specs); "
+                               "granitemoehybrid-spec-conv-state fixes it")
 
 
 def test_remote_code_config_of_a_registered_family(vllm_0202: Path, tmp_path: Path) -> None:

@@ -15,7 +15,10 @@ spec-conv patches' blocks replaced by no-ops (the negative control). What is pro
 - without a draft, greedy tokens are exactly transformers' float32 ``generate`` for the same
   prompts, unpatched and patched (the patches keep vLLM's own behaviour there), and for Llama
   with every patch applied;
-- with the spec-conv blocks applied but made inert, the n-gram starts fail as released.
+- with the spec-conv blocks applied but made inert, the n-gram starts fail as released;
+- ``vllm-patch doctor --platform cpu`` with a served case's settings, on the as-installed
+  environment, says what the engine did (the step and exception it stopped with, patches among
+  those it started with, the page the KV patch unified to; or that it starts).
 
 What it does not prove: the CPU attention backend is not FlashAttention (whose page layout the
 page patch is careful about), and the tokens of a hybrid with a draft are not judged: vLLM's CPU
@@ -34,6 +37,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -368,3 +372,59 @@ def test_noop_catalog_differs_only_in_the_installing_call(tmp_path: Path) -> Non
         assert len(missing) == 1 and missing[0].endswith("_install()"), missing
         assert len(noop_lines) == len(real) - 1
     assert sorted(os.listdir(catalog)) == sorted(os.listdir(REPO / "patches"))
+
+
+# --- doctor against the engine ----------------------------------------------------------------
+
+# The cases doctor is asked about (one vLLM import each, 1-2 minutes): a hybrid with the n-gram
+# draft, Granite with the Llama draft (method draft_model) and a hybrid without a draft.
+DOCTOR_CASES = ("granitemoehybrid-ngram", "granitemoehybrid-draft", "falcon-h1")
+# doctor's step for the vLLM function in which the engine's start stopped (the innermost of
+# the served `where` named here): the state layers' page is first read with their specs
+DOCTOR_STEP = {"v1/core/kv_cache_utils.py:unify_kv_cache_spec_page_size": "page unification",
+               "v1/kv_cache_interface.py:page_size_bytes": "layer specs"}
+
+
+def _doctor(python: Path, case: dict[str, Any], work: Path) -> tuple[int, dict[str, Any]]:
+    """`vllm-patch doctor --platform cpu --json` with the engine settings of ``case``."""
+    llm = case["llm"]
+    args = ["doctor", "--python", str(python), "--platform", "cpu", "--model", case["model"],
+            "--dtype", llm["dtype"], "--block-size", str(llm["block_size"]),
+            "--max-model-len", str(llm["max_model_len"]), "--json"]
+    if "speculative_config" in llm:
+        args += ["--speculative-config", json.dumps(llm["speculative_config"])]
+    work.mkdir(parents=True, exist_ok=True)
+    proc = cli(*args, cwd=work)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.returncode, json.loads(proc.stdout)["result"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", DOCTOR_CASES)
+def test_doctor_says_what_the_engine_did(pristine: Path, models: dict[str, Path],
+                                         unpatched: Served, patched: Served, name: str,
+                                         tmp_path: Path) -> None:
+    """doctor, asked on the as-installed environment with a served case's settings, says what
+    the engine did: it starts (exit 0), or it fails at the step the engine stopped in with the
+    same exception, and the patches it names (exit 3) are among those the engine started with."""
+    (case,) = _cases(models, name)
+    code, result = _doctor(pristine, case, tmp_path)
+    runs = {r["name"]: r for r in result["runs"]}
+    installed, engine = runs["installed"], unpatched.cases[name]
+    assert installed["starts"] == engine["started"], (result["verdict"], engine)
+    if engine["started"]:
+        assert (code, result["outcome"], result["needed"]) == (0, "nothing-needed", []), result
+        return
+    failed = installed["failed"]
+    assert failed["error"].split(":")[0] == engine["error"].split(":")[0], (failed, engine)
+    where = next(DOCTOR_STEP[w] for w in reversed(engine["where"]) if w in DOCTOR_STEP)
+    assert failed["name"] == where, (failed, engine["where"])
+    # what doctor selects is among what the patched engine started with, and doctor's run
+    # with the first of it starts
+    assert code == 3 and result["outcome"] == "patch-needed", result
+    assert result["needed"] and set(result["needed"]) <= set(APPLIED), result
+    _started(patched.cases[name])
+    assert runs[result["needed"][0]]["starts"], result
+    if PAGE_PATCH in result["needed"]:  # the page doctor unifies to is the engine's
+        pages = re.findall(r"Hybrid KV cache: padding max page size \d+ -> (\d+)", patched.log)
+        assert str(runs[PAGE_PATCH]["cost"]["page"]) in pages, (runs[PAGE_PATCH], pages)
