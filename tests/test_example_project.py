@@ -164,7 +164,7 @@ def test_without_two_phase_setting_apply_fixes_what_sync_left(tmp_path: Path) ->
     result = verify(project)
     assert result.returncode == 1
     assert re.search(rf"missing\s+{PATCH}", result.stdout), result.stdout
-    assert "hatch_vllm_patch apply" in result.stdout
+    assert "vllm-patch apply" in result.stdout
 
     # vLLM loads hatch-vllm-patch's guard in every process. With no record of an apply (and no
     # selection carried by a regular wheel: uv installed the project editable) it never reads
