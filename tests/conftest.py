@@ -324,3 +324,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 f"{free / 1e9:.0f} GB are free there. Free some room (or point UV_CACHE_DIR and "
                 "HATCH_VLLM_PATCH_WHEEL_CACHE elsewhere), or run the fast part: "
                 'uv run pytest -m "not slow"', returncode=1)
+
+
+def main_in_process(*args: str) -> tuple[int, str, str]:
+    """``vllm-patch ARGS`` in this process (the target is this interpreter, probed in process);
+    an exception escaping main() fails the test with its traceback."""
+    import io
+
+    from hatch_vllm_patch._cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse
+            code = int(exc.code or 0)
+    return code, out.getvalue(), err.getvalue()

@@ -5,7 +5,6 @@ controls (the [tool.vllm-patch] table, pyproject.toml's bytes, a model's config.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import shutil
@@ -18,12 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DEMO_BLOCK, cli, write_demo_catalog, write_demo_project
+from conftest import DEMO_BLOCK, cli, main_in_process, write_demo_catalog, write_demo_project
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from venvs import UV, create_venv, run, site_packages
-
-from hatch_vllm_patch._cli import main
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -40,18 +37,6 @@ def catalog_env(root: Path) -> Iterator[None]:
             del os.environ["HATCH_VLLM_PATCH_CATALOG"]
         else:
             os.environ["HATCH_VLLM_PATCH_CATALOG"] = saved
-
-
-def main_in_process(*args: str) -> tuple[int, str, str]:
-    """``vllm-patch ARGS`` in this process (the target is this interpreter, probed in process);
-    an exception escaping main() fails the test with its traceback."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as exc:  # argparse
-            code = int(exc.code or 0)
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")

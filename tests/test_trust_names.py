@@ -4,17 +4,15 @@ name and ``patch.toml`` id), the record, and the markers written into a file."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 from pathlib import Path
 
 import pytest
+from conftest import main_in_process as vllm_patch
 from conftest import write_demo_catalog
 from venvs import create_venv
 
-from hatch_vllm_patch._cli import main
 from hatch_vllm_patch.markers import MarkerError, render_block
 from hatch_vllm_patch.names import is_patch_id
 from hatch_vllm_patch.record import RECORD_NAME, read_record
@@ -33,17 +31,6 @@ def tree(root: Path) -> dict[str, bytes | None]:
         for name in files:
             out[os.path.join(folder, name)] = Path(folder, name).read_bytes()
     return out
-
-
-def vllm_patch(*args: str) -> tuple[int, str, str]:
-    """``vllm-patch ARGS`` in this process: an exception escaping main() fails the test."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as exc:  # argparse
-            code = int(exc.code or 0)
-    return code, out.getvalue(), err.getvalue()
 
 
 def one_line_usage_error(args: list[str]) -> None:
