@@ -894,21 +894,14 @@ def planning_cases(workdir: Path, *, models: Sequence[Model] = PLANNING_MODELS,
 
 
 def minimum_plan(facts: dict[str, Any], unit: int, max_model_len: int) -> dict[str, int]:
-    """The physical minimum, by formula (not vLLM's code): attention layers (the draft's
-    included) at whole multiples of the backend's block unit, the state padded only to the
-    smallest page every attention page divides (``minimum_page``), and no padding layers in
-    the groups (every layer holds its own blocks). Returns the page and the bytes one request
-    of ``max_model_len`` holds: per state layer its blocks per request (vLLM's count for the
-    cache mode and the draft), per attention layer ceil(max_model_len / block tokens) pages."""
-    attention = [(facts["attention_bytes_per_token"], facts["attention_layers"])]
-    if facts.get("draft_page"):
-        attention.append((facts["draft_bytes_per_token"], facts["draft_layers"]))
-    state = facts.get("state_bytes")
-    page = minimum_page([state] if state else [], [b * unit for b, _ in attention])
-    total = (facts["state_layers"] * facts["state_blocks_per_request"] * page) if state else 0
-    for per_token, layers in attention:
-        total += layers * -(-max_model_len // (page // per_token)) * page
-    return {"page": page, "bytes_per_request": total}
+    """The physical minimum, by formula (not vLLM's code; doctor's, so that the table and the
+    doctor cannot disagree): attention layers (the draft's included) at whole multiples of the
+    backend's block unit, the state padded only to the smallest page every attention page
+    divides, and no padding layers in the groups. The page and the bytes one request of
+    ``max_model_len`` holds."""
+    from hatch_vllm_patch.doctor import minimum_plan as doctors
+
+    return doctors(facts, unit, max_model_len)
 
 
 def _plan_of(raw: dict[str, Any]) -> dict[str, Any] | None:
@@ -975,13 +968,14 @@ def planning_rows(answer: dict[str, Any], ours: str | None
     return rows, problems, refused
 
 
-def planning_part(workdir: Path, version: str, *, cases: list[dict[str, Any]] | None = None
-                  ) -> dict[str, Any]:
-    """One release: its environment, the memory patches that apply, one probe child for every
-    case (as installed, each patch, all together), the rows judged."""
+def planning_part(workdir: Path, version: str, *, cases: list[dict[str, Any]] | None = None,
+                  python: Path | None = None) -> dict[str, Any]:
+    """One release: its environment (``python``, else :func:`planning_env`), the memory
+    patches that apply, one probe child for every case (as installed, each patch, all
+    together), the rows judged."""
     from hatch_vllm_patch.doctor import ALL_TOGETHER, run_child, variants
 
-    python = planning_env(workdir, version)
+    python = python or planning_env(workdir, version)
     patches = memory_patches(python)
     job_variants = variants(patches)
     ours = (ALL_TOGETHER if len(job_variants) > 2 else patches[0].id) if patches else None

@@ -831,6 +831,15 @@ def _print_doctor(report: DoctorReport, out: TextIO) -> None:
         for row in rows:
             print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
                   .rstrip(), file=out)
+    if report.memory is not None:
+        memory = report.memory
+        held = ([f"as installed {memory.installed:,}"]
+                + [f"with {pid} {tokens:,}" if tokens else f"with {pid}: no plan"
+                   for pid, tokens in memory.patches]
+                + ([f"minimum {memory.minimum:,}"] if memory.minimum else []))
+        print(f"memory, tokens per GiB of KV cache per rank (requests of {memory.max_model_len} "
+              f"tokens): {'; '.join(held)}", file=out)
+        print(f"memory: {'recommended: ' if memory.recommended else ''}{memory.line}", file=out)
     stated = next((c for _, c in costs if c is not None and c.state_bytes), None)
     if r.platform == "cpu" and stated is not None:
         print(f"CPU path: tokens/GiB follow the CPU platform's block rule ({stated.attention_block}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import tempfile
@@ -73,6 +74,7 @@ class Cost(NamedTuple):
     tokens_per_gib: int  # vLLM's own "KV cache size in tokens" for 1 GiB per rank
     max_concurrency: float | None  # for --kv-cache-memory at max_model_len
     groups: tuple[str, ...]
+    bytes_per_request: int | None = None  # one request of max_model_len, in vLLM's plan
 
     @property
     def padding_bytes(self) -> int | None:
@@ -89,7 +91,7 @@ class Cost(NamedTuple):
                 "padding_bytes": self.padding_bytes, "padding_pct": self.padding_pct,
                 "attention_block": self.attention_block, "blocks_per_gib": self.blocks_per_gib,
                 "tokens_per_gib": self.tokens_per_gib, "max_concurrency": self.max_concurrency,
-                "groups": list(self.groups)}
+                "groups": list(self.groups), "bytes_per_request": self.bytes_per_request}
 
 
 class Run(NamedTuple):
@@ -129,6 +131,26 @@ class NeuronBudget(NamedTuple):
     error: str | None = None
 
 
+class MemoryAdvice(NamedTuple):
+    """Tokens per GiB of KV cache per rank (requests of max_model_len, before vLLM rounds to
+    whole blocks of its pool): as installed, with each patch of vLLM's KV planning that applies,
+    and the physical minimum (:func:`minimum_plan`); the patches that hold more."""
+
+    max_model_len: int
+    installed: int | None
+    patches: tuple[tuple[str, int | None], ...]  # (patch, tokens per GiB; None: no plan)
+    minimum: int | None
+    recommended: tuple[str, ...]
+    line: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"max_model_len": self.max_model_len, "unit": "tokens per GiB per rank",
+                "installed": self.installed,
+                "patches": [{"id": pid, "tokens_per_gib": t} for pid, t in self.patches],
+                "minimum": self.minimum, "recommended": list(self.recommended),
+                "line": self.line}
+
+
 class DoctorReport(NamedTuple):
     environment: TargetEnvironment
     vllm: str
@@ -144,6 +166,7 @@ class DoctorReport(NamedTuple):
     notes: tuple[str, ...] = ()
     neuron: tuple[NeuronBudget, ...] = ()
     neuron_note: str | None = None
+    memory: MemoryAdvice | None = None
 
     @property
     def installed(self) -> Run:
@@ -193,6 +216,7 @@ class DoctorReport(NamedTuple):
             "config_lines": list(self.config_lines),
             "neuron": [b._asdict() for b in self.neuron],
             "neuron_note": self.neuron_note,
+            "memory": self.memory.to_json() if self.memory else None,
             "notes": list(self.notes),
             "errors": [],
         }
@@ -401,6 +425,7 @@ def cost_of(raw: Mapping[str, Any]) -> Cost | None:
         max_concurrency=kv.get("max_concurrency"),
         groups=tuple(f"{g['type']} x{g['layers']} (block {g['block_size']})"
                      for g in kv["groups"]),
+        bytes_per_request=kv.get("bytes_per_request"),
     )
 
 
@@ -529,6 +554,79 @@ def config_lines(needed: Sequence[str], architecture: str, model: str,
     lines += [f"[tool.vllm-patch.architectures.{architecture}]",
               "patches = [" + ", ".join(json.dumps(p) for p in needed) + "]"]
     return tuple(lines)
+
+
+# --- memory: tokens per GiB, as installed, with each memory patch, the minimum ----------------
+
+# The modules of vLLM's KV planning: a patch of one of them changes how many tokens fit.
+PLANNING_MODULES = ("vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning")
+# The attention backend's block unit in tokens: FlashAttention's 16-token rule (the CUDA path),
+# the CPU backend's 32.
+BLOCK_UNIT = {"cuda": 16, "cpu": 32}
+
+
+def minimum_page(state_pages: Sequence[int], attention_pages: Sequence[int]) -> int:
+    """The smallest page >= every page that every attention page divides (state pages may be
+    padded, attention pages only multiplied by whole blocks)."""
+    lower = max([*state_pages, *attention_pages])
+    if not attention_pages:
+        return lower
+    unit = math.lcm(*attention_pages)
+    return -(-lower // unit) * unit
+
+
+def minimum_plan(facts: Mapping[str, Any], unit: int, max_model_len: int) -> dict[str, int]:
+    """The physical minimum by formula, not by vLLM's code: attention layers (a draft's too) at
+    whole multiples of ``unit`` tokens, the state padded only to :func:`minimum_page`, no
+    padding layers in the groups. The page and the bytes one request of ``max_model_len``
+    holds: each state layer its blocks per request (vLLM's count: cache mode, draft), each
+    attention layer ceil(max_model_len / its block tokens) pages."""
+    attention = [(facts["attention_bytes_per_token"], facts["attention_layers"])]
+    if facts.get("draft_page"):
+        attention.append((facts["draft_bytes_per_token"], facts.get("draft_layers") or 1))
+    state = facts.get("state_bytes")
+    page = minimum_page([state] if state else [], [b * unit for b, _ in attention])
+    total = facts["state_layers"] * facts["state_blocks_per_request"] * page if state else 0
+    for per_token, layers in attention:
+        total += layers * -(-max_model_len // (page // per_token)) * page
+    return {"page": page, "bytes_per_request": total}
+
+
+def tokens_per_gib(bytes_per_request: int | None, max_model_len: int) -> int | None:
+    return GIB * max_model_len // bytes_per_request if bytes_per_request else None
+
+
+def memory_advice(runs: Sequence[Run], memory: Sequence[str], facts: Mapping[str, Any] | None,
+                  platform: str) -> MemoryAdvice | None:
+    """What each patch of vLLM's KV planning (``memory``) holds per GiB beside the installed
+    code and the minimum; recommended when it holds more. None when it does not start as
+    installed (the verdict is about starting then) or vLLM planned nothing to compare."""
+    installed = runs[0]
+    max_len = installed.max_model_len
+    if not installed.starts or installed.cost is None or not max_len:
+        return None
+    before = tokens_per_gib(installed.cost.bytes_per_request, max_len)
+    if before is None:
+        return None
+    patches = tuple((r.patches[0], tokens_per_gib(r.cost.bytes_per_request, max_len)
+                     if r.starts and r.cost else None)
+                    for r in runs[1:] if len(r.patches) == 1 and r.patches[0] in memory)
+    minimum = None
+    if facts and "state_blocks_per_request" in facts:
+        with contextlib.suppress(KeyError, TypeError, ZeroDivisionError):
+            minimum = tokens_per_gib(minimum_plan(
+                facts, BLOCK_UNIT[platform], max_len)["bytes_per_request"], max_len)
+    gaining = [(pid, t) for pid, t in patches if t is not None and t > before]
+    floor = f"; the minimum holds {minimum:,}" if minimum else ""
+    if gaining:
+        line = "; ".join(f"{pid}: {100.0 * (t - before) / before:+.0f}% tokens per GiB "
+                         f"({before:,} \u2192 {t:,})" for pid, t in gaining) + floor
+    elif patches:
+        line = (", ".join(pid for pid, _ in patches) + f" change nothing here: {before:,} "
+                f"tokens per GiB as installed{floor}")
+    else:
+        line = f"no patch of vLLM's KV planning applies here: {before:,} tokens per GiB{floor}"
+    return MemoryAdvice(max_len, before, patches, minimum, tuple(p for p, _ in gaining), line)
 
 
 # --- the whole ---------------------------------------------------------------------------------
@@ -660,10 +758,17 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
     if neuron:
         notes.append("the vllm-neuron plugin is vLLM's platform here: its config hook ran in "
                      "the config step; the block-size step is the one of --platform")
-    lines = config_lines(needed, architecture, request.model, model_is_dir)
+    memory = memory_advice(
+        runs, [p.id for p in candidates
+               if any(m.target.module in PLANNING_MODULES for m in p.parts)],
+        answer["cases"][0]["variants"][INSTALLED].get("facts"), request.platform)
+    if memory is not None and memory.recommended:
+        verdict = f"{verdict}; for memory, recommended: {memory.line}"
+    lines = config_lines(needed or memory.recommended if memory else needed, architecture,
+                         request.model, model_is_dir)
     return DoctorReport(env, answer["vllm"], request, model_dir, architecture, runs,
                         tuple(p.id for p in candidates), in_place, needed, lines, verdict,
-                        tuple(notes), neuron, neuron_line(env))
+                        tuple(notes), neuron, neuron_line(env), memory)
 
 
 def _recommend(job: dict[str, Any], answer: dict[str, Any], job_variants: list[dict[str, Any]],

@@ -90,3 +90,87 @@ def test_overhead_per_gib() -> None:
     pct, per_gib = memory.overhead(1081344, STATE)
     assert (round(pct, 2), per_gib) == (0.76, 8134408)
     assert memory.overhead("NotImplementedError", STATE) == (None, None)
+
+
+# --- the planning table (vLLM 0.29 / 0.31 / 0.33) ----------------------------------------------
+
+QWEN36_TP2 = {"attention_bytes_per_token": 1024, "attention_layers": 10, "state_bytes": STATE,
+              "state_layers": 30, "state_blocks_per_request": 2, "draft_page": None}
+
+
+def test_minimum_plan_without_a_draft() -> None:
+    """Qwen3.6 at TP 2, bf16, 16-token unit: page 1081344 (1056-token blocks); a request of 4096
+    tokens holds 2 pages in each of 30 state layers and 4 blocks in each of 10 attention layers."""
+    plan = memory.minimum_plan(QWEN36_TP2, 16, 4096)
+    assert plan == {"page": 1081344, "bytes_per_request": (30 * 2 + 10 * 4) * 1081344}
+
+
+def test_minimum_plan_with_a_draft_of_other_bytes_per_token() -> None:
+    """A 5-layer draft of 4096 B per token (at a 32-token unit): the page is the smallest
+    multiple of lcm(32 x 1024, 32 x 4096) >= the state, every attention layer whole blocks."""
+    facts = {**QWEN36_TP2, "draft_page": 1, "draft_bytes_per_token": 4096, "draft_layers": 5}
+    plan = memory.minimum_plan(facts, 32, 4096)
+    page = 131072 * -(-STATE // 131072)
+    assert plan["page"] == page == 1179648
+    blocks = (-(-4096 // (page // 1024)), -(-4096 // (page // 4096)))
+    assert plan["bytes_per_request"] == (30 * 2 + 10 * blocks[0] + 5 * blocks[1]) * page
+
+
+def test_planning_rows_judge_ours_against_upstream_and_the_minimum() -> None:
+    """A row where ours holds fewer tokens than upstream, or other than the minimum, is a
+    problem; one at the minimum is not; a case vLLM refuses before planning is no row."""
+    facts = {**QWEN36_TP2, "state_layers": 30}
+    best = memory.minimum_plan(facts, 16, memory.PLANNING_MAX_MODEL_LEN)["bytes_per_request"]
+
+    def variant(bytes_per_request: int) -> dict[str, object]:
+        return {"facts": facts, "failed": None,
+                "kv": {"pages": [1081344], "groups": [], "tokens_per_gib": 1,
+                       "max_concurrency_per_gib": 1.0, "bytes_per_request": bytes_per_request}}
+
+    answer = {"cases": [
+        {"case": "cuda|M|2|auto|none", "variants": {"installed": variant(best * 2),
+                                                     "p": variant(best)}},
+        {"case": "cuda|M|4|auto|none", "variants": {"installed": variant(best),
+                                                     "p": variant(best + 1)}},
+        {"case": "cuda|M|8|auto|none", "variants": {"installed": {"failed": {"step": "config"}},
+                                                     "p": {"failed": {"step": "config"}}}},
+    ]}
+    rows, problems, refused = memory.planning_rows(answer, "p")
+    assert [r["tp"] for r in rows] == [2, 4] and len(refused) == 1
+    assert rows[0]["ours"]["tokens_per_gib"] > rows[0]["installed"]["tokens_per_gib"]
+    assert len(problems) == 2 and all("TP4" in p for p in problems)
+
+
+# One child per release, many rows: every model, TP 1 and 2, both KV dtypes, every draft, the
+# three platform paths (about 150 cases, a few variants each).
+PLANNING_TP = (1, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", memory.PLANNING_VLLMS)
+def test_planning_table_ours_reach_the_minimum(version: str, tmp_path: Path) -> None:
+    """On the release's own planning code, with the catalog's memory patches active: ours holds
+    at least upstream's tokens on every row, exactly the minimum's, strictly more where
+    upstream pads."""
+    from venvs import full_vllm_planning_env
+
+    python = full_vllm_planning_env(version)
+    if not memory.memory_patches(python):
+        pytest.skip(f"the catalog has no patch of vLLM {version}'s KV planning "
+                    f"({', '.join(memory.PLANNING_MODULES)}) that applies")
+    cases = memory.planning_cases(tmp_path, tp_sizes=PLANNING_TP)
+    part = memory.planning_part(tmp_path, version, cases=cases, python=python)
+    rows = [r for r in part["rows"] if r["installed"] is not None]
+    assert part["vllm"] == version and len(rows) >= 100, part["refused"]
+    padded = 0
+    for row in rows:
+        label = (row["path"], row["model"], row["tp"], row["kv_dtype"], row["draft"])
+        ours, upstream, minimum = row["ours"], row["installed"], row["minimum"]
+        assert ours is not None, (label, row["ours_failed"])
+        assert ours["bytes_per_request"] <= upstream["bytes_per_request"], label
+        assert ours["bytes_per_request"] == minimum["bytes_per_request"], label
+        if upstream["bytes_per_request"] > minimum["bytes_per_request"]:
+            padded += 1
+            assert ours["tokens_per_gib"] > upstream["tokens_per_gib"], label
+    assert padded, "no row where upstream pads: the table would prove nothing"
+    assert part["problems"] == []
