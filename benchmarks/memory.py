@@ -867,7 +867,12 @@ def planning_cases(workdir: Path, *, models: Sequence[Model] = PLANNING_MODELS,
     cases = []
     for path in paths:
         for m in models:
-            model_dir = write_model(models_dir / m.name, m.config, m.remote_code)
+            # Nemotron-H's configuration module imports vLLM's vendored class, gone in 0.33
+            # (transformers has its own): load the config natively, as doctor does, without
+            # the model's code (auto_map dropped; the probe registers vLLM's class where
+            # transformers lacks one).
+            config = {k: v for k, v in m.config.items() if k != "auto_map"}
+            model_dir = write_model(models_dir / m.name, config)
             for tp in tp_sizes:
                 for kv_dtype in KV_DTYPES:
                     for draft_name in [None, *m.drafts, "dflash"]:
@@ -880,7 +885,7 @@ def planning_cases(workdir: Path, *, models: Sequence[Model] = PLANNING_MODELS,
                                 draft["model"] = heads[draft_name]
                         cases.append({
                             "name": f"{path}|{m.name}|{tp}|{kv_dtype}|{draft_name or 'none'}",
-                            "model": model_dir, "trust_remote_code": bool(m.remote_code),
+                            "model": model_dir, "native_config": bool(m.remote_code),
                             "tp": tp, "kv_cache_dtype": CACHE_DTYPES[kv_dtype],
                             "block_size": ATTENTION_BLOCK,
                             "max_model_len": PLANNING_MAX_MODEL_LEN,
@@ -1035,6 +1040,37 @@ def planning_summary(part: dict[str, Any]) -> str:
                  f"{gains[len(gains) // 2]:.2f}x, min {gains[0]:.2f}x, max {gains[-1]:.2f}x")
     return text + "."
 
+
+
+def planning_markdown(parts: Sequence[dict[str, Any]]) -> str:
+    """The README's table: per release and platform path, over every model, TP, KV dtype and
+    draft: rows, where upstream holds fewer tokens than the minimum, ours = minimum, and the
+    tokens per GiB of ours and of the minimum over upstream's."""
+    def spread(values: list[float]) -> str:
+        if not values:
+            return "-"
+        values = sorted(values)
+        return (f"{values[len(values) // 2]:.2f}x (min {values[0]:.2f}x, "
+                f"max {values[-1]:.2f}x)")
+
+    lines = ["| vLLM | path | rows | upstream below the minimum | ours = minimum | "
+             "ours / upstream, tokens per GiB (median) | minimum / upstream (median) |",
+             "|---|---|---|---|---|---|---|"]
+    for part in parts:
+        for path in PLANNING_PATHS:
+            rows = [r for r in part["rows"] if r["path"] == path and r["installed"]]
+            mine = [r for r in rows if r["ours"]]
+            pads = [r for r in rows if r["installed"]["bytes_per_request"]
+                    > r["minimum"]["bytes_per_request"]]
+            at_min = sum(r["ours"]["bytes_per_request"] == r["minimum"]["bytes_per_request"]
+                         for r in mine)
+            lines.append(
+                f"| {part['vllm']} | {path} | {len(rows)} | {len(pads)} | {at_min} | "
+                + spread([r["ours"]["tokens_per_gib"] / r["installed"]["tokens_per_gib"]
+                          for r in mine])
+                + " | " + spread([r["minimum"]["tokens_per_gib"]
+                                  / r["installed"]["tokens_per_gib"] for r in rows]) + " |")
+    return "\n".join(lines)
 
 # --- output -------------------------------------------------------------------------------------
 
@@ -1345,12 +1381,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(table(["path", "what"], [[k, v[0]] for k, v in PLANNING_PATHS.items()]))
                 print(planning_table(part["rows"]))
 
+        def planning_readme() -> None:
+            parts = list(output.get("planning", {}).get("releases", {}).values())
+            if parts:
+                print("\n== The planning table for the README (What it costs) ==")
+                print(planning_markdown(parts))
+
         if args.only in (None, "kv"):
             steps.append(("kv", kv))
         if args.only in (None, "neuron"):
             steps.append(("neuron", neuron))
         if args.only in (None, "planning"):
             steps.append(("planning", planning))
+            steps.append(("planning README", planning_readme))
         for _, step in steps:
             step()
         problems.extend(print_models(kv_report, output.get("config_defaults")))

@@ -393,3 +393,45 @@ def test_remote_code_config_of_a_registered_family(vllm_0202: Path, tmp_path: Pa
     assert run_named(data, "installed")["steps"][-1]["name"] == "kv config"
     assert any("auto_map" in n and "natively" in n for n in data["notes"])
     assert "bamba-spec-conv-state" not in data["candidates"]
+
+
+def test_memory_advice_on_a_release_that_pads(tmp_path: Path) -> None:
+    """vLLM 0.29 (its CPU build), Qwen3-Next at TP 2 with fp8 KV on the CUDA path: without a
+    draft vLLM's plan is the minimum, and no memory patch is recommended; with an EAGLE-3 head
+    whose KV is bf16 upstream pads the state up to the draft's page and holds fewer tokens per
+    GiB than the minimum. Every memory patch of the catalog that applies holds at least
+    upstream's tokens, is recommended exactly when it holds more, and one reaches the minimum."""
+    from venvs import full_vllm_planning_env
+
+    python = full_vllm_planning_env("0.29.0")
+    memory = load_benchmark()
+    qwen3_next = next(m for m in memory.MODELS if m.name.startswith("Qwen3-Next"))
+    model = memory.write_model(tmp_path / "qwen3-next", qwen3_next.config)
+    args = ("--model", model, "--tensor-parallel-size", "2", "--kv-cache-dtype", "fp8",
+            "--max-model-len", "4096")
+    draft = {"method": "eagle3", "model": str(eagle3_head(tmp_path)),
+             "num_speculative_tokens": 2, "kv_cache_dtype": "auto"}
+    results = []
+    for extra in ((), ("--speculative-config", json.dumps(draft))):
+        code, data = doctor(python, *args, *extra)
+        assert code == 0 and data["vllm"] == "0.29.0" and data["starts"], data["verdict"]
+        advice = data["memory"]
+        installed = run_named(data, "installed")["cost"]
+        assert advice["installed"] == GIB * 4096 // installed["bytes_per_request"]
+        for entry in advice["patches"]:
+            assert entry["tokens_per_gib"] >= advice["installed"], entry
+            assert (entry["id"] in advice["recommended"]) is \
+                (entry["tokens_per_gib"] > advice["installed"])
+        if advice["recommended"]:
+            assert "for memory, recommended" in data["verdict"]
+            assert "tokens per GiB (" in advice["line"]
+        elif advice["patches"]:
+            assert "change nothing here" in advice["line"]
+        else:
+            assert advice["line"].startswith("no patch of vLLM's KV planning applies here")
+        if advice["patches"]:
+            assert max(e["tokens_per_gib"] for e in advice["patches"]) == advice["minimum"]
+        results.append(advice)
+    plain, drafted = results
+    assert plain["minimum"] == plain["installed"] and plain["recommended"] == []
+    assert drafted["minimum"] > drafted["installed"]
