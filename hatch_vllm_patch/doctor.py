@@ -36,6 +36,8 @@ PLATFORMS = ("cuda", "cpu")
 INSTALLED = "installed"
 ALL_TOGETHER = "all together"
 RECOMMENDED = "the recommended patches"
+# The modules of vLLM's KV planning: a patch of one of them changes how many tokens fit.
+PLANNING_MODULES = ("vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning")
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": GIB, "gb": 1000**3, "gib": GIB, "t": 1 << 40, "tb": 1000**4,
           "tib": 1 << 40}
@@ -558,8 +560,6 @@ def config_lines(needed: Sequence[str], architecture: str, model: str,
 
 # --- memory: tokens per GiB, as installed, with each memory patch, the minimum ----------------
 
-# The modules of vLLM's KV planning: a patch of one of them changes how many tokens fit.
-PLANNING_MODULES = ("vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning")
 # The attention backend's block unit in tokens: FlashAttention's 16-token rule (the CUDA path),
 # the CPU backend's 32.
 BLOCK_UNIT = {"cuda": 16, "cpu": 32}
