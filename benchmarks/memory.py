@@ -983,7 +983,8 @@ def planning_part(workdir: Path, version: str, *, cases: list[dict[str, Any]] | 
     python = python or planning_env(workdir, version)
     patches = memory_patches(python)
     job_variants = variants(patches)
-    ours = (ALL_TOGETHER if len(job_variants) > 2 else patches[0].id) if patches else None
+    names = [v["name"] for v in job_variants]
+    ours = (ALL_TOGETHER if ALL_TOGETHER in names else patches[0].id) if patches else None
     job = {"cases": cases if cases is not None else planning_cases(workdir),
            "variants": job_variants}
     start = time.perf_counter()
