@@ -1071,6 +1071,22 @@ def planning_markdown(parts: Sequence[dict[str, Any]]) -> str:
                           for r in mine])
                 + " | " + spread([r["minimum"]["tokens_per_gib"]
                                   / r["installed"]["tokens_per_gib"] for r in rows]) + " |")
+    lines += ["", "| vLLM | path | model | TP | KV | draft | tokens per GiB: upstream | ours | "
+              "minimum | max concurrency per GiB: upstream | ours | minimum |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for part in parts:  # examples: a Gated DeltaNet model and an uneven count, TP 2, fp8
+        for r in part["rows"]:
+            if r["tp"] != 2 or r["kv_dtype"] != "fp8" or r["path"] == "cpu" or r["model"] not in (
+                    "Qwen3.6-35B-A3B", "NemotronH-like 17M:12A") or not r["installed"]:
+                continue
+            ours = r["ours"]
+            tokens = f"{ours['tokens_per_gib']:,}" if ours else "fails"
+            requests = f"{ours['max_concurrency']:.2f}" if ours else "-"
+            lines.append(
+                f"| {part['vllm']} | {r['path']} | {r['model']} | {r['tp']} | fp8 | {r['draft']} "
+                f"| {r['installed']['tokens_per_gib']:,} | {tokens} | "
+                f"{r['minimum']['tokens_per_gib']:,} | {r['installed']['max_concurrency']:.2f} | "
+                f"{requests} | {r['minimum']['max_concurrency']:.2f} |")
     return "\n".join(lines)
 
 # --- output -------------------------------------------------------------------------------------
