@@ -22,13 +22,24 @@ the doctor cannot disagree.
    the stand-in plugin of the tests (tests/fixtures/neuron/per_layer: one FullAttentionSpec per
    decoder layer, the runner shape of the vllm-neuron forks), installed into the environment.
 
-    uv run python benchmarks/memory.py [--json FILE] [--workdir DIR] [--keep] [--only kv|neuron]
-                                       [--no-upstream]
+3. KV planning on vLLM 0.29.0, 0.31.0 and 0.33.0 (the memory patches of issue 24): every model
+   (plus uneven layer counts: Granite-4.0-H, Jamba, a NemotronH-like count vLLM's grouping pads)
+   x TP x KV dtype x draft (none, MTP, EAGLE-3 head in bf16, a DFlash-like 5-layer draft) x
+   platform path (none: a user-set block size, nothing aligned; the CPU backend's 32-token rule;
+   FlashAttention's 16-token rule). Per row, tokens per GiB and requests of max_model_len per
+   GiB, from vLLM's own plan: as installed, with every catalog patch of vLLM's KV planning that
+   applies to the release (all together), and the physical minimum by formula (doctor's
+   ``minimum_plan``). One probe child per release.
+
+    uv run python benchmarks/memory.py [--json FILE] [--workdir DIR] [--keep]
+                                       [--only kv|neuron|planning] [--no-upstream]
+                                       [--releases 0.29.0,0.31.0,0.33.0]
 
 It creates (or, with --workdir, reuses) one uv environment per vLLM version (0.29.0 with the CPU
 build of torch 2.13 from /opt/wheels where it lies there), writes each model's config.json, and
 runs the probe with the environment's interpreter; this script only judges and formats. Exit
-status 1 when any row could not be computed or our page differs from the minimum.
+status 1 when any row could not be computed, our page differs from the minimum, or (planning)
+ours holds fewer tokens than upstream or other than the minimum.
 """
 
 from __future__ import annotations

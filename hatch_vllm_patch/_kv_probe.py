@@ -24,8 +24,9 @@ For every case of JOB.json it builds what vLLM builds at start-up, with vLLM's o
    dtype), one more attention layer for a draft; split over pipeline stages with vLLM's
    ``get_pp_indices``;
 5. ``grouping`` and ``page unification``: vLLM's ``get_kv_cache_groups`` (hybrid KV-cache
-   manager on, as on GPU platforms), whose call of ``unify_kv_cache_spec_page_size`` is watched
-   so that a failure there is named as that step;
+   manager on, as on GPU platforms; in ``kv_cache_planning`` from 0.33, ``kv_cache_utils``
+   before), whose call of ``unify_kv_cache_spec_page_size`` is watched so that a failure there
+   is named as that step;
 6. ``kv config``: ``get_kv_cache_config_from_groups`` for 1 GiB per rank (blocks per GiB) and,
    with a memory budget, ``get_kv_cache_configs`` (the engine's call, with its check that one
    request of max_model_len fits) and ``get_max_concurrency_for_kv_cache_config``.
