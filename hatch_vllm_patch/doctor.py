@@ -622,7 +622,8 @@ def memory_advice(runs: Sequence[Run], memory: Sequence[str], facts: Mapping[str
         line = "; ".join(f"{pid}: {100.0 * (t - before) / before:+.0f}% tokens per GiB "
                          f"({before:,} \u2192 {t:,})" for pid, t in gaining) + floor
     elif patches:
-        line = (", ".join(pid for pid, _ in patches) + f" change nothing here: {before:,} "
+        verb = "changes" if len(patches) == 1 else "change"
+        line = (", ".join(pid for pid, _ in patches) + f" {verb} nothing here: {before:,} "
                 f"tokens per GiB as installed{floor}")
     else:
         line = f"no patch of vLLM's KV planning applies here: {before:,} tokens per GiB{floor}"

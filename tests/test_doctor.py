@@ -430,3 +430,36 @@ def test_human_output_reads_in_ten_seconds() -> None:
             "blocks beside the state pages here)") in text
     assert text.rstrip().endswith('[tool.vllm-patch.architectures.Arch]\n  patches = ["kv"]')
     assert len(text.splitlines()) <= 16
+
+
+def _planned(name: str, patches: tuple[str, ...], bytes_per_request: int) -> Run:
+    cost = _cost(1024)._replace(bytes_per_request=bytes_per_request)
+    return _run(name, patches, cost=cost)._replace(max_model_len=4096)
+
+
+QWEN36_FACTS = {"attention_bytes_per_token": 1024, "attention_layers": 10,
+                "state_bytes": 1073152, "state_layers": 30, "state_blocks_per_request": 2,
+                "draft_page": None}
+
+
+def test_memory_advice_recommends_a_patch_that_holds_more() -> None:
+    """A memory patch holding more tokens per GiB than the installed plan is recommended with
+    its gain; one holding the same is not; the minimum comes from the formula."""
+    from hatch_vllm_patch.doctor import GIB, memory_advice, minimum_plan
+
+    best = minimum_plan(QWEN36_FACTS, 16, 4096)
+    assert best == {"page": 1081344, "bytes_per_request": 100 * 1081344}
+    runs = [_planned(INSTALLED, (), best["bytes_per_request"] * 2),
+            _planned("promote", ("promote",), best["bytes_per_request"]),
+            _planned("same", ("same",), best["bytes_per_request"] * 2)]
+    advice = memory_advice(runs, ["promote", "same"], QWEN36_FACTS, "cuda")
+    assert advice is not None
+    tokens = GIB * 4096 // best["bytes_per_request"]
+    assert (advice.installed, advice.minimum) == (tokens // 2, tokens)
+    assert advice.recommended == ("promote",)
+    assert advice.line == (f"promote: +100% tokens per GiB ({tokens // 2:,} \u2192 {tokens:,}); "
+                           f"the minimum holds {tokens:,}")
+    quiet = memory_advice(runs[:1] + runs[2:], ["same"], QWEN36_FACTS, "cuda")
+    assert quiet is not None and quiet.recommended == ()
+    assert quiet.line.startswith("same changes nothing here:")
+    assert memory_advice([_run(INSTALLED, (), fails="grouping")], [], None, "cuda") is None
