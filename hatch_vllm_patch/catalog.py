@@ -39,6 +39,10 @@ _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 ABSENT = "absent"  # a shape entry meaning: the symbol must not exist (a function the patch adds)
+# A shape entry of one target of a patch over several modules: in some releases the symbol (or
+# its whole module) is not here because it lives in another target's module (a function vLLM
+# moved); there this target is not-applicable and nothing is written to it.
+ELSEWHERE = "elsewhere"
 
 
 class Target(NamedTuple):
@@ -533,9 +537,13 @@ def _shapes(raw: object, symbols: tuple[str, ...], where: str, errors: list[str]
             errors.append(f"{where}: {path} must be a non-empty list of digests")
             continue
         for i, digest in enumerate(digests):
-            if not isinstance(digest, str) or not (_SHA256.fullmatch(digest) or digest == ABSENT):
+            if not isinstance(digest, str) or not (
+                    _SHA256.fullmatch(digest) or digest in (ABSENT, ELSEWHERE)):
                 errors.append(f"{where}: {path}[{i}]: {digest!r} is not a sha256 hex digest "
-                              f"(or {ABSENT!r})")
+                              f"(or {ABSENT!r}, {ELSEWHERE!r})")
+            elif digest == ELSEWHERE and label == "applies.shapes":
+                errors.append(f"{where}: {path}[{i}]: {ELSEWHERE!r} names a symbol that moved "
+                              "to another target: only a target of [[targets]] may list it")
         shapes[name] = frozenset(str(d) for d in digests)
     return shapes
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .catalog import ABSENT
+from .catalog import ABSENT, ELSEWHERE
 from .markers import (
     BEGIN,
     END,
@@ -67,6 +67,9 @@ __all__ = [
 
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
+# How a target known as "elsewhere" (a symbol that moved to another target's module) says it is
+# not here; plan_together refuses a patch whose every target says it.
+ELSEWHERE_NOTE = "not here"
 
 class Verdict(str, enum.Enum):
     """What happened to (or what is true of) one patch in one environment."""
@@ -265,6 +268,9 @@ def classify_shape(patch: Patch, original: bytes) -> tuple[str, str]:
     for symbol, known in patch.symbol_shapes.items():
         node, missing = locate_in(tree, symbol)
         if node is None:
+            if ELSEWHERE in known:
+                return "not-applicable", (f"{ELSEWHERE_NOTE}: {symbol} is not in this module in "
+                                          f"this release ({missing}); another target carries it")
             if ABSENT in known:
                 seen.append(f"{symbol} absent")
                 continue
@@ -401,6 +407,11 @@ def inspect(patch: Patch, facts: FileFacts) -> Inspection:
                 Verdict.NOT_NEEDED, f"{dist} {facts.installed_version} >= {patch.fixed_in}: "
                 f"fixed upstream{fixed_shape_note(patch, None, facts.elsewhere)}",
             )
+        if patch.symbol_shapes and all(ELSEWHERE in known
+                                       for known in patch.symbol_shapes.values()):
+            return Inspection(Verdict.NOT_APPLICABLE, (
+                f"{ELSEWHERE_NOTE}: {patch.target.module} does not exist in this release; "
+                f"another target carries {patch.target.symbol}"))
         return Inspection(Verdict.UNKNOWN_SHAPE, f"{facts.path} does not exist")
     parsed, problem = _parse_original(facts, facts.content)
     if problem is not None:
@@ -535,6 +546,12 @@ def plan_together(parts: list[tuple[str, Plan, bool]]) -> list[Plan]:
     """One verdict for a patch over several modules, from each module's (module, plan, fine):
     when one part is not fine (``unknown-shape``, ``modified``, ...), no part writes, and every
     fine part reports that part's verdict, naming its module."""
+    if len(parts) > 1 and all(plan.verdict is Verdict.NOT_APPLICABLE
+                              and plan.reason.startswith(ELSEWHERE_NOTE) for _, plan, _ in parts):
+        # every target says "the symbol lives in another target": it is in none of them
+        return [Plan(Verdict.UNKNOWN_SHAPE, f"{plan.reason}; but no target of this patch holds "
+                     "it: a release this patch does not know; refusing to patch")
+                for _, plan, _ in parts]
     bad = [(module, plan) for module, plan, fine in parts if not fine]
     if not bad:
         return [plan for _, plan, _ in parts]

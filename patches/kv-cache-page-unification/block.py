@@ -2,11 +2,15 @@
 #
 # Rebinds unify_kv_cache_spec_page_size to a wrapper around vLLM's own function. Wherever the
 # original returns layers with one page size, its result is returned as it is (the same dict,
-# the same spec objects, the same order); a set without a MambaSpec (not a hybrid model) always
-# gets vLLM's own result or error. Only where the original gives up on a hybrid set
+# the same spec objects, the same order). Only where the original gives up on a hybrid set
 # (NotImplementedError, the bare AssertionError of a Mamba layer sent to the block-scaling
-# branch, or pages left unequal when asserts are off) does the wrapper unify the pages itself:
-#   * target page = the smallest multiple of lcm(every non-Mamba page) that is >= every page;
+# branch, or pages left unequal when asserts are off), or raises NotImplementedError for an
+# attention-only set without MLA layers (pages that do not divide each other, e.g. a DFlash
+# drafter's beside its target's), does the wrapper unify the pages itself. A set with an MLA
+# layer and no Mamba layer keeps vLLM's own error: 0.27/0.28 catch it in get_kv_cache_groups for
+# their full-allocation fallback (MLA next to a sliding-window drafter). So:
+#   * target page = the smallest multiple of lcm(every non-Mamba page) that is >= every page
+#     (for an attention-only set: that lcm);
 #   * a MambaSpec page (a constant state size, independent of block_size) is padded to it;
 #   * every other layer gets block_size * (target // page), an integer multiple, and is never
 #     padded: FlashAttention ignores a padded attention page and its blocks would then overlap
@@ -36,6 +40,16 @@ def _hvp_has_mamba_layer(kv_cache_spec: "dict[str, KVCacheSpec]") -> bool:
     from vllm.v1.kv_cache_interface import MambaSpec
 
     return any(isinstance(spec, MambaSpec) for spec in kv_cache_spec.values())
+
+
+def _hvp_promotable_attention_only(kv_cache_spec: "dict[str, KVCacheSpec]") -> bool:
+    """True for a set without Mamba and MLA layers: vLLM's NotImplementedError for it (pages
+    that do not divide each other) is answered by promoting block sizes to their lcm. A set
+    with an MLA layer keeps vLLM's error (0.27+'s full-allocation fallback needs it)."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return not _hvp_has_mamba_layer(kv_cache_spec) and not any(
+        isinstance(spec, MLAAttentionSpec) for spec in kv_cache_spec.values())
 
 
 def _hvp_unify_pages_padding_only_mamba(
@@ -122,8 +136,11 @@ def _hvp_wrap_unify_kv_cache_spec_page_size(
         try:
             result = original(kv_cache_spec)
         except (NotImplementedError, AssertionError) as exc:
-            if not _hvp_has_mamba_layer(kv_cache_spec):
-                raise  # not a hybrid model: vLLM's own error (0.27+ catches it for a fallback)
+            if not _hvp_has_mamba_layer(kv_cache_spec) and not (
+                isinstance(exc, NotImplementedError)
+                and _hvp_promotable_attention_only(kv_cache_spec)
+            ):
+                raise  # vLLM's own error (0.27+ catch it for an MLA fallback)
             try:
                 return _hvp_unify_pages_padding_only_mamba(kv_cache_spec)
             except NotImplementedError as ours:

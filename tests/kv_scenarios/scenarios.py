@@ -120,11 +120,17 @@ def scenarios() -> dict[str, Specs]:
         # Gemma-like: sliding-window layers with half the page of the full-attention layers
         "sliding": {f"model.layers.{i}.self_attn.attn": full if i % 4 == 3 else sliding
                     for i in range(8)},
-        # not hybrid, and vLLM gives up (65536 B vs 3 KV heads: 24576 B): its error must stay
+        # not hybrid, and vLLM gives up (65536 B vs 3 KV heads: 24576 B): promoted to the lcm
         "attention_only_unequal": {
             f"model.layers.{i}.self_attn.attn": full if i % 2 else replace(sliding, num_kv_heads=3)
             for i in range(4)
         },
+        # vLLM 0.29's own test: a DFlash-like drafter (128-dim heads, 8192 B) beside its
+        # target (192-dim heads, 12288 B); 0.29 pads, the patch promotes both to 24576 B
+        "attention_only_dflash": {
+            "target_attn": FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=192,
+                                             dtype=torch.bfloat16),
+            "draft_attn": replace(sliding, num_kv_heads=1)},
         # not hybrid: MLA (18432 B) next to a sliding-window drafter (32768 B); vLLM 0.27+
         # catch the NotImplementedError in get_kv_cache_groups for a full-allocation fallback
         "mla_sliding": {**{f"model.layers.{i}.self_attn.attn": mla for i in range(4)},

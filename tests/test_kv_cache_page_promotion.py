@@ -1,0 +1,176 @@
+"""The kv-cache-page-promotion patch, judged on the real files and the real code of vLLM 0.29+.
+
+Release tests install each release's real wheel without dependencies and drive the CLI: diff,
+apply, apply again, verify, revert (byte-exact to RECORD). Scenario tests run
+tests/kv_scenarios/promotion.py in a full vLLM (venvs.full_vllm_planning_env, shared and
+read-only): one child process per release imports vLLM once, executes the patch's block in
+the target module's namespace and runs every scenario through vLLM's original function, the
+patched one and get_kv_cache_groups.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import cli
+from venvs import record_sha256, release_venv, site_packages
+
+from hatch_vllm_patch.catalog import ELSEWHERE, load_catalog
+from hatch_vllm_patch.engine import symbol_digest
+
+REPO = Path(__file__).resolve().parents[1]
+PATCH = "kv-cache-page-promotion"
+FOLDER = REPO / "patches" / PATCH
+SCRIPT = Path(__file__).resolve().parent / "kv_scenarios" / "promotion.py"
+UTILS = "vllm/v1/core/kv_cache_utils.py"
+PLANNING = "vllm/v1/core/kv_cache_planning.py"
+# The module that defines unify_kv_cache_spec_page_size, per release
+HOME = {"0.29.0": UTILS, "0.30.0": UTILS, "0.31.0": UTILS, "0.32.0": UTILS,
+        "0.33.0": PLANNING}
+STATE = 1073152  # Gated DeltaNet state of Qwen3.6-35B-A3B at TP 2
+# The scenarios where vLLM's layout is not the minimum: (vLLM's page, ours), both exact
+DIFFERS = {
+    "unaligned": (STATE, 1081344),
+    "unaligned-state-last": (STATE, 1081344),
+    "aligned-draft-unaligned": (STATE, 4 * STATE),  # lcm(1073152, 32768) = 4 * 1073152
+    "state-attention-draft": (24576, 49152),
+    "attention-only-24": (32768, 98304),  # vLLM pads 24576 -> 32768 (+33%)
+    "attention-only-dflash": (12288, 24576),  # vLLM pads 8192 -> 12288 (+50%)
+}
+# Where vLLM already reaches the minimum: its result comes back (same items, same order)
+MINIMAL = ("unaligned-fp8", "aligned-draft-2x", "minimal-draft-divides", "uniform")
+
+
+def test_block_compiles_and_targets_every_home() -> None:
+    """The block compiles; the two targets know each release's digest or 'elsewhere'."""
+    compile((FOLDER / "block.py").read_text(), "block.py", "exec")
+    patch = load_catalog()[PATCH]
+    modules = {m.target.module: m.shapes for m in patch.parts}
+    assert set(modules) == {"vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning"}
+    assert all(ELSEWHERE in shapes for shapes in modules.values())
+    assert patch.fixed_in is None and patch.architectures == ()
+    assert "vllm#53499" in patch.description.replace("vllm-project/vllm#", "vllm#")
+
+
+def steps(python: Path, op: str) -> tuple[int, dict[str, dict[str, Any]]]:
+    """One CLI operation on the patch: exit code, and its outcome per target module."""
+    proc = cli(op, "--python", str(python), "--patch", PATCH, "--json")
+    assert "Traceback" not in proc.stderr, proc.stderr
+    data = json.loads(proc.stdout)
+    outcomes = {str(p["file"] or i): p for i, p in enumerate(data["patches"])}
+    assert len(data["patches"]) == 2, data
+    return proc.returncode, outcomes
+
+
+def verdicts(outcomes: dict[str, dict[str, Any]]) -> list[str]:
+    return sorted(str(o["verdict"]) for o in outcomes.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", list(HOME))
+def test_release_apply_verify_revert(version: str, tmp_path: Path) -> None:
+    """Real files: diff, apply, re-apply, verify, revert byte-exact; one module written."""
+    python = release_venv(tmp_path / "venv", "vllm", version)
+    sp = site_packages(tmp_path / "venv")
+    home = sp / HOME[version]
+    other = sp / (PLANNING if HOME[version] == UTILS else UTILS)
+    original, other_bytes = home.read_bytes(), (other.read_bytes() if other.exists() else None)
+    assert symbol_digest(original.decode(), "unify_kv_cache_spec_page_size") in next(
+        m.shapes for m in load_catalog()[PATCH].parts
+        if m.target.relative_path == HOME[version].removeprefix("vllm/"))
+
+    code, out = steps(python, "verify")
+    # one verdict for the patch: the module it would write decides (missing)
+    assert code == 1 and verdicts(out) == ["missing", "missing"], out
+    code, out = steps(python, "apply")
+    assert code == 0 and verdicts(out) == ["applied", "not-applicable"], out
+    patched = home.read_bytes()
+    assert patched.startswith(original) and patched != original
+    assert b"# >>> hatch-vllm-patch: kv-cache-page-promotion" in patched
+    compile(patched, str(home), "exec")
+    assert (other.read_bytes() if other.exists() else None) == other_bytes
+    code, out = steps(python, "apply")
+    assert code == 0 and verdicts(out) == ["already-applied", "not-applicable"], out
+    code, out = steps(python, "verify")
+    assert code == 0 and verdicts(out) == ["applied", "not-applicable"], out
+    code, out = steps(python, "revert")
+    assert code == 0 and verdicts(out) == ["not-applied", "reverted"], out
+    assert hashlib.sha256(home.read_bytes()).hexdigest() == record_sha256(sp, "vllm",
+                                                                          HOME[version])
+    assert (other.read_bytes() if other.exists() else None) == other_bytes
+
+
+@pytest.mark.slow
+def test_release_before_029_is_refused(tmp_path: Path) -> None:
+    """0.28.0 (the last release of kv-cache-page-unification): unknown-shape, nothing written."""
+    python = release_venv(tmp_path / "venv", "vllm", "0.28.0")
+    target = site_packages(tmp_path / "venv") / UTILS
+    before = target.read_bytes()
+    code, out = steps(python, "apply")
+    assert code == 1 and "unknown-shape" in verdicts(out), out
+    assert target.read_bytes() == before
+
+
+def run_scenarios(version: str) -> dict[str, Any]:
+    """promotion.py in the release's full planning environment (one vLLM import)."""
+    from venvs import full_vllm_planning_env
+
+    python = full_vllm_planning_env(version)
+    module = HOME[version].removesuffix(".py").replace("/", ".")
+    proc = subprocess.run([str(python), str(SCRIPT), module, str(FOLDER / "block.py")],
+                          capture_output=True, text=True, timeout=900, check=False,
+                          env={"HF_HUB_OFFLINE": "1", "VLLM_CONFIGURE_LOGGING": "0",
+                               "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def attention_bytes_per_token(layers: list[dict[str, Any]]) -> dict[str, float]:
+    return {x["name"]: x["page"] / x["block_size"] for x in layers if x["type"] != "MambaSpec"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", ["0.29.0", "0.31.0", "0.33.0"])
+def test_scenarios_by_vllms_own_code(version: str) -> None:
+    """vLLM's own planning code: ours differs exactly where vLLM pads past the minimum."""
+    report = run_scenarios(version)
+    assert report["wrapped_once"]
+    scenarios = report["scenarios"]
+    assert set(scenarios) == set(DIFFERS) | set(MINIMAL)
+    for name, entry in scenarios.items():
+        ours, upstream, given = entry["ours"], entry["upstream"], entry["input"]
+        assert [x["name"] for x in ours] == [x["name"] for x in given], name  # key order
+        pages = {x["page"] for x in ours}
+        assert len(pages) == 1 and entry["group_pages"] == sorted(pages), (name, entry)
+        for before, after in zip(given, ours, strict=True):
+            if after["type"] != "MambaSpec":  # never a padded attention page
+                assert after["padded"] is None or after["padded"] == before["padded"], name
+                assert after["block_size"] % before["block_size"] == 0, name
+        if name in MINIMAL:
+            assert entry["ours_items_equal_upstream"] and not entry["log"], name
+            continue
+        vllm_page, our_page = DIFFERS[name]
+        assert {x["page"] for x in upstream} == {vllm_page}, name
+        assert pages == {our_page}, name
+        attention = [x["page"] for x in given if x["type"] != "MambaSpec"]
+        states = [x["page"] for x in given if x["type"] == "MambaSpec"]
+        unit = math.lcm(*attention)
+        assert our_page == max(1, -(-max(states, default=0) // unit)) * unit, name
+        assert len(entry["log"]) == 1 and PATCH in entry["log"][0], name
+        # the real cost per token of each attention layer, never more than vLLM's
+        real = {x["name"]: x["real_page"] / x["block_size"] for x in given
+                if x["type"] != "MambaSpec"}
+        assert attention_bytes_per_token(ours) == real, name
+        assert all(real[k] <= v for k, v in attention_bytes_per_token(upstream).items()), name
+    unaligned = scenarios["unaligned"]
+    assert set(attention_bytes_per_token(unaligned["upstream"]).values()) == {67072.0}
+    assert set(attention_bytes_per_token(unaligned["ours"]).values()) == {1024.0}
+    assert {x["page"] - x["real_page"] for x in unaligned["ours"]
+            if x["type"] == "MambaSpec"} == {8192}
+    assert scenarios["uniform"]["ours_is_input"]
