@@ -102,6 +102,9 @@ class Patch(NamedTuple):
     members: tuple[Patch, ...] = ()
     # Patches this one supersedes (patch.toml ``replaces``): selected together, this one wins.
     replaces: tuple[str, ...] = ()
+    # patch.toml ``opt-in = true``: ``architectures`` say which models it concerns (doctor tries
+    # it for them), but no architecture selects it by default; a project selects it by id.
+    opt_in: bool = False
 
     @property
     def parts(self) -> tuple[Patch, ...]:
@@ -185,7 +188,9 @@ class Catalog(Mapping[str, Patch]):
         return len(self.patches)
 
     def for_architecture(self, architecture: str) -> tuple[Patch, ...]:
-        return tuple(p for p in self.patches if architecture in p.architectures)
+        """The patches the catalog selects by default for ``architecture`` (not opt-in ones)."""
+        return tuple(p for p in self.patches
+                     if architecture in p.architectures and not p.opt_in)
 
     def without_classifiers(self) -> Catalog:
         """The same patches, none of which will import its ``classify.py`` (the guard's)."""
@@ -331,7 +336,7 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
         return tuple(value)
 
     known = {"id", "summary", "description", "links", "removal", "architectures", "target",
-             "targets", "applies", "replaces"}
+             "targets", "applies", "replaces", "opt-in"}
     for key in sorted(set(data) - known):
         errors.append(f"{where}: unknown key {key!r}")
     patch_id = text(data, "id", "id")
@@ -462,6 +467,10 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
     removal = text(data, "removal", "removal", required=False)
     architectures = strings(data, "architectures", "architectures")
     replaces = strings(data, "replaces", "replaces")
+    opt_in = data.get("opt-in", False)
+    if not isinstance(opt_in, bool):
+        errors.append(f"{where}: opt-in must be true or false")
+        opt_in = False
     for i, other in enumerate(replaces):
         if not is_patch_id(other) or other == patch_id:
             errors.append(f"{where}: replaces[{i}] {shown(other)} must be another patch's id")
@@ -485,6 +494,7 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
         probe_path=probe if probe.is_file() else None,
         block_name=block_name,
         replaces=replaces,
+        opt_in=opt_in,
     ) for (target, shapes, block_name), block in zip(parsed_targets, blocks, strict=True))
     return members[0]._replace(members=members) if several else members[0]
 

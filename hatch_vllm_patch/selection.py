@@ -114,19 +114,31 @@ def _covers(a: str, b: str) -> bool:
 
 def overlaps(patches: Iterable[Patch]) -> tuple[Overlap, ...]:
     """Every pair of ``patches`` whose targets share a symbol: the same module and qualified
-    name, in any of their targets (one entry per pair, at the first shared symbol). Pure."""
-    seen: list[tuple[str, str, str]] = []  # (module, symbol, patch id)
+    name, in any of their targets (one entry per pair, at the first shared symbol), unless the
+    two know disjoint shapes of it (:func:`_digests`). Pure."""
+    seen: list[tuple[str, str, str, frozenset[str]]] = []  # (module, symbol, id, shapes)
     found: dict[tuple[str, str], Overlap] = {}
     for patch in patches:
-        mine = [(m.target.module, s) for m in patch.parts for s in m.target.symbols]
-        for module, symbol in mine:
-            for other_module, other_symbol, other in seen:
+        mine = [(m.target.module, s, _digests(m.symbol_shapes.get(s)))
+                for m in patch.parts for s in m.target.symbols]
+        for module, symbol, shapes in mine:
+            for other_module, other_symbol, other, other_shapes in seen:
                 if (other != patch.id and other_module == module
-                        and _covers(other_symbol, symbol)):
+                        and _covers(other_symbol, symbol)
+                        and not (other_symbol == symbol and shapes and other_shapes
+                                 and shapes.isdisjoint(other_shapes))):
                     found.setdefault((other, patch.id),
                                      Overlap(module, other_symbol, other, patch.id))
-        seen += [(module, symbol, patch.id) for module, symbol in mine]
+        seen += [(module, symbol, patch.id, shapes) for module, symbol, shapes in mine]
     return tuple(found.values())
+
+
+def _digests(shapes: frozenset[str] | None) -> frozenset[str]:
+    """The digests among a symbol's known shapes (not the absent/elsewhere tokens). Two patches
+    of one symbol whose digests are disjoint never write in the same release (each writes only
+    over a shape it knows): selecting both is no overlap (a patch for 0.16 - 0.28 and its
+    successor for 0.29+). Empty (a patch judged by a classifier) counts as overlapping."""
+    return frozenset(d for d in shapes or () if len(d) == 64)
 
 
 def without_replaced(patches: Iterable[Patch]) -> tuple[list[Patch], dict[str, str]]:

@@ -113,6 +113,41 @@ def test_any_target_of_a_patch_over_several_modules_counts(loaded: dict[str, Pat
     assert overlaps([single, several]) == (Overlap("m.two", "B.f", "catalog-two", "spec-conv"),)
 
 
+def test_patches_of_disjoint_releases_do_not_overlap(loaded: dict[str, Patch]) -> None:
+    """Two patches of one function whose known shapes are disjoint (one for older releases,
+    its successor for newer ones) never write in one release: no overlap. One shared shape, or
+    a patch judged by its classifier (no digests), is an overlap again."""
+    base, alt = loaded["demo-fix"], loaded["demo-alt"]
+    old, new, third = "a" * 64, "b" * 64, "c" * 64
+
+    def known(patch: Patch, *digests: str) -> Patch:
+        return patch._replace(symbol_shapes={patch.target.symbol: frozenset(digests)})
+
+    assert overlaps([known(base, old), known(alt, new, "elsewhere")]) == ()
+    assert len(overlaps([known(base, old, third), known(alt, new, third)])) == 1
+    assert len(overlaps([known(base), known(alt, new)])) == 1
+
+
+def test_opt_in_patches_are_not_architecture_defaults(loaded: dict[str, Patch]) -> None:
+    """An opt-in patch names the architectures it concerns, yet the catalog does not select it
+    for them: a project selects it by id."""
+    from hatch_vllm_patch.catalog import Catalog
+
+    base = loaded["demo-fix"]._replace(architectures=("DemoForCausalLM",))
+    catalog = Catalog((base, loaded["demo-alt"]._replace(architectures=("DemoForCausalLM",),
+                                                          opt_in=True)), Path("/c"))
+    assert [p.id for p in catalog.for_architecture("DemoForCausalLM")] == ["demo-fix"]
+
+
+def test_opt_in_must_be_a_boolean(tmp_path: Path) -> None:
+    """`opt-in = "yes"` is a catalog error naming the key."""
+    root = write_demo_catalog(tmp_path / "cat")
+    manifest = root / "demo-fix" / "patch.toml"
+    manifest.write_text('opt-in = "yes"\n' + manifest.read_text())
+    with pytest.raises(Exception, match="opt-in must be true or false"):
+        load_patch_folders(chosen(root))
+
+
 def test_replaces_drops_the_replaced(loaded: dict[str, Patch]) -> None:
     """A patch declaring `replaces` wins over the one it names when both are given."""
     newer = loaded["demo-alt"]._replace(replaces=("demo-fix",))
