@@ -8,13 +8,15 @@ catalog's 0.29 memory patches that this checkout has (``kv-cache-uneven-groups``
 
 - without a draft, Granite with uneven layer counts (2 attention, 3 Mamba layers): vLLM groups
   the layers in twos and pads a Mamba group with one layer ("Add 1 padding layers"); the
-  grouping patch changes the groups, and greedy tokens are exactly transformers' float32, as
-  released and patched;
+  grouping patch makes 5 one-layer groups without padding, and greedy tokens are exactly
+  transformers' float32, as released and patched (vLLM's log, 256-token context: 77,653 KV
+  tokens as released, 93,184 patched);
 - with a Llama draft of 2.5x the target's KV bytes per token (1 speculative token, 8192-token
   context): vLLM pads the target's attention page up to the draft's page; the page patch
   promotes block sizes instead, and the capacity vLLM logs ("GPU KV cache size: N tokens") is
-  larger patched (measured 93,184 as released; the lcm promotion plans 110,440). Judged by the
-  start and the log, never the tokens (KNOWLEDGE §8).
+  larger patched (measured: 93,184 as released with 368640 B pages, the target's attention
+  padded; 110,440 patched, 737280 B pages, blocks of 1440 and 576 tokens, no attention page
+  padded). Judged by the start and the log, never the tokens (KNOWLEDGE §8).
 
 On the CPU platform without a draft the page patch cannot change a layout: the platform aligns
 the target's attention block and pads the state page before unification (0.28 and 0.29 alike);
@@ -184,6 +186,7 @@ def test_patched_uneven_granite_regroups_and_serves_transformers_tokens(
     layout = result["layout"]
     assert [g["layers"] for g in layout["groups"]] != [g["layers"] for g in released["groups"]]
     assert _group_padding(layout) == 0, layout
+    assert f"[hatch-vllm-patch {GROUPS_PATCH}]" in patched29.log
     tokens, released_tokens = _kv_tokens(patched29)["uneven"], _kv_tokens(unpatched29)["uneven"]
     assert tokens > released_tokens, (tokens, released_tokens)
 
@@ -212,6 +215,7 @@ def test_patched_draft_start_holds_more_kv_tokens(unpatched29: Served, patched29
     assert result["started"] and "error" not in result, result
     attention = [g for g in result["layout"]["groups"] if g["spec"] != "MambaSpec"]
     assert attention and not any(g["padded"] for g in attention), result["layout"]
+    assert f"[hatch-vllm-patch {PAGE_PATCH}]" in patched29.log
     tokens, released_tokens = _kv_tokens(patched29)["draft"], _kv_tokens(unpatched29)["draft"]
     assert tokens > released_tokens, (tokens, released_tokens)
 
