@@ -159,13 +159,17 @@ def test_rule_never_needs_more_kv_and_at_most_doubles_groups() -> None:
 # --- the real files of the claimed releases ----------------------------------------------------
 
 
-def step(python: Path, op: str) -> tuple[int, dict[str, Any]]:
+def step(python: Path, op: str, home: str = "vllm/v1/core/kv_cache_utils.py"
+         ) -> tuple[int, dict[str, Any], str]:
+    """One CLI operation on the patch: exit code, the outcome of the target whose module
+    defines the function (`home`), and the other target's verdict."""
     proc = cli(op, "--python", str(python), "--patch", PATCH, "--json")
     assert "Traceback" not in proc.stderr, proc.stderr
-    data = json.loads(proc.stdout)
-    [outcome] = data["patches"]
-    assert isinstance(outcome, dict)
-    return proc.returncode, outcome
+    outcomes = json.loads(proc.stdout)["patches"]
+    assert len(outcomes) == 2, outcomes
+    [outcome] = [o for o in outcomes if str(o["file"] or "").endswith(home)]
+    [other] = [o for o in outcomes if o is not outcome]
+    return proc.returncode, outcome, str(other["verdict"])
 
 
 @pytest.mark.slow
@@ -189,19 +193,20 @@ def test_release_is_patched_verified_and_reverted(version: str, tmp_path: Path) 
     else:
         assert not (sp / "vllm/v1/core/kv_cache_planning.py").exists()
 
-    assert step(python, "verify")[0] == 1
-    code, out = step(python, "apply")
-    assert (code, out["verdict"]) == (0, "applied"), out
+    code, out, other = step(python, "verify", rel)
+    assert (code, out["verdict"], other) == (1, "missing", "missing"), out
+    code, out, other = step(python, "apply", rel)
+    assert (code, out["verdict"], other) == (0, "applied", "not-applicable"), out
     patched = target.read_bytes()
     assert patched.startswith(original) and f"# >>> hatch-vllm-patch: {PATCH}".encode() in patched
     assert {p: b for p, b in core.items() if p != target} == {
         p: p.read_bytes() for p in core if p != target}
     compile(patched, str(target), "exec")
-    assert step(python, "apply")[1]["verdict"] == "already-applied"
-    code, out = step(python, "verify")
-    assert (code, out["verdict"]) == (0, "applied"), out
-    code, out = step(python, "revert")
-    assert (code, out["verdict"]) == (0, "reverted"), out
+    assert step(python, "apply", rel)[1]["verdict"] == "already-applied"
+    code, out, other = step(python, "verify", rel)
+    assert (code, out["verdict"], other) == (0, "applied", "not-applicable"), out
+    code, out, other = step(python, "revert", rel)
+    assert (code, out["verdict"], other) == (0, "reverted", "not-applied"), out
     assert hashlib.sha256(target.read_bytes()).hexdigest() == record_sha256(
         sp, "vllm", f"vllm/{rel}")
     assert {p: p.read_bytes() for p in core} == core
@@ -291,7 +296,8 @@ def test_deep_verify_runs_the_probe(tmp_path: Path) -> None:
     sp = site_packages(tmp_path / "venv")
     assert step(python, "apply")[1]["verdict"] == "applied"
     deep = cli("verify", "--python", str(python), "--patch", PATCH, "--deep", "--json")
-    [outcome] = json.loads(deep.stdout)["patches"]
+    [outcome] = [o for o in json.loads(deep.stdout)["patches"]
+                 if str(o["file"] or "").endswith("kv_cache_utils.py")]
     assert (deep.returncode, outcome["verdict"]) == (0, "applied"), outcome
     assert "deep probe passed" in outcome["reason"] and "16 groups of 3" in outcome["reason"]
     assert step(python, "revert")[1]["verdict"] == "reverted"
