@@ -125,7 +125,19 @@ def activate(blocks: list[dict[str, str]]) -> _Snapshot:
     appended block runs when the patched file is imported; returns what to restore."""
     import importlib
 
-    modules = [importlib.import_module(b["module"]) for b in blocks]
+    placed = []
+    for block in blocks:
+        try:
+            module = importlib.import_module(block["module"])
+        except ModuleNotFoundError:
+            if block.get("elsewhere"):  # this release keeps the function in another target
+                continue
+            raise
+        if block.get("elsewhere") and not hasattr(module, block["elsewhere"].split(".")[0]):
+            continue
+        placed.append((block, module))
+    blocks = [b for b, _ in placed]
+    modules = [m for _, m in placed]
     snapshot = _Snapshot(list({id(m): m for m in modules}.values()))
     try:
         for block, module in zip(blocks, modules, strict=True):

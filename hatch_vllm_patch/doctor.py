@@ -16,11 +16,11 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .catalog import Patch
+from .catalog import ELSEWHERE, Patch
 from .engine import Verdict
 from .environment import TargetEnvironment, last_line, run_target_python
 from .errors import ConfigurationError, TargetEnvironmentError, UsageError
@@ -298,8 +298,13 @@ def resolve_model(name: str, environ: Mapping[str, str] | None = None,
 
 def blocks_of(patch: Patch) -> list[dict[str, str]]:
     """What the child executes to make ``patch`` active: every target's block, in its module
-    (what ``apply`` writes)."""
-    return [{"id": patch.id, "module": m.target.module, "source": m.block} for m in patch.parts]
+    (what ``apply`` writes). A target that may be "elsewhere" (a function that moved to another
+    target's module) names its symbol: the child skips it where its module lacks the symbol, as
+    ``apply`` writes nothing there."""
+    return [{"id": patch.id, "module": m.target.module, "source": m.block,
+             **({"elsewhere": m.target.symbols[0]} if any(ELSEWHERE in d for d in
+                                                          m.symbol_shapes.values()) else {})}
+            for m in patch.parts]
 
 
 def variants(patches: Sequence[Patch]) -> list[dict[str, Any]]:
@@ -826,6 +831,20 @@ def _catalog_root(patches: Mapping[str, Patch]) -> Path | None:
     return root if isinstance(root, Path) else None
 
 
+def patch_verdicts(outcomes: Iterable[Any]) -> dict[str, Verdict]:
+    """One verdict per patch from ``status``'s outcomes (one per target): a target that is
+    not-applicable (a module this release lacks, a function that moved to another target) does
+    not speak for the patch when another target does; missing anywhere is missing."""
+    by_patch: dict[str, list[Verdict]] = {}
+    for outcome in outcomes:
+        by_patch.setdefault(outcome.patch_id, []).append(outcome.verdict)
+    verdicts = {}
+    for pid, found in by_patch.items():
+        spoken = [v for v in found if v is not Verdict.NOT_APPLICABLE] or found
+        verdicts[pid] = Verdict.MISSING if Verdict.MISSING in spoken else spoken[0]
+    return verdicts
+
+
 def run_doctor(request: DoctorRequest, *, project_dir: Path | None, python: str | None,
                timeout: float = PROBE_TIMEOUT, project_rule: Rule = Rule.CHOSEN,
                everything: bool = False,
@@ -853,7 +872,7 @@ def run_doctor(request: DoctorRequest, *, project_dir: Path | None, python: str 
         raise TargetEnvironmentError(
             f"vllm is not installed in {status.environment.python} ({choice.reason}): doctor "
             "runs the installed vLLM's own code; pass --python for the environment that serves")
-    verdicts = {o.patch_id: o.verdict for o in status.outcomes if o.patch_id in catalog}
+    verdicts = patch_verdicts(o for o in status.outcomes if o.patch_id in catalog)
     registry = inspect_environment(choice, [_REGISTRY]).modules[_REGISTRY.module].file
     selected = {p.id for p in selection.patches}
     report = diagnose(request, status.environment, catalog, verdicts,
