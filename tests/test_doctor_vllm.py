@@ -400,7 +400,9 @@ def test_memory_advice_on_a_release_that_pads(tmp_path: Path) -> None:
     draft vLLM's plan is the minimum, and no memory patch is recommended; with an EAGLE-3 head
     whose KV is bf16 upstream pads the state up to the draft's page and holds fewer tokens per
     GiB than the minimum. Every memory patch of the catalog that applies holds at least
-    upstream's tokens, is recommended exactly when it holds more, and one reaches the minimum."""
+    upstream's tokens and at most the minimum's, and is recommended exactly when it holds more
+    (on this aligned path no patch here lowers the block the platform chose: the EAGLE-3 gap
+    stays, README "What it costs")."""
     from venvs import full_vllm_planning_env
 
     python = full_vllm_planning_env("0.29.0")
@@ -429,8 +431,8 @@ def test_memory_advice_on_a_release_that_pads(tmp_path: Path) -> None:
             assert "nothing here:" in advice["line"]
         else:
             assert advice["line"].startswith("no patch of vLLM's KV planning applies here")
-        if advice["patches"]:
-            assert max(e["tokens_per_gib"] for e in advice["patches"]) == advice["minimum"]
+        for entry in advice["patches"]:  # the minimum bounds every plan
+            assert entry["tokens_per_gib"] <= advice["minimum"], entry
         results.append(advice)
     plain, drafted = results
     assert plain["minimum"] == plain["installed"] and plain["recommended"] == []

