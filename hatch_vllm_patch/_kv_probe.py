@@ -209,7 +209,10 @@ def build_config(case: dict[str, Any]) -> Any:
     draft = case.get("speculative_config")
     if draft:
         options = dict(draft)
-        options.pop("kv_cache_dtype", None)  # ours: the draft layer's KV dtype
+        import dataclasses
+
+        if "kv_cache_dtype" not in {f.name for f in dataclasses.fields(SpeculativeConfig)}:
+            options.pop("kv_cache_dtype", None)  # a release without the draft's own KV dtype
         speculative_config = SpeculativeConfig(
             **options, target_model_config=model_config,
             target_parallel_config=parallel_config)
