@@ -39,10 +39,8 @@ def _hvp_page_bytes_per_token(
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
     from vllm.v1 import kv_cache_interface
 
-    if cache_dtype == "auto":
-        dtype = model_config.dtype
-    else:
-        dtype = STR_DTYPE_TO_TORCH_DTYPE[cache_dtype]
+    auto = cache_dtype == "auto"
+    dtype = model_config.dtype if auto else STR_DTYPE_TO_TORCH_DTYPE[cache_dtype]
     spec_cls = kv_cache_interface.FullAttentionSpec
     kwargs: dict[str, _hvp_typing.Any] = {
         "block_size": 1,
@@ -129,7 +127,7 @@ def _hvp_layer_counts(
         states = sum(int(model_config.get_num_layers_by_block_type(parallel, kind))
                      for kind in ("mamba", "linear_attention"))
         drafts = int(draft_model.get_num_layers(draft_parallel))
-    except Exception:  # noqa: BLE001 - a hybrid vLLM cannot count: vLLM's layout stays
+    except Exception:  # a hybrid vLLM's config cannot count: vLLM's layout stays
         return None
     states = min(states, total - attention)
     if states < 1 or attention < 1 or drafts < 1:
@@ -226,7 +224,7 @@ def _hvp_install_platform_promotion() -> None:
         original(cls, vllm_config, backend_cls)
         try:
             plan = _hvp_draft_aware_block(cls, vllm_config, backend_cls, block_before)
-        except Exception:  # noqa: BLE001 - anything it cannot compute keeps vLLM's layout
+        except Exception:  # anything it cannot compute keeps vLLM's layout
             plan = None
         if plan is None:
             return
