@@ -41,12 +41,14 @@ they define are put back as they were.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -249,8 +251,62 @@ def _backend(platform: str) -> Any:
     return CPUAttentionBackend
 
 
-def align_for_platform(config: Any, platform: str) -> dict[str, Any]:
-    """Step 2: the platform's own block-size hook, with the attention backend named here."""
+@contextlib.contextmanager
+def loaded_layers(config: Any, case: dict[str, Any] | None, backend: Any) -> Iterator[None]:
+    """Stand-ins for the layers a loaded model (its draft's included) registers in vLLM's
+    static forward context, present during the platform step only (an engine runs that step
+    after loading the model): each answers ``get_kv_cache_spec`` with the spec this probe builds
+    (step 4) at the settings of that moment."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    context = config.compilation_config.static_forward_context
+    if case is None or context:
+        yield
+        return
+    built: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+    def specs(vllm_config: Any) -> dict[str, Any]:
+        cache = vllm_config.cache_config
+        key = (cache.block_size, getattr(cache, "mamba_page_size_padded", None),
+               getattr(cache, "mamba_block_size", None), cache.cache_dtype)
+        if key not in built:
+            model_cls, shapes, dtypes = state_shapes(vllm_config)
+            layer_shapes = layer_state_shapes(vllm_config, model_cls, shapes)
+            stages, _ = layer_specs(vllm_config, case, shapes, dtypes, layer_shapes)
+            built[key] = {name: spec for stage in stages for name, spec in stage.items()}
+        return built[key]
+
+    class _StateBackend:
+        @staticmethod
+        def is_ssm() -> bool:
+            return True
+
+    class _Layer(AttentionLayerBase):
+        def __init__(self, name: str, state: bool) -> None:
+            self.layer_name, self.state = name, state
+
+        def get_attn_backend(self) -> Any:
+            return _StateBackend if self.state else backend
+
+        def get_kv_cache_spec(self, vllm_config: Any) -> Any:
+            return specs(vllm_config)[self.layer_name]
+
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    names = {name: isinstance(spec, MambaSpec) for name, spec in specs(config).items()}
+    for name, state in names.items():
+        context[name] = _Layer(name, state)
+    try:
+        yield
+    finally:
+        for name in names:
+            context.pop(name, None)
+
+
+def align_for_platform(config: Any, platform: str,
+                       case: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Step 2: the platform's own block-size hook, with the attention backend named here and
+    the model's layers as an engine has loaded them (:func:`loaded_layers`)."""
     cache = config.cache_config
     before = {"block_size": cache.block_size, "mamba_page_size_padded":
               getattr(cache, "mamba_page_size_padded", None)}
@@ -277,7 +333,8 @@ def align_for_platform(config: Any, platform: str) -> dict[str, Any]:
         def _find_non_ssm_backends(cls, vllm_config: Any) -> Any:  # 0.31+: every backend
             return [backend]
 
-    _Platform.update_block_size_for_backend(config)
+    with loaded_layers(config, case, backend):
+        _Platform.update_block_size_for_backend(config)
     return {"hook": f"{base.__name__}.update_block_size_for_backend", "backend": backend.__name__,
             "block_size_before": before["block_size"], "block_size": cache.block_size,
             "mamba_block_size": getattr(cache, "mamba_block_size", None),
@@ -649,7 +706,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         done("config", {"max_model_len": config.model_config.max_model_len,
                         "architecture": config.model_config.architecture})
         step = "platform"
-        result["platform"] = align_for_platform(config, case.get("platform", "cuda"))
+        result["platform"] = align_for_platform(config, case.get("platform", "cuda"), case)
         done("platform", result["platform"])
         step = "state shapes"
         model_cls, shapes, dtypes = state_shapes(config)

@@ -30,6 +30,7 @@ FOLDER = REPO / "patches" / PATCH
 SCRIPT = Path(__file__).resolve().parent / "kv_scenarios" / "promotion.py"
 UTILS = "vllm/v1/core/kv_cache_utils.py"
 PLANNING = "vllm/v1/core/kv_cache_planning.py"
+PLATFORM = "vllm/platforms/interface.py"  # the platform step, the third target
 # The module that defines unify_kv_cache_spec_page_size, per release
 HOME = {"0.29.0": UTILS, "0.30.0": UTILS, "0.31.0": UTILS, "0.32.0": UTILS,
         "0.33.0": PLANNING}
@@ -50,10 +51,14 @@ MINIMAL = ("unaligned-fp8", "aligned-draft-2x", "minimal-draft-divides", "unifor
 def test_block_compiles_and_targets_every_home() -> None:
     """The block compiles; the two targets know each release's digest or 'elsewhere'."""
     compile((FOLDER / "block.py").read_text(), "block.py", "exec")
+    compile((FOLDER / "platform_block.py").read_text(), "platform_block.py", "exec")
     patch = load_catalog()[PATCH]
     modules = {m.target.module: m.shapes for m in patch.parts}
-    assert set(modules) == {"vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning"}
-    assert all(ELSEWHERE in shapes for shapes in modules.values())
+    assert set(modules) == {"vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning",
+                            "vllm.platforms.interface"}
+    assert all(ELSEWHERE in shapes for module, shapes in modules.items()
+               if module != "vllm.platforms.interface")
+    assert len(modules["vllm.platforms.interface"]) == len(HOME)  # one digest per release
     assert patch.fixed_in is None and patch.opt_in
     assert "Qwen3NextForCausalLM" in patch.architectures
     assert "vllm#53499" in patch.description.replace("vllm-project/vllm#", "vllm#")
@@ -65,7 +70,7 @@ def steps(python: Path, op: str) -> tuple[int, dict[str, dict[str, Any]]]:
     assert "Traceback" not in proc.stderr, proc.stderr
     data = json.loads(proc.stdout)
     outcomes = {str(p["file"] or i): p for i, p in enumerate(data["patches"])}
-    assert len(data["patches"]) == 2, data
+    assert len(data["patches"]) == 3, data
     return proc.returncode, outcomes
 
 
@@ -81,29 +86,35 @@ def test_release_apply_verify_revert(version: str, tmp_path: Path) -> None:
     sp = site_packages(tmp_path / "venv")
     home = sp / HOME[version]
     other = sp / (PLANNING if HOME[version] == UTILS else UTILS)
+    platform = sp / PLATFORM
     original, other_bytes = home.read_bytes(), (other.read_bytes() if other.exists() else None)
+    platform_bytes = platform.read_bytes()
     assert symbol_digest(original.decode(), "unify_kv_cache_spec_page_size") in next(
         m.shapes for m in load_catalog()[PATCH].parts
         if m.target.relative_path == HOME[version].removeprefix("vllm/"))
 
     code, out = steps(python, "verify")
-    # one verdict for the patch: the module it would write decides (missing)
-    assert code == 1 and verdicts(out) == ["missing", "missing"], out
+    # one verdict per target module; the unify module it would write decides (missing)
+    assert code == 1 and verdicts(out) == ["missing", "missing", "missing"], out
     code, out = steps(python, "apply")
-    assert code == 0 and verdicts(out) == ["applied", "not-applicable"], out
-    patched = home.read_bytes()
-    assert patched.startswith(original) and patched != original
-    assert b"# >>> hatch-vllm-patch: kv-cache-page-promotion" in patched
-    compile(patched, str(home), "exec")
+    assert code == 0 and verdicts(out) == ["applied", "applied", "not-applicable"], out
+    for path, before, marker in ((home, original, b"# >>> hatch-vllm-patch: kv-cache-page-pro"),
+                                 (platform, platform_bytes, b"_hvp_install_platform_promotion()")):
+        patched = path.read_bytes()
+        assert patched.startswith(before) and patched != before and marker in patched
+        compile(patched, str(path), "exec")
     assert (other.read_bytes() if other.exists() else None) == other_bytes
     code, out = steps(python, "apply")
-    assert code == 0 and verdicts(out) == ["already-applied", "not-applicable"], out
+    assert code == 0 and verdicts(out) == ["already-applied", "already-applied",
+                                           "not-applicable"], out
     code, out = steps(python, "verify")
-    assert code == 0 and verdicts(out) == ["applied", "not-applicable"], out
+    assert code == 0 and verdicts(out) == ["applied", "applied", "not-applicable"], out
     code, out = steps(python, "revert")
-    assert code == 0 and verdicts(out) == ["not-applied", "reverted"], out
-    assert hashlib.sha256(home.read_bytes()).hexdigest() == record_sha256(sp, "vllm",
-                                                                          HOME[version])
+    assert code == 0 and verdicts(out) == ["not-applied", "reverted", "reverted"], out
+    for relative in (HOME[version], PLATFORM):
+        assert hashlib.sha256((sp / relative).read_bytes()).hexdigest() == record_sha256(
+            sp, "vllm", relative)
+    assert platform.read_bytes() == platform_bytes
     assert (other.read_bytes() if other.exists() else None) == other_bytes
 
 

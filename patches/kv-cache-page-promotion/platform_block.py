@@ -23,58 +23,9 @@ import typing as _hvp_typing
 if _hvp_typing.TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.attention.backend import AttentionBackend
+    from vllm.v1.kv_cache_interface import KVCacheSpec
 
 _hvp_platform_promotion_id = "kv-cache-page-promotion"
-
-
-def _hvp_page_bytes_per_token(
-    model_config: _hvp_typing.Any,
-    parallel_config: _hvp_typing.Any,
-    cache_dtype: str,
-    backend_cls: "type[AttentionBackend]",
-    vllm_config: "VllmConfig",
-) -> int:
-    """The bytes one token of one full-attention layer holds, as vLLM computes the target's."""
-    from vllm.config.vllm import set_current_vllm_config
-    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
-    from vllm.v1 import kv_cache_interface
-
-    auto = cache_dtype == "auto"
-    dtype = model_config.dtype if auto else STR_DTYPE_TO_TORCH_DTYPE[cache_dtype]
-    spec_cls = kv_cache_interface.FullAttentionSpec
-    kwargs: dict[str, _hvp_typing.Any] = {
-        "block_size": 1,
-        "num_kv_heads": model_config.get_num_kv_heads(parallel_config),
-        "head_size": model_config.get_head_size(),
-        "dtype": dtype,
-    }
-    if "kv_quant_mode" in getattr(spec_cls, "__dataclass_fields__", {}):
-        kwargs["kv_quant_mode"] = kv_cache_interface.get_kv_quant_mode(cache_dtype)
-    with set_current_vllm_config(vllm_config):
-        return int(backend_cls.customize_spec(spec_cls(**kwargs)).page_size_bytes)
-
-
-def _hvp_state_page(vllm_config: "VllmConfig") -> int:
-    """The state page of the model's class, unpadded, as vLLM's platform step computes it."""
-    from vllm.model_executor.models import ModelRegistry
-    from vllm.v1.kv_cache_interface import MambaSpec
-
-    model_config = vllm_config.model_config
-    model_cls, _ = ModelRegistry.resolve_model_cls(
-        model_config.architecture, model_config=model_config
-    )
-    if hasattr(model_cls, "get_mamba_specs_from_config"):
-        return max(
-            int(spec.page_size_bytes)
-            for spec in model_cls.get_mamba_specs_from_config(vllm_config)
-        )
-    return int(
-        MambaSpec(
-            shapes=model_cls.get_mamba_state_shape_from_config(vllm_config),
-            dtypes=model_cls.get_mamba_state_dtype_from_config(vllm_config),
-            block_size=-1,
-        ).page_size_bytes
-    )
 
 
 def _hvp_kernel_unit(
@@ -112,27 +63,31 @@ def _hvp_kernel_unit(
     return unit
 
 
-def _hvp_layer_counts(
-    model_config: _hvp_typing.Any,
-    parallel: _hvp_typing.Any,
-    draft_model: _hvp_typing.Any,
-    draft_parallel: _hvp_typing.Any,
-) -> "tuple[int, int, int] | None":
-    """(state layers, attention layers, draft layers) of this rank, as vLLM's model config
-    counts them; None where it cannot. The state count never exceeds the layers that are not
-    attention (an undercount only understates what a smaller state page saves)."""
-    try:
-        total = int(model_config.get_num_layers(parallel))
-        attention = int(model_config.get_num_layers_by_block_type(parallel, "attention"))
-        states = sum(int(model_config.get_num_layers_by_block_type(parallel, kind))
-                     for kind in ("mamba", "linear_attention"))
-        drafts = int(draft_model.get_num_layers(draft_parallel))
-    except Exception:  # a hybrid vLLM's config cannot count: vLLM's layout stays
-        return None
-    states = min(states, total - attention)
-    if states < 1 or attention < 1 or drafts < 1:
-        return None
-    return states, attention, drafts
+def _hvp_layer_specs(vllm_config: "VllmConfig") -> "dict[str, KVCacheSpec] | None":
+    """The KV spec of every loaded layer (the step runs after the model, a draft's included, is
+    loaded) at the settings vLLM's step just chose; None unless every spec is one whose page
+    this patch computes exactly: full or sliding-window attention whose page is block_size
+    times its bytes per token, unpadded, or a Mamba state."""
+    from dataclasses import replace
+
+    from vllm.config.vllm import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    specs = {}
+    for name, layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase).items():
+        spec = layer.get_kv_cache_spec(vllm_config)
+        if spec is None:
+            continue  # a layer that reads another's cache
+        if not isinstance(spec, MambaSpec):
+            if type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
+                return None
+            one = replace(spec, block_size=1).page_size_bytes
+            if getattr(spec, "page_size_padded", None) is not None or (
+                    spec.page_size_bytes != spec.block_size * one):
+                return None
+        specs[name] = spec
+    return specs
 
 
 def _hvp_draft_aware_block(
@@ -141,70 +96,67 @@ def _hvp_draft_aware_block(
     backend_cls: "type[AttentionBackend]",
     block_before: int,
 ) -> "dict[str, int] | None":
-    """The block size that lets the KV planning reach the smallest common page with this draft,
-    with the pages it implies; None where vLLM's layout stays (nothing smaller, or a setting
-    this patch does not compute exactly as vLLM does)."""
+    """The block size from which the KV planning reaches the smallest common page, with the
+    pages and the bytes a request of max_model_len holds either way; None where vLLM's layout
+    stays (it needs no more bytes, or a setting this patch does not compute as vLLM does)."""
+    from dataclasses import replace
+    from functools import reduce
     from math import gcd, lcm
 
+    from vllm.v1.kv_cache_interface import MambaSpec
+
     cache = vllm_config.cache_config
-    model_config = vllm_config.model_config
-    spec = vllm_config.speculative_config
-    draft_model = getattr(spec, "draft_model_config", None) if spec is not None else None
-    if draft_model is None:
-        return None  # no draft, or one without a model (n-gram, suffix): no draft KV cache
-    method = getattr(spec, "method", None)
-    uses_eagle = getattr(spec, "use_eagle", None)
-    if not ((callable(uses_eagle) and uses_eagle()) or method == "draft_model"):
-        return None
-    if getattr(cache, "mamba_cache_mode", "none") not in ("none", "align"):
+    mode = getattr(cache, "mamba_cache_mode", "none")
+    if mode not in ("none", "align"):
         return None  # "all" caches a state per block: the block size is its cost
-    if model_config.use_mla or getattr(cache, "kv_cache_dtype_skip_layers", None):
+    if vllm_config.model_config.use_mla or getattr(cache, "kv_cache_dtype_skip_layers", None):
         return None
-    block_up, padded = cache.block_size, cache.mamba_page_size_padded
-    parallel = vllm_config.parallel_config
-    target = _hvp_page_bytes_per_token(model_config, parallel, cache.cache_dtype, backend_cls,
-                                       vllm_config)
-    state = _hvp_state_page(vllm_config)
-    # vLLM's step left the target's page block_up * target >= the state, and the state padded
-    # to it unless equal: anything else means this patch counts otherwise than vLLM did
-    if not block_up or not state or block_up * target != (padded or state):
+    specs = _hvp_layer_specs(vllm_config)
+    if not specs:
         return None
-    draft_dtype = getattr(spec, "kv_cache_dtype", None) or cache.cache_dtype
-    if draft_dtype.startswith(("turboquant_", "ultraquant_", "nvfp4")):
+    states = {n: s for n, s in specs.items() if isinstance(s, MambaSpec)}
+    attention = {n: s for n, s in specs.items() if n not in states}
+    if not states or not attention:
         return None
-    draft = _hvp_page_bytes_per_token(
-        draft_model, getattr(spec, "draft_parallel_config", None) or parallel, draft_dtype,
-        backend_cls, vllm_config)
-    if draft == target:
-        return None  # the draft's page equals the target's: vLLM's layout is the smallest
+    per_token = {n: replace(s, block_size=1).page_size_bytes for n, s in attention.items()}
+    if len(set(per_token.values())) < 2:
+        return None  # one attention page: vLLM's step already made it the smallest
+    # vLLM's layout: its unification brings every page to the largest at these settings
+    # (an attention page that divides it by more blocks, any other page padded)
+    upstream_page = max(s.page_size_bytes for s in specs.values())
+    vllms = 0
+    for spec in specs.values():
+        page = spec.page_size_bytes
+        if page != upstream_page:
+            if isinstance(spec, MambaSpec) or upstream_page % page:
+                spec = replace(spec, page_size_padded=upstream_page)
+            else:
+                spec = replace(spec, block_size=spec.block_size * (upstream_page // page))
+        vllms += spec.max_memory_usage_bytes(vllm_config)
+    # ours: every attention page a whole number of blocks of the kernel's unit; the state
+    # padded only to the smallest page they all divide
     unit = _hvp_kernel_unit(cls, vllm_config, backend_cls, block_before)
-    common = lcm(unit * target, unit * draft)
+    state = max(replace(s, page_size_padded=None).page_size_bytes for s in states.values())
+    common = lcm(*(unit * b for b in set(per_token.values())))
     page = max(1, -(-state // common)) * common
-    # vLLM's layout: every page padded to the largest at block_up (the state to the target's,
-    # then everything to the draft's when the draft's is larger)
-    upstream_page = block_up * max(target, draft)
     if page >= upstream_page:
         return None
-    # bytes one request of max_model_len holds, per layer kind; a state layer holds at least
-    # one page (more with speculative or checkpoint blocks: more saved than counted here)
-    layers = _hvp_layer_counts(model_config, parallel, draft_model,
-                               getattr(spec, "draft_parallel_config", None) or parallel)
-    if layers is None:
-        return None
-    states, attention, drafts = layers
-    max_len = int(model_config.max_model_len)
-    ours = states * page + sum(n * -(-max_len * per_token // page) * page
-                               for n, per_token in ((attention, target), (drafts, draft)))
-    vllms = (states + attention + drafts) * upstream_page
-    vllms += (attention + drafts) * (-(-max_len // block_up) - 1) * upstream_page
-    if ours >= vllms:
-        return None  # a request of max_model_len would not need fewer bytes
-    block = gcd(page // target, page // draft)
+    block = reduce(gcd, (page // b for b in set(per_token.values())))
     if block < block_before or block % unit:
         return None
+    ours = sum(replace(s, block_size=page // per_token[n]).max_memory_usage_bytes(vllm_config)
+               for n, s in attention.items())
+    state_block = block if mode == "align" else None
+    for spec in states.values():
+        spec = replace(spec, page_size_padded=page)
+        if state_block is not None:
+            spec = replace(spec, block_size=state_block)
+        ours += spec.max_memory_usage_bytes(vllm_config)
+    if ours >= vllms:
+        return None  # a request of max_model_len would not hold fewer bytes
     return {"block_size": block, "page": page, "upstream_page": upstream_page,
-            "target_bytes_per_token": target, "draft_bytes_per_token": draft,
-            "state_page": state, "unit": unit}
+            "bytes_per_request": ours, "upstream_bytes_per_request": vllms,
+            "attention_bytes_per_token": max(per_token.values()), "unit": unit}
 
 
 def _hvp_install_platform_promotion() -> None:
@@ -237,11 +189,12 @@ def _hvp_install_platform_promotion() -> None:
         from vllm.logger import init_logger
 
         init_logger(__name__).info(
-            "Hybrid KV cache with a draft of %d B per token beside the target's %d B: block"
-            " size %d instead of %d, so that the KV planning can reach a common page of %d B"
-            " instead of %d B [hatch-vllm-patch %s]",
-            plan["draft_bytes_per_token"], plan["target_bytes_per_token"],
+            "Hybrid KV cache: attention pages of different bytes per token (a draft's): block"
+            " size %d instead of %d, so that the KV planning reaches a common page of %d B"
+            " instead of %d B, %d B per request of max_model_len instead of %d B"
+            " [hatch-vllm-patch %s]",
             plan["block_size"], chosen, plan["page"], plan["upstream_page"],
+            plan["bytes_per_request"], plan["upstream_bytes_per_request"],
             _hvp_platform_promotion_id,
         )
 

@@ -1,8 +1,9 @@
 """`verify --deep` probe for kv-cache-page-promotion, run with the target environment's python.
 
 Finds the installed module that defines unify_kv_cache_spec_page_size (kv_cache_utils in vLLM
-0.29 - 0.32, kv_cache_planning in 0.33) and checks that it carries exactly one wrapper of this
-patch around vLLM's function. Then runs three sets through it:
+0.29 - 0.32, kv_cache_planning in 0.33) and checks that it, and the platform step
+(Platform._align_hybrid_block_size), carry exactly one wrapper of this patch around vLLM's.
+Then runs three sets through unify:
 - a Qwen3.6-35B-A3B-like hybrid at TP 2 where nothing aligned first (Gated DeltaNet state
   1073152 B, 16-token bf16 attention page 16384 B): one page of 1081344 B, attention blocks of
   1056 tokens with no padded page, the state pages padded, one log line of this patch;
@@ -46,6 +47,19 @@ def _home() -> Any:
         if function is not None and getattr(function, "__module__", None) == name:
             return module
     raise LookupError(f"no module of {', '.join(MODULES)} defines unify_kv_cache_spec_page_size")
+
+
+def _check_platform() -> str | None:
+    """The platform step carries exactly one wrapper of this patch around vLLM's method."""
+    from vllm.platforms.interface import Platform
+
+    descriptor = vars(Platform).get("_align_hybrid_block_size")
+    function = getattr(descriptor, "__func__", None)
+    inner = getattr(function, "__wrapped__", None)
+    if getattr(function, "_hvp_patch_id", None) != PATCH_ID or not callable(inner) or getattr(
+            inner, "_hvp_patch_id", None) is not None:
+        return f"Platform._align_hybrid_block_size is not wrapped once by {PATCH_ID}"
+    return None
 
 
 def _check(module: Any, lines: _Lines) -> str | None:
@@ -93,11 +107,12 @@ def main() -> int:
             logger.setLevel(logging.INFO)
             logger.addHandler(lines)
             logger.propagate = False
-            problem = _check(module, lines)
+            problem = _check(module, lines) or _check_platform()
     except Exception as exc:
         problem = f"{type(exc).__name__}: {exc}"
-    detail = problem or (f"{name}: wrapped once; unaligned hybrid unified to {PAGE} B (attention"
-                         " blocks 16 -> 1056, no padded attention page), minimal sets unchanged")
+    detail = problem or (f"{name} and the platform step: wrapped once; unaligned hybrid "
+                         f"unified to {PAGE} B (attention blocks 16 -> 1056, no padded "
+                         "attention page), minimal sets unchanged")
     print(json.dumps({"ok": problem is None, "detail": detail}))
     return 0 if problem is None else 1
 
