@@ -281,7 +281,7 @@ def loaded_layers(config: Any, case: dict[str, Any] | None, backend: Any) -> Ite
         def is_ssm() -> bool:
             return True
 
-    class _Layer(AttentionLayerBase):
+    class _Layer(AttentionLayerBase):  # type: ignore[misc]
         def __init__(self, name: str, state: bool) -> None:
             self.layer_name, self.state = name, state
 
