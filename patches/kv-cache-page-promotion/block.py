@@ -93,6 +93,15 @@ def _hvp_wrap_unify_for_promotion(
             return result
         if upstream_page == target:
             return result  # vLLM's layout already has the smallest page: it is returned as is
+        config = _hvp_promotion_planning_config.get()
+        if config is not None:  # inside get_kv_cache_groups: compare what a request holds
+            try:
+                ours_bytes = sum(s.max_memory_usage_bytes(config) for s in unified.values())
+                vllms_bytes = sum(s.max_memory_usage_bytes(config) for s in result.values())
+            except Exception:  # a spec that cannot say: compare pages only, as without a config
+                ours_bytes = vllms_bytes = 0
+            if ours_bytes and ours_bytes >= vllms_bytes:
+                return result  # a smaller page, but no fewer bytes per request of max_model_len
         from vllm.logger import init_logger
 
         init_logger(__name__).info(
@@ -107,6 +116,33 @@ def _hvp_wrap_unify_for_promotion(
     return unify_kv_cache_spec_page_size
 
 
+def _hvp_wrap_groups_for_promotion(original: "Callable[..., _hvp_typing.Any]",
+                                   ) -> "Callable[..., _hvp_typing.Any]":
+    """The wrapper that replaces ``get_kv_cache_groups``: it calls vLLM's function unchanged,
+    with the VllmConfig it was given visible to the unification wrapper above (which compares
+    the bytes one request of max_model_len holds in vLLM's layout and in its own)."""
+    import functools
+
+    @functools.wraps(original)
+    def get_kv_cache_groups(vllm_config, kv_cache_spec):  # type: ignore[no-untyped-def]
+        token = _hvp_promotion_planning_config.set(vllm_config)
+        try:
+            return original(vllm_config, kv_cache_spec)
+        finally:
+            _hvp_promotion_planning_config.reset(token)
+
+    get_kv_cache_groups._hvp_patch_id = _hvp_kv_promotion_patch_id  # type: ignore[attr-defined]
+    return get_kv_cache_groups
+
+
+# The VllmConfig of the get_kv_cache_groups call in progress (None outside one: vLLM's tests
+# that call the unification directly get the page rule alone).
+if "_hvp_promotion_planning_config" not in globals():
+    import contextvars as _hvp_contextvars
+
+    _hvp_promotion_planning_config = _hvp_contextvars.ContextVar(
+        "_hvp_promotion_planning_config", default=None)
+
 # Wrap once. Running this block again (e.g. exec'd twice) finds the wrapper and does nothing;
 # importlib.reload re-runs the whole module, so it finds vLLM's fresh function and wraps that.
 _hvp_current = globals().get("unify_kv_cache_spec_page_size")
@@ -115,4 +151,9 @@ if callable(_hvp_current) and (
 ):
     _hvp_original_unify_for_promotion = _hvp_current
     unify_kv_cache_spec_page_size = _hvp_wrap_unify_for_promotion(_hvp_current)
+_hvp_current = globals().get("get_kv_cache_groups")
+if callable(_hvp_current) and (
+    getattr(_hvp_current, "_hvp_patch_id", None) != _hvp_kv_promotion_patch_id
+):
+    get_kv_cache_groups = _hvp_wrap_groups_for_promotion(_hvp_current)
 del _hvp_current
