@@ -313,6 +313,18 @@ def _changed_since_apply(state: RecordRead, editing: set[str]) -> str | None:
     for entry in selection.patches:
         if entry.file in editing:
             continue
+        if entry.file is None and entry.verdict == "not-applicable":
+            # a target whose module this release does not have (the symbol lives in another
+            # target's module): unchanged while that module is still absent
+            import importlib.util
+
+            try:
+                exists = importlib.util.find_spec(entry.module) is not None
+            except (ImportError, ValueError):
+                exists = False
+            if exists:
+                return f"{entry.module} exists now ({entry.id})"
+            continue
         if entry.file is None:
             top = entry.module.split(".")[0]
             if top not in present:

@@ -722,15 +722,24 @@ def test_a_patch_over_two_modules_heals_to_its_recorded_blocks(
         module = "duo_pkg.b"
         symbol = "limit"
         shapes = ["{_digest(DUO_B, "limit")}"]
+
+        # a later release's home of compute: absent here, nothing written
+        [[targets]]
+        distribution = "duo-pkg"
+        module = "duo_pkg.later"
+        symbol = "compute"
+        shapes = ["{_digest(DUO_A, "compute")}", "elsewhere"]
         """))
     for module, block in DUO_BLOCKS.items():
         (folder / f"{module}.py").write_text(block)
+    (folder / "duo_pkg.later.py").write_text(DUO_BLOCKS["duo_pkg.a"] + "# in duo_pkg.later\n")
     applied = cli_in(python, "apply", "--patch", "duo-fix", catalog=catalog, cwd=tmp_path)
     assert applied.returncode == 0, applied.stdout + applied.stderr
     site = site_packages(python.parent.parent)
     record = json.loads((site / RECORD).read_text())
     entries = [p for p in record["selection"]["patches"] if p["id"] == "duo-fix"]
-    assert len(entries) == 2 and len({p["block_sha256"] for p in entries}) == 2, entries
+    assert len(entries) == 3 and len({p["block_sha256"] for p in entries}) == 3, entries
+    assert [p["verdict"] for p in entries if p["file"] is None] == ["not-applicable"], entries
     program_dir = tmp_path / "prog"
     program_dir.mkdir()
     (program_dir / "serve.py").write_text(DUO_PROCESS)
@@ -745,6 +754,8 @@ def test_a_patch_over_two_modules_heals_to_its_recorded_blocks(
     in_place = serve(mode="error")
     assert in_place.returncode == 0, in_place.stdout + in_place.stderr
     assert "patches in place (duo-fix) [guard error" in in_place.stdout
+    # the absent module's target is as apply left it: the fast check holds, no full check
+    assert "full check" not in in_place.stdout, in_place.stdout
     assert "patched: True True" in in_place.stdout
     run([UV, "pip", "install", "--quiet", "--reinstall", "--no-deps", "--python", str(python),
          str(wheel)])
@@ -802,9 +813,17 @@ def test_a_dropped_patch_over_two_modules_is_removed_from_both(tmp_path: Path,
         module = "duo_pkg.b"
         symbol = "limit"
         shapes = ["{_digest(DUO_B, "limit")}"]
+
+        # a later release's home of compute: absent here, nothing written
+        [[targets]]
+        distribution = "duo-pkg"
+        module = "duo_pkg.later"
+        symbol = "compute"
+        shapes = ["{_digest(DUO_A, "compute")}", "elsewhere"]
         """))
     for module, block in DUO_BLOCKS.items():
         (folder / f"{module}.py").write_text(block)
+    (folder / "duo_pkg.later.py").write_text(DUO_BLOCKS["duo_pkg.a"] + "# in duo_pkg.later\n")
     catalog = folder.parent
     app = write_project(tmp_path / "app", 'patches = ["duo-fix"]')
     applied = cli_in(python, "apply", catalog=catalog, cwd=app)
