@@ -22,6 +22,12 @@ catalog's 0.29 memory patches that this checkout has (``kv-cache-uneven-groups``
   up to 16384 tokens (every state padded to the larger common page costs more than the padded
   attention page saves), and 1.5x gained only from about 8192 - 16384 tokens: measured while
   choosing the case, the trade-off doctor's memory line shows for the user's own settings.
+  The same start shows the page patch's platform step: vLLM's CPU platform raised the block to
+  288 tokens for the target alone (state padded to the target's 147456 B page, the draft's
+  page 368640 B); patched, the step sets 64-token blocks, and the planning lays every page out
+  at 163840 B (target blocks of 320 tokens, draft blocks of 128): 139,776 KV tokens in vLLM's
+  log line (93,184 as released; 110,440 with the unification wrapper alone, before this step
+  was patched).
 
 On the CPU platform without a draft the page patch cannot change a layout: the platform aligns
 the target's attention block and pads the state page before unification (0.28 and 0.29 alike);
@@ -54,6 +60,8 @@ MODELS = ("granitemoehybrid-uneven", "granitemoehybrid-1group-long", "llama-draf
 # long enough that attention dominates a request's blocks (3 Mamba layers x 2 blocks each)
 LONG = 8192
 KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+PLATFORM_LINE = re.compile(r"block size (\d+) instead of (\d+), so that the KV planning reaches "
+                           r"a common page of (\d+) B instead of (\d+) B")
 
 
 def _memory_cases(models: dict[str, Path]) -> list[dict[str, Any]]:
@@ -223,6 +231,27 @@ def test_patched_draft_start_holds_more_kv_tokens(unpatched29: Served, patched29
     assert f"[hatch-vllm-patch {PAGE_PATCH}]" in patched29.log
     tokens, released_tokens = _kv_tokens(patched29)["draft"], _kv_tokens(unpatched29)["draft"]
     assert tokens > released_tokens, (tokens, released_tokens)
+
+
+@pytest.mark.slow
+def test_patched_platform_step_counts_the_draft(unpatched29: Served, patched29: Served,
+                                                memory_patches: tuple[str, ...]) -> None:
+    """The page patch's platform step: vLLM's CPU platform raised the block for the target's
+    bytes per token alone; patched, it logs a smaller block from which the planning reaches a
+    smaller common page, and the engine's every page is that page: smaller than the page vLLM
+    lays out as released, no attention page padded."""
+    _needs(PAGE_PATCH, memory_patches)
+    line = next((x for x in patched29.log.splitlines() if "a draft's): block size" in x
+                 and f"[hatch-vllm-patch {PAGE_PATCH}]" in x), None)
+    assert line is not None, patched29.log[-4000:]
+    found = PLATFORM_LINE.search(line)
+    assert found, line
+    block, chosen, page, vllms_page = (int(g) for g in found.groups())
+    assert block < chosen and page < vllms_page, line
+    layout = patched29.cases["draft"]["layout"]
+    assert {g["page"] for g in layout["groups"]} == {page}, layout
+    released = unpatched29.cases["draft"]["layout"]
+    assert {g["page"] for g in released["groups"]} == {vllms_page}, released
 
 
 # --- issue 23: the naive page fix on the CPU backend --------------------------------------------

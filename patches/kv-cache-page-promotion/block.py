@@ -17,7 +17,9 @@
 #   * every MambaSpec page is padded to P.
 # A set with a layer whose page does not scale exactly with block_size (MLA with a row
 # alignment, an attention page already padded by the platform, a spec type of a plugin) gets
-# vLLM's own result.
+# vLLM's own result. Inside get_kv_cache_groups (also wrapped here, only to make its VllmConfig
+# visible), the wrapper's layout is returned only where a request of max_model_len holds
+# strictly fewer bytes in it (every layer's max_memory_usage_bytes); otherwise vLLM's result.
 import typing as _hvp_typing
 
 if _hvp_typing.TYPE_CHECKING:
