@@ -766,6 +766,8 @@ PLANNING_PATHS = {
 PLANNING_MAX_MODEL_LEN = 4096
 # The modules of vLLM's KV planning: a catalog patch of one of them changes the plan.
 PLANNING_MODULES = ("vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning")
+# The catalog patch that brings every page to the smallest common page (its platform step too).
+PAGE_PATCH = "kv-cache-page-promotion"
 
 # A DFlash-like draft: five Qwen3 decoder layers (8 KV heads x 128, bf16 KV), as z-lab's
 # DFlash drafters of Qwen3.x targets.
