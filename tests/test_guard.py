@@ -813,17 +813,9 @@ def test_a_dropped_patch_over_two_modules_is_removed_from_both(tmp_path: Path,
         module = "duo_pkg.b"
         symbol = "limit"
         shapes = ["{_digest(DUO_B, "limit")}"]
-
-        # a later release's home of compute: absent here, nothing written
-        [[targets]]
-        distribution = "duo-pkg"
-        module = "duo_pkg.later"
-        symbol = "compute"
-        shapes = ["{_digest(DUO_A, "compute")}", "elsewhere"]
         """))
     for module, block in DUO_BLOCKS.items():
         (folder / f"{module}.py").write_text(block)
-    (folder / "duo_pkg.later.py").write_text(DUO_BLOCKS["duo_pkg.a"] + "# in duo_pkg.later\n")
     catalog = folder.parent
     app = write_project(tmp_path / "app", 'patches = ["duo-fix"]')
     applied = cli_in(python, "apply", catalog=catalog, cwd=app)
