@@ -7,17 +7,20 @@
 # planning then pads every state page up to the draft's page.
 #
 # Rebinds Platform._align_hybrid_block_size to a wrapper of vLLM's own method, which runs first
-# (its errors propagate, its result stays wherever this patch has nothing smaller). Then, only
-# for a draft with its own KV cache and mamba_cache_mode "none" or "align" (vLLM's default with
-# prefix caching; "all" keeps vLLM's layout),
-# it computes the smallest common page P that every attention page, the draft's included,
-# divides at whole multiples of the kernel's block unit and that covers the state page. Where P
-# is smaller than the page vLLM's layout ends on and no request of max_model_len needs more
-# bytes in any layer, it sets the block size to gcd(P / target bytes per token, P / draft bytes
-# per token) and leaves the state page unpadded: this patch's wrapper of
-# unify_kv_cache_spec_page_size (the other targets) then promotes every attention layer to page P
-# and pads the states to P. Anything it cannot compute exactly as vLLM does (MLA, packed or
-# skipped KV dtypes, a target page that differs from the one vLLM just used) keeps vLLM's result.
+# (its errors propagate). The step runs after the model, a draft's included, is loaded: the
+# wrapper reads every loaded layer's KV spec at the settings vLLM chose. Where attention layers
+# have different bytes per token (a draft's), mamba_cache_mode is "none" or "align" (vLLM's
+# default with prefix caching; "all" keeps vLLM's layout) and every spec is full or
+# sliding-window attention or a Mamba state, it computes P, the smallest page that every
+# attention page divides at whole multiples of the kernel's block unit and that covers the
+# state page. Where P is smaller than the page vLLM's unification would lay everything out on
+# and a request of max_model_len holds strictly fewer bytes (vLLM's max_memory_usage_bytes of
+# every layer, both ways), it sets the block size to gcd(P / each attention layer's bytes per
+# token) (in "align" mode mamba_block_size too, vLLM's rule) and leaves the state page
+# unpadded: this patch's wrapper of unify_kv_cache_spec_page_size (the other targets) then
+# promotes every attention layer to page P and pads the states to P. Anywhere else (no draft, a
+# draft of the target's bytes per token, MLA, fp8 skip layers, another spec type, anything it
+# cannot compute) vLLM's settings stay as vLLM set them.
 import typing as _hvp_typing
 
 if _hvp_typing.TYPE_CHECKING:
