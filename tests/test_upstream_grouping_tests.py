@@ -35,14 +35,16 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = REPO / "patches" / "kv-cache-uneven-groups" / "block.py"
 # Per release, node id -> the padding layers (and bytes per block) vLLM's assertion pins, which
-# the patch removes. Measured on 0.29.0: none of its tests pins a padding the patch changes (they
-# pin n:1 patterns and the gpt-oss + EAGLE 13 + 12 / 19 + 18 cases, which the patch keeps).
+# the patch removes. Measured: none of the tests of 0.29.0, 0.31.0 or 0.33.0 pins a padding the
+# patch changes (they pin n:1 patterns and the gpt-oss + EAGLE 13 + 12 / 19 + 18 cases, which the
+# patch keeps); 11, 14 and 19 of their calls reach the grouping, none is regrouped.
 PINNED_PADDING: dict[str, dict[str, str]] = {"0.29.0": {}, "0.31.0": {}, "0.33.0": {}}
 # Whether a test importlib.reload()s the grouping's module (0.29 - 0.32 reload kv_cache_utils;
 # 0.33's grouping lives in kv_cache_planning, which no test reloads): the plugin installs again.
 RELOADS = {"0.29.0": 1, "0.31.0": 1, "0.33.0": 0}
 # vLLM's conftest (fixture caplog_vllm) is not loaded: these error in both states.
 _UTILS = "tests/v1/core/test_kv_cache_utils.py"
+_PLANNING = "tests/v1/core/test_kv_cache_planning.py"
 NEEDS_VLLM_CONFTEST = {
     "0.29.0": {
         f"{_UTILS}::test_mla_with_incompatible_swa_uses_one_full_allocation_group",
@@ -58,7 +60,11 @@ NEEDS_VLLM_CONFTEST = {
         f"{_UTILS}::test_unidentifiable_draft_with_mamba_warns",
         f"{_UTILS}::test_unidentifiable_draft_without_mamba_does_not_warn",
     },
-    "0.33.0": set(),
+    "0.33.0": {
+        f"{_PLANNING}::test_mla_with_incompatible_swa_uses_one_full_allocation_group",
+        f"{_PLANNING}::test_warns_only_when_untagged_draft_meets_mamba[untagged_hybrid]",
+        f"{_PLANNING}::test_warns_only_when_untagged_draft_meets_mamba[untagged_uniform_attention]",
+    },
 }
 PLUGIN = '''\
 import importlib, json, logging, os, sys
@@ -156,6 +162,6 @@ def test_upstream_grouping_tests_pass_patched(tmp_path: Path, version: str) -> N
     assert set(patched) == set(pristine)
     assert {n for n, o in pristine.items() if o != "passed"} == NEEDS_VLLM_CONFTEST[version]
     assert (before["wrapped"], after["wrapped"]) == (False, True)
-    assert before["calls"] == after["calls"] >= 10 and before["regrouped"] == 0  # 11 on 0.29
+    assert before["calls"] == after["calls"] >= 10 and before["regrouped"] == 0  # 11, 14, 19
     assert after["installs"] == before["installs"] >= 1 + RELOADS[version]
     assert set(lost) == set(PINNED_PADDING[version]), {n: patched.get(n) for n in lost}

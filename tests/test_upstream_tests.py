@@ -15,6 +15,10 @@ comes from a folder of its own on ``PYTHONPATH``, so nothing is installed into t
 vLLM's conftest (heavy imports, fixtures for GPUs and the hub) is not loaded; the hub is offline,
 with a cache holding only the ``config.json`` of the two models the KV tests name (their
 published dimensions).
+
+The memory patches of 0.29 - 0.33 (test_upstream_unify_tests_with_page_promotion here, and
+tests/test_upstream_grouping_tests.py) run the planning tests of 0.29.0, 0.31.0 and 0.33.0 the
+same way, read-only: their block is executed into vLLM's module by a pytest plugin.
 """
 
 from __future__ import annotations
