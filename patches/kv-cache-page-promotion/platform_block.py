@@ -122,7 +122,8 @@ def _hvp_draft_aware_block(
     if not states or not attention:
         return None
     per_token = {n: replace(s, block_size=1).page_size_bytes for n, s in attention.items()}
-    if len(set(per_token.values())) < 2:
+    kinds = set(per_token.values())
+    if len(kinds) < 2:
         return None  # one attention page: vLLM's step already made it the smallest
     # vLLM's layout: its unification brings every page to the largest at these settings
     # (an attention page that divides it by more blocks, any other page padded)
@@ -140,13 +141,12 @@ def _hvp_draft_aware_block(
     # padded only to the smallest page they all divide
     unit = _hvp_kernel_unit(cls, vllm_config, backend_cls, block_before)
     state = max(replace(s, page_size_padded=None).page_size_bytes for s in states.values())
-    common = lcm(*(unit * b for b in set(per_token.values())))
+    common = lcm(*(unit * b for b in kinds))
     page = max(1, -(-state // common)) * common
     if page >= upstream_page:
         return None
-    block = reduce(gcd, (page // b for b in set(per_token.values())))
-    if block < block_before or block % unit:
-        return None
+    # a multiple of the unit (page // b is, for every b), so >= the block before the step
+    block = reduce(gcd, (page // b for b in kinds))
     ours = sum(replace(s, block_size=page // per_token[n]).max_memory_usage_bytes(vllm_config)
                for n, s in attention.items())
     state_block = block if mode == "align" else None
@@ -158,8 +158,7 @@ def _hvp_draft_aware_block(
     if ours >= vllms:
         return None  # a request of max_model_len would not hold fewer bytes
     return {"block_size": block, "page": page, "upstream_page": upstream_page,
-            "bytes_per_request": ours, "upstream_bytes_per_request": vllms,
-            "attention_bytes_per_token": max(per_token.values()), "unit": unit}
+            "bytes_per_request": ours, "upstream_bytes_per_request": vllms}
 
 
 def _hvp_install_platform_promotion() -> None:
