@@ -10,6 +10,11 @@ import sys  # built in, already loaded: nothing runs (and no ``from __future__``
 def entry() -> int:
     try:
         from ._cli import main
+
+        # ``main`` answers a Ctrl-C inside its own ``try`` with what it wrote; one that lands
+        # before that ``try`` begins (between the import and it) reaches this handler, and
+        # nothing has been written yet. Once the work is done ``main`` ignores Ctrl-C.
+        return main(final=True)
     except BaseException as exc:
         # Ctrl-C while a module loads can surface wrapped: a KeyboardInterrupt raised inside
         # ``__set_name__`` becomes a RuntimeError whose cause it is (seen in ipaddress).
@@ -20,7 +25,6 @@ def entry() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("vllm-patch: interrupted; nothing was written", file=sys.stderr, flush=True)
         return 130
-    return main(final=True)
 
 
 def interrupted(exc: BaseException) -> bool:

@@ -389,15 +389,15 @@ def interrupted_message(written: Sequence[Path], authoring: bool = False) -> str
 def main(argv: Sequence[str] | None = None, *, final: bool = False) -> int:
     """The command line. ``final``: the process ends with this call (the console script and
     ``python -m``), so once the work is done Ctrl-C is ignored while the result is printed."""
-    _robust_streams()
     written: list[Path] = []
     operation: list[str] = []
     streams = sys.stdout, sys.stderr
-    # Every line this command renders passes one escaping function: control characters from
-    # foreign data (a config.json's names, a path) never reach the terminal raw.
-    sys.stdout = cast(TextIO, _Escaping(sys.stdout))
-    sys.stderr = cast(TextIO, _Escaping(sys.stderr))
     try:
+        _robust_streams()
+        # Every line this command renders passes one escaping function: control characters
+        # from foreign data (a config.json's names, a path) never reach the terminal raw.
+        sys.stdout = cast(TextIO, _Escaping(sys.stdout))
+        sys.stderr = cast(TextIO, _Escaping(sys.stderr))
         return _main(argv, written, operation, final)
     except BaseException as exc:
         from .__main__ import interrupted
