@@ -768,6 +768,11 @@ PLANNING_MAX_MODEL_LEN = 4096
 PLANNING_MODULES = ("vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning")
 # The catalog patch that brings every page to the smallest common page (its platform step too).
 PAGE_PATCH = "kv-cache-page-promotion"
+GROUPS_PATCH = "kv-cache-uneven-groups"
+# The opt-in alternative to GROUPS_PATCH (it replaces it): no padding layer, more groups. Not in
+# "ours"; its own variant and column, "exact groups" (ours with it instead of GROUPS_PATCH).
+EXACT_PATCH = "kv-cache-exact-groups"
+EXACT_TOGETHER = "with exact groups"
 
 # A DFlash-like draft: five Qwen3 decoder layers (8 KV heads x 128, bf16 KV), as z-lab's
 # DFlash drafters of Qwen3.x targets.
@@ -864,8 +869,13 @@ def memory_patches(python: Path) -> list[Any]:
     from hatch_vllm_patch.operations import Request, run
 
     catalog = load_catalog()
-    status = run("status", Request(python=str(python), patches=tuple(catalog)))
-    missing = {o.patch_id for o in status.outcomes if o.verdict is Verdict.MISSING}
+    # a selection leaves out a patch another selected one replaces: the exact grouping, which
+    # replaces the uneven-groups rule, is asked about on its own
+    missing = set()
+    for ids in ([pid for pid in catalog if pid != EXACT_PATCH], [EXACT_PATCH]):
+        if all(pid in catalog for pid in ids):
+            status = run("status", Request(python=str(python), patches=tuple(ids)))
+            missing |= {o.patch_id for o in status.outcomes if o.verdict is Verdict.MISSING}
     return [catalog[pid] for pid in catalog if pid in missing
             and any(part.target.module in PLANNING_MODULES for part in catalog[pid].parts)]
 
@@ -964,10 +974,13 @@ def planning_rows(answer: dict[str, Any], ours: str | None
             refused.append(f"{entry['case']}: {_failure(installed)}")
             continue
         before, after = _plan_of(installed), _plan_of(mine)
+        exact_raw = entry["variants"].get(EXACT_TOGETHER)
+        exact = _plan_of(exact_raw) if exact_raw is not None else None
         minimum = minimum_plan(installed["facts"], PLANNING_PATHS[path][1],
                                PLANNING_MAX_MODEL_LEN)
         row = {"path": path, "model": model, "tp": int(tp), "kv_dtype": kv_dtype,
                "draft": draft, "installed": before, "ours": after, "minimum": minimum,
+               "exact": exact,
                "installed_failed": None if before else _failure(installed),
                "ours_failed": None if after else _failure(mine)}
         min_bytes = minimum["bytes_per_request"]
@@ -982,6 +995,10 @@ def planning_rows(answer: dict[str, Any], ours: str | None
             problems.append(f"{label}: ours {after['bytes_per_request']} B per request, page "
                             f"{after['pages']} != the minimum {min_bytes} B, page "
                             f"{minimum['page']}")
+        if exact_raw is not None and (exact is None or exact["bytes_per_request"] != min_bytes):
+            problems.append(f"{label}: with exact groups "
+                            + (f"{exact['bytes_per_request']} B per request != the minimum "
+                               f"{min_bytes} B" if exact else f"fails ({_failure(exact_raw)})"))
         rows.append(row)
     return rows, problems, refused
 
@@ -991,13 +1008,20 @@ def planning_part(workdir: Path, version: str, *, cases: list[dict[str, Any]] | 
     """One release: its environment (``python``, else :func:`planning_env`), the memory
     patches that apply, one probe child for every case (as installed, each patch, all
     together), the rows judged."""
-    from hatch_vllm_patch.doctor import ALL_TOGETHER, run_child, variants
+    from hatch_vllm_patch.doctor import ALL_TOGETHER, combined, run_child, variants
 
     python = python or planning_env(workdir, version)
-    patches = memory_patches(python)
+    every = memory_patches(python)
+    # ours: every memory patch but the opt-in exact grouping, which gets its own variant: ours
+    # with it in place of the uneven-groups rule it replaces
+    patches = [p for p in every if p.id != EXACT_PATCH]
     job_variants = variants(patches)
     names = [v["name"] for v in job_variants]
     ours = (ALL_TOGETHER if ALL_TOGETHER in names else patches[0].id) if patches else None
+    exact = [p for p in every if p.id == EXACT_PATCH]
+    if exact:
+        job_variants.append(combined(EXACT_TOGETHER, [
+            *(p for p in patches if p.id != GROUPS_PATCH), *exact]))
     job = {"cases": cases if cases is not None else planning_cases(workdir),
            "variants": job_variants}
     start = time.perf_counter()
@@ -1008,7 +1032,9 @@ def planning_part(workdir: Path, version: str, *, cases: list[dict[str, Any]] | 
     print(f"vLLM {answer['vllm']}: {len(job['cases'])} cases x {len(job_variants)} variants "
           f"in one child, {seconds:.0f} s", flush=True)
     return {"vllm": answer["vllm"], "torch": answer["torch"], "python": str(python),
-            "patches": [p.id for p in patches], "ours": ours, "rows": rows,
+            "patches": [p.id for p in patches], "ours": ours,
+            "exact": next((v["patches"] for v in job_variants if v["name"] == EXACT_TOGETHER),
+                          []), "rows": rows,
             "problems": problems, "refused": refused, "seconds": round(seconds)}
 
 
@@ -1017,9 +1043,14 @@ def _ratio(a: int | None, b: int | None) -> str:
 
 
 def planning_table(rows: list[dict[str, Any]]) -> str:
-    """The rows as text: tokens per GiB and max concurrency, installed / ours / minimum."""
+    """The rows as text: tokens per GiB and max concurrency, installed / ours / minimum, and
+    the groups with ours and with exact groups."""
     def tokens(plan: dict[str, Any] | None) -> Any:
         return plan["tokens_per_gib"] if plan else "fails"
+
+    def groups(row: dict[str, Any]) -> str:
+        return " / ".join(str(plan["groups"]) if plan else "-"
+                          for plan in (row["installed"], row["ours"], row.get("exact")))
 
     def concurrency(plan: dict[str, Any] | None) -> Any:
         value = plan and plan.get("max_concurrency")
@@ -1027,13 +1058,15 @@ def planning_table(rows: list[dict[str, Any]]) -> str:
 
     return table(
         ["path", "model", "TP", "KV", "draft", "tok/GiB upstream", "ours", "minimum",
-         "ours/upstream", "max concurrency/GiB upstream", "ours", "minimum"],
+         "ours/upstream", "exact groups", "max concurrency/GiB upstream", "ours", "minimum",
+         "groups upstream / ours / exact"],
         [[r["path"], r["model"], r["tp"], {"auto": "bf16"}.get(r["kv_dtype"], r["kv_dtype"]),
           r["draft"], tokens(r["installed"]), tokens(r["ours"]), r["minimum"]["tokens_per_gib"],
           _ratio(r["ours"] and r["ours"]["tokens_per_gib"],
                  r["installed"] and r["installed"]["tokens_per_gib"]),
+          tokens(r.get("exact")) if "exact" in r and r["exact"] is not None else "-",
           concurrency(r["installed"]), concurrency(r["ours"]),
-          f"{r['minimum']['max_concurrency']:.2f}"] for r in rows])
+          f"{r['minimum']['max_concurrency']:.2f}", groups(r)] for r in rows])
 
 
 def planning_summary(part: dict[str, Any]) -> str:
@@ -1052,6 +1085,17 @@ def planning_summary(part: dict[str, Any]) -> str:
     if gains:
         text += (f"; ours/upstream tokens per GiB where upstream pads: median "
                  f"{gains[len(gains) // 2]:.2f}x, min {gains[0]:.2f}x, max {gains[-1]:.2f}x")
+    exact = [r for r in rows if r.get("exact")]
+    if part.get("exact") and exact:
+        regrouped = [r for r in exact if r["exact"]["groups"] != r["ours"]["groups"]]
+        more = sorted(r["exact"]["groups"] / r["ours"]["groups"] for r in regrouped)
+        exact_min = sum(r["exact"]["bytes_per_request"] == r["minimum"]["bytes_per_request"]
+                        for r in exact)
+        text += (f". With {' + '.join(part['exact'])} instead: = minimum on {exact_min} of "
+                 f"{len(rows)}; groups differ from ours on {len(regrouped)} rows")
+        if more:
+            text += (f", {more[len(more) // 2]:.1f}x ours' groups (median, max "
+                     f"{more[-1]:.1f}x, up to {max(r['exact']['groups'] for r in regrouped)})")
     return text + "."
 
 
@@ -1068,8 +1112,9 @@ def planning_markdown(parts: Sequence[dict[str, Any]]) -> str:
                 f"max {values[-1]:.2f}x)")
 
     lines = ["| vLLM | path | rows | upstream below the minimum | ours = minimum | "
-             "ours / upstream, tokens per GiB (median) | minimum / upstream (median) |",
-             "|---|---|---|---|---|---|---|"]
+             "ours / upstream, tokens per GiB (median) | minimum / upstream (median) | "
+             "with exact groups: = minimum | groups, exact / ours (median where they differ) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for part in parts:
         for path in PLANNING_PATHS:
             rows = [r for r in part["rows"] if r["path"] == path and r["installed"]]
@@ -1078,12 +1123,18 @@ def planning_markdown(parts: Sequence[dict[str, Any]]) -> str:
                     > r["minimum"]["bytes_per_request"]]
             at_min = sum(r["ours"]["bytes_per_request"] == r["minimum"]["bytes_per_request"]
                          for r in mine)
+            exact = [r for r in mine if r.get("exact")]
+            exact_min = sum(r["exact"]["bytes_per_request"]
+                            == r["minimum"]["bytes_per_request"] for r in exact)
             lines.append(
                 f"| {part['vllm']} | {path} | {len(rows)} | {len(pads)} | {at_min} | "
                 + spread([r["ours"]["tokens_per_gib"] / r["installed"]["tokens_per_gib"]
                           for r in mine])
                 + " | " + spread([r["minimum"]["tokens_per_gib"]
-                                  / r["installed"]["tokens_per_gib"] for r in rows]) + " |")
+                                  / r["installed"]["tokens_per_gib"] for r in rows])
+                + f" | {exact_min if exact else '-'} | "
+                + spread([r["exact"]["groups"] / r["ours"]["groups"] for r in exact
+                          if r["exact"]["groups"] != r["ours"]["groups"]]) + " |")
     lines += ["", "| vLLM | path | model | TP | KV | draft | tokens per GiB: upstream | ours | "
               "minimum | max concurrency per GiB: upstream | ours | minimum |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -155,7 +155,9 @@ def test_planning_table_ours_never_below_upstream(version: str, tmp_path: Path) 
     minimum; its common page is the minimum's page on every row, and it holds strictly more
     tokens wherever upstream's page is larger. Where ours still holds fewer tokens than the
     minimum, the only cause is group padding the uneven-groups rule keeps (groups of two
-    sizes): that gap is printed, not hidden."""
+    sizes): that gap is printed, not hidden. With kv-cache-exact-groups in place of the
+    uneven-groups rule, every row holds exactly the minimum: strictly more tokens than upstream
+    wherever upstream pads anything, no row below ours, and the extra groups are printed."""
     from venvs import full_vllm_planning_env
 
     python = full_vllm_planning_env(version)
@@ -168,6 +170,8 @@ def test_planning_table_ours_never_below_upstream(version: str, tmp_path: Path) 
     assert part["vllm"] == version and len(rows) >= 100, part["refused"]
     gained = at_minimum = 0
     short: dict[tuple[str, str], int] = {}
+    exact_in = memory.EXACT_PATCH in part["exact"]
+    regrouped: list[float] = []
     for row in rows:
         label = (row["path"], row["model"], row["tp"], row["kv_dtype"], row["draft"])
         ours, upstream, minimum = row["ours"], row["installed"], row["minimum"]
@@ -181,6 +185,15 @@ def test_planning_table_ours_never_below_upstream(version: str, tmp_path: Path) 
                 assert ours["tokens_per_gib"] > upstream["tokens_per_gib"], label
         if ours["bytes_per_request"] > minimum["bytes_per_request"]:
             assert len(ours["group_layers"]) > 1, (label, ours)  # padded groups, nothing else
+        if exact_in:
+            exact = row["exact"]
+            assert exact is not None, label
+            assert exact["bytes_per_request"] == minimum["bytes_per_request"], (label, exact)
+            assert len(exact["group_layers"]) == 1, (label, exact)  # no padded group
+            if upstream["bytes_per_request"] > minimum["bytes_per_request"]:
+                assert exact["tokens_per_gib"] > upstream["tokens_per_gib"], label
+            if exact["groups"] != ours["groups"]:
+                regrouped.append(exact["groups"] / ours["groups"])
         gained += ours["bytes_per_request"] < upstream["bytes_per_request"]
         at_minimum += ours["bytes_per_request"] == minimum["bytes_per_request"]
         if ours["bytes_per_request"] > minimum["bytes_per_request"]:
@@ -189,3 +202,8 @@ def test_planning_table_ours_never_below_upstream(version: str, tmp_path: Path) 
     assert gained, "no row where the patches gain: the table would prove nothing"
     print(f"vLLM {version}: {len(rows)} rows, ours above upstream on {gained}, at the minimum "
           f"on {at_minimum}; below the minimum by (path, draft): {sorted(short.items())}")
+    if exact_in:
+        assert regrouped, "exact groups never regroup: the column would prove nothing"
+        print(f"with exact groups: the minimum on all {len(rows)} rows; groups differ from "
+              f"ours on {len(regrouped)}, {sorted(regrouped)[len(regrouped) // 2]:.1f}x ours' "
+              f"(median), at most {max(regrouped):.1f}x")

