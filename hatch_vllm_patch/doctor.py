@@ -616,6 +616,17 @@ def memory_advice(runs: Sequence[Run], memory: Sequence[str], facts: Mapping[str
     patches = tuple((r.patches[0], tokens_per_gib(r.cost.bytes_per_request, max_len)
                      if r.starts and r.cost else None)
                     for r in runs[1:] if len(r.patches) == 1 and r.patches[0] in memory)
+    # a patch that regroups the layers: its group count beside the installed one (vLLM does
+    # per-group work every step, so more groups is a cost to weigh, e.g. one-layer groups)
+    groups = {r.patches[0]: len(r.cost.groups) for r in runs[1:]
+              if len(r.patches) == 1 and r.starts and r.cost}
+    groups_before = len(installed.cost.groups)
+
+    def regrouped(pid: str) -> str:
+        count = groups.get(pid, groups_before)
+        return "" if count == groups_before else \
+            f", {count} KV cache groups instead of {groups_before}"
+
     minimum = None
     if facts and "state_blocks_per_request" in facts:
         with contextlib.suppress(KeyError, TypeError, ZeroDivisionError):
@@ -625,7 +636,8 @@ def memory_advice(runs: Sequence[Run], memory: Sequence[str], facts: Mapping[str
     floor = f"; the minimum holds {minimum:,}" if minimum else ""
     if gaining:
         line = "; ".join(f"{pid}: {100.0 * (t - before) / before:+.0f}% tokens per GiB "
-                         f"({before:,} \u2192 {t:,})" for pid, t in gaining) + floor
+                         f"({before:,} \u2192 {t:,}{regrouped(pid)})"
+                         for pid, t in gaining) + floor
     elif patches:
         verb = "changes" if len(patches) == 1 else "change"
         line = (", ".join(pid for pid, _ in patches) + f" {verb} nothing here: {before:,} "

@@ -459,6 +459,13 @@ def test_memory_advice_recommends_a_patch_that_holds_more() -> None:
     assert advice.recommended == ("promote",)
     assert advice.line == (f"promote: +100% tokens per GiB ({tokens // 2:,} \u2192 {tokens:,}); "
                            f"the minimum holds {tokens:,}")
+    more_groups = _planned("regroup", ("regroup",), best["bytes_per_request"])
+    more_groups = more_groups._replace(cost=more_groups.cost._replace(groups=("g",) * 41))
+    regrouped = memory_advice([*runs, more_groups], ["promote", "same", "regroup"],
+                              QWEN36_FACTS, "cuda")
+    assert regrouped is not None and regrouped.recommended == ("promote", "regroup")
+    assert (f"regroup: +100% tokens per GiB ({tokens // 2:,} \u2192 {tokens:,}, 41 KV cache "
+            "groups instead of 1)") in regrouped.line
     quiet = memory_advice(runs[:1] + runs[2:], ["same"], QWEN36_FACTS, "cuda")
     assert quiet is not None and quiet.recommended == ()
     assert quiet.line.startswith("same changes nothing here:")
