@@ -28,8 +28,9 @@ the doctor cannot disagree.
    platform path (none: a user-set block size, nothing aligned; the CPU backend's 32-token rule;
    FlashAttention's 16-token rule). Per row, tokens per GiB and requests of max_model_len per
    GiB, from vLLM's own plan: as installed, with every catalog patch of vLLM's KV planning that
-   applies to the release (all together), and the physical minimum by formula (doctor's
-   ``minimum_plan``). One probe child per release.
+   applies to the release (all together: ours), with kv-cache-exact-groups in place of the
+   kv-cache-uneven-groups it replaces (exact groups: the minimum, and the groups it costs), and
+   the physical minimum by formula (doctor's ``minimum_plan``). One probe child per release.
 
     uv run python benchmarks/memory.py [--json FILE] [--workdir DIR] [--keep]
                                        [--only kv|neuron|planning] [--no-upstream]

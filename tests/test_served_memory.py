@@ -11,6 +11,11 @@ catalog's 0.29 memory patches that this checkout has (``kv-cache-uneven-groups``
   grouping patch makes 5 one-layer groups without padding, and greedy tokens are exactly
   transformers' float32, as released and patched (vLLM's log, 256-token context: 77,653 KV
   tokens as released, 93,184 patched);
+- Granite with 3 attention and 5 Mamba layers: vLLM groups them in threes with one padding
+  layer, and kv-cache-uneven-groups keeps exactly that (a group size of 2 would pad attention);
+  in an environment of its own (it replaces kv-cache-uneven-groups), kv-cache-exact-groups
+  gives both Granites one-layer groups, no padding layer, more KV tokens in vLLM's log line,
+  and transformers' float32 tokens;
 - with a Llama draft of 2.5x the target's KV bytes per token (1 speculative token, 8192-token
   context): vLLM pads the target's attention page up to the draft's page; the page patch
   promotes block sizes instead, and the capacity vLLM logs ("GPU KV cache size: N tokens") is
