@@ -34,11 +34,16 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = REPO / "patches" / "kv-cache-uneven-groups" / "block.py"
+EXACT = "kv-cache-exact-groups"
+EXACT_BLOCK = REPO / "patches" / EXACT / "block.py"
 # Per release, node id -> the padding layers (and bytes per block) vLLM's assertion pins, which
 # the patch removes. Measured: none of the tests of 0.29.0, 0.31.0 or 0.33.0 pins a padding the
 # patch changes (they pin n:1 patterns and the gpt-oss + EAGLE 13 + 12 / 19 + 18 cases, which the
 # patch keeps); 11, 14 and 19 of their calls reach the grouping, none is regrouped.
 PINNED_PADDING: dict[str, dict[str, str]] = {"0.29.0": {}, "0.31.0": {}, "0.33.0": {}}
+# kv-cache-exact-groups (a third pytest process per release): the tests whose assertions pin a
+# grouping with padding layers that it regroups without (node id -> what the padding costs).
+EXACT_PINS: dict[str, dict[str, str]] = {"0.29.0": {}, "0.31.0": {}, "0.33.0": {}}
 # Whether a test importlib.reload()s the grouping's module (0.29 - 0.32 reload kv_cache_utils;
 # 0.33's grouping lives in kv_cache_planning, which no test reloads): the plugin installs again.
 RELOADS = {"0.29.0": 1, "0.31.0": 1, "0.33.0": 0}
@@ -90,7 +95,7 @@ def _install():
         with open(block, encoding="utf-8") as f:
             exec(compile(f.read(), module.__file__, "exec"), module.__dict__)
     grouping = module._get_kv_cache_groups_uniform_page_size
-    _counts["wrapped"] = getattr(grouping, "_hvp_patch_id", None) == "kv-cache-uneven-groups"
+    _counts["wrapped"] = getattr(grouping, "_hvp_patch_id", None) == os.environ.get("HVP_PATCH")
     _counts["installs"] += 1
 
     def counted(kv_cache_spec):
@@ -147,17 +152,22 @@ def test_upstream_grouping_tests_pass_patched(tmp_path: Path, version: str) -> N
            "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_TARGET_DEVICE": "cpu"}
     skip = tuple(f"--deselect={node}" for node in LOAD_BOUND.get(version, ()))
     pristine, before = run_state(python, root, env, "pristine", files, skip)
-    patched, after = run_state(python, root, {**env, "HVP_BLOCK": str(BLOCK)}, "patched", files,
-                               skip)
+    patched, after = run_state(python, root, {**env, "HVP_BLOCK": str(BLOCK),
+                                              "HVP_PATCH": "kv-cache-uneven-groups"},
+                               "patched", files, skip)
+    exact, regrouped = run_state(python, root, {**env, "HVP_BLOCK": str(EXACT_BLOCK),
+                                                "HVP_PATCH": EXACT}, "exact", files, skip)
 
     passed = sorted(n for n, o in pristine.items() if o == "passed")
     lost = sorted(n for n in passed if patched.get(n) != "passed")
+    lost_exact = sorted(n for n in passed if exact.get(n) != "passed")
     print(f"\n{len(pristine)} tests of {version}: {len(passed)} pass as released, "
           f"{sum(o == 'passed' for o in patched.values())} patched; grouping called "
           f"{after['calls']} times, regrouped {after['regrouped']}, installed "
           f"{after['installs']} times; not passing as released: "
           f"{sorted((n, o) for n, o in pristine.items() if o != 'passed')}; lost: {lost}; "
-          f"{time.monotonic() - started:.0f} s")
+          f"with {EXACT}: {sum(o == 'passed' for o in exact.values())} pass, regrouped "
+          f"{regrouped['regrouped']}, lost: {lost_exact}; {time.monotonic() - started:.0f} s")
     assert len(passed) >= 100, sorted(pristine.items())
     assert set(patched) == set(pristine)
     assert {n for n, o in pristine.items() if o != "passed"} == NEEDS_VLLM_CONFTEST[version]
@@ -165,3 +175,6 @@ def test_upstream_grouping_tests_pass_patched(tmp_path: Path, version: str) -> N
     assert before["calls"] == after["calls"] >= 10 and before["regrouped"] == 0  # 11, 14, 19
     assert after["installs"] == before["installs"] >= 1 + RELOADS[version]
     assert set(lost) == set(PINNED_PADDING[version]), {n: patched.get(n) for n in lost}
+    assert set(exact) == set(pristine) and regrouped["wrapped"]
+    assert regrouped["calls"] == before["calls"]
+    assert set(lost_exact) == set(EXACT_PINS[version]), {n: exact.get(n) for n in lost_exact}
