@@ -1140,21 +1140,25 @@ def planning_markdown(parts: Sequence[dict[str, Any]]) -> str:
                 + spread([r["exact"]["groups"] / r["ours"]["groups"] for r in exact
                           if r["exact"]["groups"] != r["ours"]["groups"]]) + " |")
     lines += ["", "| vLLM | path | model | TP | KV | draft | tokens per GiB: upstream | ours | "
-              "minimum | max concurrency per GiB: upstream | ours | minimum |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "exact groups | minimum | max concurrency per GiB: upstream | ours | minimum | "
+              "groups: upstream / ours / exact |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for part in parts[-1:]:  # examples, newest release: Gated DeltaNet, an uneven count
         for r in part["rows"]:
             if r["tp"] != 2 or r["kv_dtype"] != "fp8" or r["path"] == "cpu" or r["model"] not in (
                     "Qwen3.6-35B-A3B", "NemotronH-like 17M:12A") or not r["installed"]:
                 continue
-            ours = r["ours"]
+            ours, exact = r["ours"], r.get("exact")
             tokens = f"{ours['tokens_per_gib']:,}" if ours else "fails"
+            exact_tokens = f"{exact['tokens_per_gib']:,}" if exact else "-"
             requests = f"{ours['max_concurrency']:.2f}" if ours else "-"
+            groups = " / ".join(str(plan["groups"]) if plan else "-"
+                                for plan in (r["installed"], ours, exact))
             lines.append(
                 f"| {part['vllm']} | {r['path']} | {r['model']} | {r['tp']} | fp8 | {r['draft']} "
-                f"| {r['installed']['tokens_per_gib']:,} | {tokens} | "
+                f"| {r['installed']['tokens_per_gib']:,} | {tokens} | {exact_tokens} | "
                 f"{r['minimum']['tokens_per_gib']:,} | {r['installed']['max_concurrency']:.2f} | "
-                f"{requests} | {r['minimum']['max_concurrency']:.2f} |")
+                f"{requests} | {r['minimum']['max_concurrency']:.2f} | {groups} |")
     return "\n".join(lines)
 
 # --- output -------------------------------------------------------------------------------------
