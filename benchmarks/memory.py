@@ -867,17 +867,14 @@ def memory_patches(python: Path) -> list[Any]:
     """The catalog patches that apply to this environment's vLLM (``status``: missing) and
     change its KV planning (a target in one of PLANNING_MODULES), in the catalog's order."""
     from hatch_vllm_patch.catalog import load_catalog
+    from hatch_vllm_patch.doctor import catalog_status
     from hatch_vllm_patch.engine import Verdict
-    from hatch_vllm_patch.operations import Request, run
+    from hatch_vllm_patch.operations import Request
 
     catalog = load_catalog()
-    # a selection leaves out a patch another selected one replaces: the exact grouping, which
-    # replaces the uneven-groups rule, is asked about on its own
-    missing = set()
-    for ids in ([pid for pid in catalog if pid != EXACT_PATCH], [EXACT_PATCH]):
-        if all(pid in catalog for pid in ids):
-            status = run("status", Request(python=str(python), patches=tuple(ids)))
-            missing |= {o.patch_id for o in status.outcomes if o.verdict is Verdict.MISSING}
+    # doctor's: a patch that replaces another (the exact grouping) is asked on its own
+    _, verdicts = catalog_status(Request(python=str(python)), catalog)
+    missing = {pid for pid, verdict in verdicts.items() if verdict is Verdict.MISSING}
     return [catalog[pid] for pid in catalog if pid in missing
             and any(part.target.module in PLANNING_MODULES for part in catalog[pid].parts)]
 

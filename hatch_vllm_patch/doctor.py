@@ -18,7 +18,7 @@ import re
 import tempfile
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .catalog import ELSEWHERE, Patch
 from .engine import Verdict
@@ -26,8 +26,12 @@ from .environment import TargetEnvironment, last_line, run_target_python
 from .errors import ConfigurationError, TargetEnvironmentError, UsageError
 from .files import write_atomic
 from .models import FAMILY_BY_MODEL_TYPE, read_model
+from .report import Report
 from .selection import overlaps, without_replaced
 from .trust import Rule
+
+if TYPE_CHECKING:
+    from .operations import Request
 
 PROBE = Path(__file__).with_name("_kv_probe.py")
 PROBE_TIMEOUT = 1800.0
@@ -857,6 +861,24 @@ def patch_verdicts(outcomes: Iterable[Any]) -> dict[str, Verdict]:
     return verdicts
 
 
+def catalog_status(base: Request, catalog: Mapping[str, Patch]
+                   ) -> tuple[Report, dict[str, Verdict]]:
+    """``status`` of every catalog patch in ``base``'s environment: the report (its environment
+    and notes) and one verdict per patch. A patch that ``replaces`` another present one is
+    asked in a second selection of its own, so that the one it replaces gets its verdict too
+    (one selection of both leaves it out, with a note as if the user had selected both)."""
+    from .operations import run
+
+    replacers = tuple(pid for pid in catalog
+                      if any(old in catalog for old in catalog[pid].replaces))
+    status = run("status", base._replace(
+        patches=tuple(pid for pid in catalog if pid not in replacers)))
+    outcomes = list(status.outcomes)
+    if replacers:
+        outcomes += run("status", base._replace(patches=replacers)).outcomes
+    return status, patch_verdicts(o for o in outcomes if o.patch_id in catalog)
+
+
 def run_doctor(request: DoctorRequest, *, project_dir: Path | None, python: str | None,
                timeout: float = PROBE_TIMEOUT, project_rule: Rule = Rule.CHOSEN,
                everything: bool = False,
@@ -866,7 +888,7 @@ def run_doctor(request: DoctorRequest, *, project_dir: Path | None, python: str 
     Raises UsageError / ConfigurationError / TargetEnvironmentError; a project that selects
     two patches of one symbol is refused as ``apply`` refuses it."""
     from .environment import inspect_environment
-    from .operations import _REGISTRY, Request, resolve, run
+    from .operations import _REGISTRY, Request, resolve
     from .selection import architecture_modules, registered_architectures
 
     # Usage errors first, before the environment is asked: the model directory, and its
@@ -879,12 +901,11 @@ def run_doctor(request: DoctorRequest, *, project_dir: Path | None, python: str 
         raise UsageError(f"--platform {request.platform}: expected one of {', '.join(PLATFORMS)}")
     base = Request(project_dir=project_dir, python=python, project_rule=project_rule)
     catalog, config, selection, choice, *_ = resolve(base)
-    status = run("status", base._replace(patches=tuple(catalog)))
+    status, verdicts = catalog_status(base, catalog)
     if status.environment.version_of("vllm") is None:
         raise TargetEnvironmentError(
             f"vllm is not installed in {status.environment.python} ({choice.reason}): doctor "
             "runs the installed vLLM's own code; pass --python for the environment that serves")
-    verdicts = patch_verdicts(o for o in status.outcomes if o.patch_id in catalog)
     registry = inspect_environment(choice, [_REGISTRY]).modules[_REGISTRY.module].file
     selected = {p.id for p in selection.patches}
     report = diagnose(request, status.environment, catalog, verdicts,

@@ -34,7 +34,9 @@ from venvs import (
 )
 
 from hatch_vllm_patch.catalog import ELSEWHERE, load_catalog
-from hatch_vllm_patch.engine import symbol_digest
+from hatch_vllm_patch.doctor import catalog_status
+from hatch_vllm_patch.engine import Verdict, symbol_digest
+from hatch_vllm_patch.operations import Request
 
 REPO = Path(__file__).resolve().parents[1]
 PATCH = "kv-cache-uneven-groups"
@@ -247,6 +249,11 @@ def test_release_is_patched_verified_and_reverted(version: str, patch_id: str,
     else:
         assert not (sp / "vllm/v1/core/kv_cache_planning.py").exists()
 
+    # doctor (and the planning table) ask every catalog patch: both grouping patches are
+    # missing here, although one replaces the other, and no note says both were selected
+    status, verdicts = catalog_status(Request(python=str(python)), load_catalog(REPO / "patches"))
+    assert verdicts[PATCH] == verdicts[EXACT] == Verdict.MISSING, verdicts
+    assert not [n for n in status.notes if "replaces" in n], status.notes
     code, out, other = step(python, "verify", rel, patch_id)
     assert (code, out["verdict"], other) == (1, "missing", "missing"), out
     code, out, other = step(python, "apply", rel, patch_id)
