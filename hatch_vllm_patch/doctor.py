@@ -606,10 +606,12 @@ def tokens_per_gib(bytes_per_request: int | None, max_model_len: int) -> int | N
 
 
 def memory_advice(runs: Sequence[Run], memory: Sequence[str], facts: Mapping[str, Any] | None,
-                  platform: str) -> MemoryAdvice | None:
+                  platform: str, untried: Sequence[str] = ()) -> MemoryAdvice | None:
     """What each patch of vLLM's KV planning (``memory``) holds per GiB beside the installed
     code and the minimum; recommended when it holds more. None when it does not start as
-    installed (the verdict is about starting then) or vLLM planned nothing to compare."""
+    installed (the verdict is about starting then) or vLLM planned nothing to compare.
+    ``untried``: patches of the planning that apply but were not tried (selected by id only):
+    named when nothing tried reaches the minimum."""
     installed = runs[0]
     max_len = installed.max_model_len
     if not installed.starts or installed.cost is None or not max_len:
@@ -648,6 +650,10 @@ def memory_advice(runs: Sequence[Run], memory: Sequence[str], facts: Mapping[str
                 f"tokens per GiB as installed{floor}")
     else:
         line = f"no patch of vLLM's KV planning applies here: {before:,} tokens per GiB{floor}"
+    best = max([before, *(t for _, t in patches if t is not None)])
+    if untried and minimum is not None and best < minimum:
+        line += (f"; not tried, selected by id only: {', '.join(untried)} (`--all` tries "
+                 f"{'it' if len(untried) == 1 else 'them'})")
     return MemoryAdvice(max_len, before, patches, minimum, tuple(p for p, _ in gaining), line)
 
 
@@ -780,10 +786,13 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
     if neuron:
         notes.append("the vllm-neuron plugin is vLLM's platform here: its config hook ran in "
                      "the config step; the block-size step is the one of --platform")
+    planning = [p.id for p in missing if any(m.target.module in PLANNING_MODULES
+                                             for m in p.parts)]
+    tried = {p.id for p in candidates}
     memory = memory_advice(
-        runs, [p.id for p in candidates
-               if any(m.target.module in PLANNING_MODULES for m in p.parts)],
-        answer["cases"][0]["variants"][INSTALLED].get("facts"), request.platform)
+        runs, [pid for pid in planning if pid in tried],
+        answer["cases"][0]["variants"][INSTALLED].get("facts"), request.platform,
+        untried=[pid for pid in planning if pid not in tried])
     if memory is not None and memory.recommended:
         verdict = f"{verdict}; for memory, recommended: {memory.line}"
     lines = config_lines(needed or memory.recommended if memory else needed, architecture,

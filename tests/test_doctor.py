@@ -466,6 +466,14 @@ def test_memory_advice_recommends_a_patch_that_holds_more() -> None:
     assert regrouped is not None and regrouped.recommended == ("promote", "regroup")
     assert (f"regroup: +100% tokens per GiB ({tokens // 2:,} \u2192 {tokens:,}, 41 KV cache "
             "groups instead of 1)") in regrouped.line
+    # a patch of the planning that was not tried is named only where nothing tried reaches
+    # the minimum
+    short = memory_advice(runs[:1] + runs[2:], ["same"], QWEN36_FACTS, "cuda",
+                          untried=["exact"])
+    assert short is not None and short.line.endswith(
+        "; not tried, selected by id only: exact (`--all` tries it)")
+    assert memory_advice(runs, ["promote", "same"], QWEN36_FACTS, "cuda",
+                         untried=["exact"]) == advice
     quiet = memory_advice(runs[:1] + runs[2:], ["same"], QWEN36_FACTS, "cuda")
     assert quiet is not None and quiet.recommended == ()
     assert quiet.line.startswith("same changes nothing here:")
