@@ -54,7 +54,8 @@ _PLANNING = "tests/v1/core/test_kv_cache_planning.py"
 # full + 7 sliding, pad to 3 full + 9 sliding", pins 2 padding layers: 2 x 16384 B per block;
 # its "6 full + 5 sliding" gpt-oss + EAGLE case after it pins 1, 16384 B); on 0.31.0 also the
 # Kimi-Linear-like 20 Mamba + 7 MLA split [7, 7, 6] (1 padding layer: one 1179648 B MLA page
-# per block). 1, 2 and 1 regroupings on 0.29.0, 0.31.0 and 0.33.0.
+# per block). 1, 2 and 1 regroupings on 0.29.0, 0.31.0 and 0.33.0, in 8, 11 and 16 calls (3
+# fewer than as released: the pinned test stops at its first failing assertion).
 _ONE_WORKER = ("3 + 7 padded to 3 + 9: 2 padding layers, 32768 B per block (and 6 + 5 padded "
                "to 6 + 6 after it: 16384 B)")
 EXACT_PINS: dict[str, dict[str, str]] = {
@@ -193,5 +194,6 @@ def test_upstream_grouping_tests_pass_patched(tmp_path: Path, version: str) -> N
     assert after["installs"] == before["installs"] >= 1 + RELOADS[version]
     assert set(lost) == set(PINNED_PADDING[version]), {n: patched.get(n) for n in lost}
     assert set(exact) == set(pristine) and regrouped["wrapped"]
-    assert regrouped["calls"] == before["calls"] and regrouped["regrouped"] >= 1
+    # a pinned test stops at its first failing assertion, before its later grouping calls
+    assert before["calls"] >= regrouped["calls"] >= 8 and regrouped["regrouped"] >= 1
     assert set(lost_exact) == set(EXACT_PINS[version]), {n: exact.get(n) for n in lost_exact}
