@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -62,8 +63,6 @@ def _cli(python: Path, operation: str) -> None:
 
 
 def _serve(python: Path, work: Path, models: dict[str, Path]) -> dict[str, dict[str, Any]]:
-    import os
-
     cases = [{"name": label, "model": str(models[label]), "prompts": PROMPTS,
               "max_tokens": MAX_TOKENS, "llm": ENGINE} for label in MODELS]
     work.mkdir(parents=True, exist_ok=True)
@@ -93,7 +92,7 @@ def main() -> int:
     try:
         python = planning_env(workdir / "env", VERSION)
         built = _run([str(python), str(HARNESS / "build_models.py"), str(workdir / "models"),
-                      *MODELS.values()])
+                      *MODELS.values()], cwd=workdir)
         folders = json.loads(built.stdout)
         models = {label: Path(folders[name]) for label, name in MODELS.items()}
         runs: dict[str, list[dict[str, Any]]] = {"installed": [], PATCH: []}

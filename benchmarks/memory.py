@@ -1043,15 +1043,17 @@ def _ratio(a: int | None, b: int | None) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
 
 
+def _groups(row: dict[str, Any]) -> str:
+    """The KV cache groups of a row's plans: upstream / ours / exact groups."""
+    return " / ".join(str(plan["groups"]) if plan else "-"
+                      for plan in (row["installed"], row["ours"], row.get("exact")))
+
+
 def planning_table(rows: list[dict[str, Any]]) -> str:
     """The rows as text: tokens per GiB and max concurrency, installed / ours / minimum, and
     the groups with ours and with exact groups."""
     def tokens(plan: dict[str, Any] | None) -> Any:
         return plan["tokens_per_gib"] if plan else "fails"
-
-    def groups(row: dict[str, Any]) -> str:
-        return " / ".join(str(plan["groups"]) if plan else "-"
-                          for plan in (row["installed"], row["ours"], row.get("exact")))
 
     def concurrency(plan: dict[str, Any] | None) -> Any:
         value = plan and plan.get("max_concurrency")
@@ -1065,9 +1067,9 @@ def planning_table(rows: list[dict[str, Any]]) -> str:
           r["draft"], tokens(r["installed"]), tokens(r["ours"]), r["minimum"]["tokens_per_gib"],
           _ratio(r["ours"] and r["ours"]["tokens_per_gib"],
                  r["installed"] and r["installed"]["tokens_per_gib"]),
-          tokens(r.get("exact")) if "exact" in r and r["exact"] is not None else "-",
+          tokens(r["exact"]) if r.get("exact") else "-",
           concurrency(r["installed"]), concurrency(r["ours"]),
-          f"{r['minimum']['max_concurrency']:.2f}", groups(r)] for r in rows])
+          f"{r['minimum']['max_concurrency']:.2f}", _groups(r)] for r in rows])
 
 
 def planning_summary(part: dict[str, Any]) -> str:
@@ -1149,13 +1151,11 @@ def planning_markdown(parts: Sequence[dict[str, Any]]) -> str:
             tokens = f"{ours['tokens_per_gib']:,}" if ours else "fails"
             exact_tokens = f"{exact['tokens_per_gib']:,}" if exact else "-"
             requests = f"{ours['max_concurrency']:.2f}" if ours else "-"
-            groups = " / ".join(str(plan["groups"]) if plan else "-"
-                                for plan in (r["installed"], ours, exact))
             lines.append(
                 f"| {part['vllm']} | {r['path']} | {r['model']} | {r['tp']} | fp8 | {r['draft']} "
                 f"| {r['installed']['tokens_per_gib']:,} | {tokens} | {exact_tokens} | "
                 f"{r['minimum']['tokens_per_gib']:,} | {r['installed']['max_concurrency']:.2f} | "
-                f"{requests} | {r['minimum']['max_concurrency']:.2f} | {groups} |")
+                f"{requests} | {r['minimum']['max_concurrency']:.2f} | {_groups(r)} |")
     return "\n".join(lines)
 
 # --- output -------------------------------------------------------------------------------------

@@ -404,6 +404,15 @@ def test_deep_probe_in_a_no_deps_vllm_passes_naming_torch(nodeps_vllm: Path,
         run([script, "revert"], cwd=tmp_path)
 
 
+def as_from_a_shell() -> None:
+    """A child's SIGINT as a shell gives it: unblocked, default action (a pytest worker may
+    pass on a blocked or ignored one)."""
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 SEAM = """
 import os, signal, sys
 import hatch_vllm_patch._cli as cli
@@ -425,12 +434,7 @@ def test_ctrl_c_at_the_seams_of_the_entry_point(tmp_path: Path, seam: str) -> No
     """A real SIGINT delivered exactly as ``entry`` calls ``main``, and as ``main`` sets up its
     streams (before anything is read): one line and exit 130, never a traceback. The random
     draws below hit this window once in 150 runs of a CI job; here it is hit every time."""
-    import signal
     import subprocess
-
-    def as_from_a_shell() -> None:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     proc = subprocess.run([sys.executable, "-c", SEAM, seam], capture_output=True, text=True,
                           cwd=tmp_path, preexec_fn=as_from_a_shell, timeout=120)
@@ -490,10 +494,6 @@ def test_ctrl_c_at_random_moments_of_apply(tmp_path: Path, nodeps_vllm: Path) ->
     # run on two workers: 150 runs, all finished). Each child gets SIGINT as a shell gives it.
     print(f"this process: SIGINT handler {signal.getsignal(signal.SIGINT)}, blocked "
           f"{signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])}")
-
-    def as_from_a_shell() -> None:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     for i in range(CTRL_C_RUNS):
         delay = rng.uniform(first, last)
