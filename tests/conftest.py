@@ -269,26 +269,102 @@ def cli(*args: str, cwd: Path | None = None, catalog: Path | None = None,
                check=check)
 
 
-# --- order: the longest modules first ------------------------------------------------------------
+# --- order and measurement: the longest modules first, by measured durations ------------------
 
 # The suite runs on two workers, a module per worker at a time (pyproject: -n 2 --dist loadfile
 # --no-loadscope-reorder): starting the longest modules first keeps the two busy to the end.
-# Longest first, as measured on 2 cores with warm caches; the rest keep their order.
-LONGEST_FIRST = (
-    "test_doctor_vllm.py", "test_served.py", "test_upstream_tests.py",
-    "test_memory_benchmark.py", "test_served_memory.py", "test_kv_cache_page_promotion.py",
-    "test_kv_cache_page_unification.py", "test_vllm_releases.py", "test_kv_cache_uneven_groups.py",
-    "test_neuron_patches.py", "test_faults.py", "test_guard.py", "test_upstream_grouping_tests.py",
-    "test_spec_conv_state.py", "test_mamba_split_external_kv.py", "test_authoring.py",
-    "test_carried.py", "test_cli_output.py", "test_build_hook.py", "test_example_project.py",
-)
+# tests/durations.json holds the seconds of every module, test and child process of a measured
+# full run; `uv run pytest --record-durations` measures and rewrites it.
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--record-durations", action="store_true",
+        help="write tests/durations.json: the measured seconds of every module, test and child "
+             "process of this run (the suite's order reads it)")
+
+
+def measured_modules() -> dict[str, float]:
+    """Seconds per test module of the last measured run (empty when none is recorded)."""
+    try:
+        data = json.loads(DURATIONS.read_text())
+        return {str(k): float(v) for k, v in data["modules"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest modules first (stable: the tests of a module keep their order)."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    """The longest modules first, by measured seconds; a module not measured yet goes first (it
+    may be long); the tests of a module keep their order."""
+    seconds = measured_modules()
+    items.sort(key=lambda item: -seconds.get(item.path.name, float("inf")))
+
+
+class _DurationRecorder:
+    """Collects every test's seconds (setup, call and teardown; reported to the process that
+    started the workers) and the child processes' log, and writes tests/durations.json."""
+
+    def __init__(self, child_log: Path) -> None:
+        import time
+
+        self.tests: dict[str, float] = {}
+        self.child_log = child_log
+        self.started = time.monotonic()
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.tests[report.nodeid] = self.tests.get(report.nodeid, 0.0) + report.duration
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        import os
+        import platform
+        import time
+
+        modules: dict[str, float] = {}
+        for nodeid, secs in self.tests.items():
+            name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+            modules[name] = modules.get(name, 0.0) + secs
+        children: list[dict[str, object]] = []
+        if self.child_log.exists():
+            children = [json.loads(line) for line in self.child_log.read_text().splitlines()
+                        if line.strip()]
+            self.child_log.unlink()
+        cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+        model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines()
+                      if line.startswith("model name")), platform.processor())
+        doc = {
+            "regenerate": "uv run pytest --record-durations",
+            "measured": time.strftime("%Y-%m-%d", time.gmtime()),
+            "machine": {"cpu": model, "cores": os.cpu_count(),
+                        "avx512_bf16": "avx512_bf16" in cpu},
+            "exit_status": int(exitstatus),
+            "wall_seconds": round(time.monotonic() - self.started),
+            "tests_seconds": round(sum(self.tests.values())),
+            "modules": {k: round(v, 1) for k, v in
+                        sorted(modules.items(), key=lambda kv: -kv[1])},
+            "children": sorted(children, key=lambda c: -float(str(c["seconds"])))[:200],
+            "tests": {k: round(v, 2) for k, v in
+                      sorted(self.tests.items(), key=lambda kv: -kv[1]) if v >= 1.0},
+        }
+        scratch = DURATIONS.with_name(f".{DURATIONS.name}.tmp")
+        scratch.write_text(json.dumps(doc, indent=1) + "\n")
+        scratch.replace(DURATIONS)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """With --record-durations, the process that runs or hands out the tests records them (the
+    workers inherit the child log's path)."""
+    import os
+    import tempfile
+
+    from venvs import CHILD_LOG
+
+    if config.getoption("record_durations", False) and not hasattr(config, "workerinput"):
+        fd, log = tempfile.mkstemp(prefix="hvp-children-", suffix=".jsonl")
+        os.close(fd)
+        os.environ[CHILD_LOG] = log
+        config.pluginmanager.register(_DurationRecorder(Path(log)), "hvp-durations")
 
 
 # --- room for the slow tests --------------------------------------------------------------------

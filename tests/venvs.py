@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 UV = shutil.which("uv") or "uv"
@@ -38,14 +39,35 @@ def run(cmd: list[str], *, cwd: Path | None = None, env: dict[str, str] | None =
     """Run ``cmd`` in a scrubbed environment plus ``env``, capturing text output; on failure
     raise with both streams shown."""
     full_env = {**scrubbed_environ(), **(env or {})}
+    started = time.monotonic()
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
+    _log_child(cmd, time.monotonic() - started)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"command failed ({proc.returncode}): {' '.join(map(str, cmd))}\n"
             f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
         )
     return proc
+
+
+# Set by tests/conftest.py for `pytest --record-durations`: every child run here appends a line
+# (the test running, what ran, seconds) to this file, for tests/durations.json.
+CHILD_LOG = "HATCH_VLLM_PATCH_CHILD_LOG"
+
+
+def _log_child(cmd: list[str], seconds: float) -> None:
+    log = os.environ.get(CHILD_LOG)
+    if not log:
+        return
+    import json
+
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    what = " ".join(Path(str(cmd[0])).name if i == 0 else str(c)
+                    for i, c in enumerate(cmd[:3]))
+    line = json.dumps({"test": test, "child": what, "seconds": round(seconds, 2)})
+    with open(log, "a", encoding="utf-8") as f:  # one short line: appends do not interleave
+        f.write(line + "\n")
 
 
 def venv_python(venv: Path) -> Path:
