@@ -352,14 +352,30 @@ class _DurationRecorder:
         scratch.replace(DURATIONS)
 
 
+def _remove_run_dir(folder: str) -> None:
+    import os
+    import shutil
+
+    from venvs import RUN_DIR
+
+    shutil.rmtree(folder, ignore_errors=True)
+    if os.environ.get(RUN_DIR) == folder:
+        del os.environ[RUN_DIR]
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """With --record-durations, the process that runs or hands out the tests records them (the
+    """The run's shared folder (venvs.run_shared_dir), which the workers inherit. With
+    --record-durations, the process that runs or hands out the tests records them (the
     workers inherit the child log's path)."""
     import os
     import tempfile
 
-    from venvs import CHILD_LOG
+    from venvs import CHILD_LOG, RUN_DIR
 
+    if not hasattr(config, "workerinput") and not os.environ.get(RUN_DIR):
+        folder = tempfile.mkdtemp(prefix="hvp-run-")
+        os.environ[RUN_DIR] = folder
+        config.add_cleanup(lambda: _remove_run_dir(folder))
     if config.getoption("record_durations", False) and not hasattr(config, "workerinput"):
         fd, log = tempfile.mkstemp(prefix="hvp-children-", suffix=".jsonl")
         os.close(fd)

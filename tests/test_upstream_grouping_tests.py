@@ -12,7 +12,8 @@ this test (on ``PYTHONPATH``) executes the patch's block into the module that de
 grouping (kv_cache_utils, kv_cache_planning in 0.33) in that pytest process before collection
 (and again before any test after one reloaded that module, as a reload of a patched file
 would), and counts the grouping calls and the regroupings the block logs. One pytest process
-per state per release (one vLLM import each)."""
+per state per release (one vLLM import each); the state as released is
+run once per test run and shared with test_upstream_tests.py (``released_planning_run``)."""
 
 from __future__ import annotations
 
@@ -25,12 +26,12 @@ from test_upstream_tests import (
     LOAD_BOUND,
     PLANNING_MODULE,
     PLANNING_TESTS,
-    cached_sdist,
     junit_outcomes,
-    offline_hub,
-    unpack_tests,
+    released_planning_run,
+    upstream_env,
+    upstream_tools,
 )
-from venvs import UV, full_vllm_planning_env, run
+from venvs import full_vllm_planning_env, run
 
 pytestmark = pytest.mark.slow
 
@@ -160,21 +161,17 @@ def test_upstream_grouping_tests_pass_patched(tmp_path: Path, version: str) -> N
     started = time.monotonic()
     python = full_vllm_planning_env(version)
     files = PLANNING_TESTS[version]
-    root = unpack_tests(cached_sdist(version), tmp_path / "upstream")
-    assert all((root / f).is_file() for f in files), files
-    tools = tmp_path / "tools"
-    run([UV, "pip", "install", "--quiet", "--target", str(tools), "pytest"])
+    root, pristine, before = released_planning_run(version)
+    tools = upstream_tools(tmp_path)
     (tools / "hvp_grouping_plugin.py").write_text(PLUGIN)
-    env = {"PYTHONPATH": str(tools), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_HOME": str(offline_hub(tmp_path / "hf")), "HVP_MODULE": PLANNING_MODULE[version],
-           "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_TARGET_DEVICE": "cpu"}
+    env = upstream_env(version, tools, tmp_path)
     skip = tuple(f"--deselect={node}" for node in LOAD_BOUND.get(version, ()))
-    pristine, before = run_state(python, root, env, "pristine", files, skip)
     patched, after = run_state(python, root, {**env, "HVP_BLOCK": str(BLOCK),
                                               "HVP_PATCH": "kv-cache-uneven-groups"},
-                               "patched", files, skip)
+                               f"patched-{version}", files, skip)
     exact, regrouped = run_state(python, root, {**env, "HVP_BLOCK": str(EXACT_BLOCK),
-                                                "HVP_PATCH": EXACT}, "exact", files, skip)
+                                                "HVP_PATCH": EXACT}, f"exact-{version}", files,
+                                 skip)
 
     passed = sorted(n for n, o in pristine.items() if o == "passed")
     lost = sorted(n for n in passed if patched.get(n) != "passed")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tarfile
 import tempfile
@@ -41,6 +42,7 @@ from venvs import (
     full_vllm_cpu_env,
     full_vllm_planning_env,
     run,
+    run_lock,
     site_packages,
 )
 
@@ -356,6 +358,55 @@ def junit_outcomes(report: Path) -> dict[str, str]:
     return outcomes
 
 
+def upstream_tools(folder: Path) -> Path:
+    """A folder holding pytest, for ``PYTHONPATH`` in a vLLM environment (made once)."""
+    tools = folder / "pytest-tools"
+    if not (tools / "pytest").is_dir():
+        run([UV, "pip", "install", "--quiet", "--target", str(tools), "pytest"])
+    return tools
+
+
+def upstream_env(version: str, tools: Path, work: Path) -> dict[str, str]:
+    """The environment vLLM's planning tests of ``version`` run in (hub offline)."""
+    hub = work / "hf"
+    if not hub.is_dir():
+        offline_hub(hub)
+    return {"PYTHONPATH": str(tools), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "HF_HOME": str(hub), "VLLM_CACHE_ROOT": str(work / "vllm-cache"),
+            "VLLM_TARGET_DEVICE": "cpu", "HVP_MODULE": PLANNING_MODULE[version]}
+
+
+def released_planning_run(version: str) -> tuple[Path, dict[str, str], dict[str, object]]:
+    """vLLM's planning tests of ``version`` (PLANNING_TESTS, LOAD_BOUND deselected) as released,
+    run once per test run and shared by both workers (the page-promotion and the grouping
+    comparisons judge against it): the unpacked tests' root, the outcome per node id, and the
+    grouping plugin's counts (test_upstream_grouping_tests.PLUGIN, loaded in every state so
+    that states differ by the block alone)."""
+    from test_upstream_grouping_tests import PLUGIN, run_state
+
+    with run_lock(f"upstream-{version}") as shared:
+        work = shared / f"upstream-{version}"
+        done = work / "released.json"
+        root = work / "upstream"
+        if not done.is_file():
+            python = full_vllm_planning_env(version)
+            files = PLANNING_TESTS[version]
+            if not root.is_dir():
+                unpack_tests(cached_sdist(version), root)
+            assert all((root / f).is_file() for f in files), files
+            tools = upstream_tools(shared)
+            if not (tools / "hvp_grouping_plugin.py").is_file():
+                (tools / "hvp_grouping_plugin.py").write_text(PLUGIN)
+            skip = tuple(f"--deselect={node}" for node in LOAD_BOUND.get(version, ()))
+            outcomes, counts = run_state(python, root, upstream_env(version, tools, work),
+                                         "pristine", files, skip)
+            scratch = work / ".released.json.tmp"
+            scratch.write_text(json.dumps({"outcomes": outcomes, "counts": counts}))
+            os.replace(scratch, done)
+        data = json.loads(done.read_text())
+    return root, data["outcomes"], data["counts"]
+
+
 @pytest.mark.parametrize("version", sorted(PLANNING_MODULE))
 def test_upstream_unify_tests_with_page_promotion(tmp_path: Path, version: str) -> None:
     """vLLM's own tests of page unification on each release kv-cache-page-promotion claims:
@@ -363,21 +414,19 @@ def test_upstream_unify_tests_with_page_promotion(tmp_path: Path, version: str) 
     started = time.monotonic()
     python = full_vllm_planning_env(version)
     files = PLANNING_TESTS[version]
-    root = unpack_tests(cached_sdist(version), tmp_path / "upstream")
-    assert all((root / f).is_file() for f in files), files
-    tools = tmp_path / "pytest"
-    run([UV, "pip", "install", "--quiet", "--target", str(tools), "pytest"])
+    root, pristine, _ = released_planning_run(version)
+    tools = upstream_tools(tmp_path)
     (tools / "hvp_exec_block.py").write_text(EXEC_BLOCK_PLUGIN, encoding="utf-8")
+    from test_upstream_grouping_tests import PLUGIN, run_state
+
+    (tools / "hvp_grouping_plugin.py").write_text(PLUGIN)
     block = Path(__file__).resolve().parents[1] / "patches" / "kv-cache-page-promotion"
-    env = {"PYTHONPATH": str(tools), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_HOME": str(offline_hub(tmp_path / "hf")),
-           "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_TARGET_DEVICE": "cpu",
+    env = {**upstream_env(version, tools, tmp_path),
            "HVP_BLOCK_MODULE": PLANNING_MODULE[version],
            "HVP_BLOCK_FILE": str(block / "block.py")}
-    skip = [f"--deselect={node}" for node in LOAD_BOUND.get(version, ())]
-    pristine = run_upstream_files(python, root, env, "pristine", files, *skip)
-    patched = run_upstream_files(python, root, env, "patched", files, *skip,
-                                 "-p", "hvp_exec_block")
+    skip = tuple(f"--deselect={node}" for node in LOAD_BOUND.get(version, ()))
+    patched, _ = run_state(python, root, env, "patched-promotion", files,
+                           (*skip, "-p", "hvp_exec_block"))
     pins = PINS_PADDING[version]
     lost = {n for n, o in pristine.items() if o == "passed" and patched[n] != "passed"}
     unify = [n for n in pristine if "unify" in n]

@@ -6,12 +6,14 @@ cached inside the repository. Environments live under pytest's temporary directo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 UV = shutil.which("uv") or "uv"
@@ -199,6 +201,32 @@ def full_vllm_planning_env(version: str) -> Path:
     python = vllm_venv(path, version, torch=PLANNING_TORCH)
     _FULL_ENVS[key] = python
     return python
+
+
+# Set by tests/conftest.py in the process that starts the run: a folder every worker of this
+# run shares (results computed once per run, e.g. vLLM's own tests as released), removed when
+# the run ends.
+RUN_DIR = "HATCH_VLLM_PATCH_RUN_DIR"
+
+
+def run_shared_dir() -> Path:
+    """This run's folder shared by its workers (this process's own without workers)."""
+    folder = os.environ.get(RUN_DIR)
+    return Path(folder) if folder else _session_root()
+
+
+@contextlib.contextmanager
+def run_lock(name: str) -> Iterator[Path]:
+    """An exclusive lock named ``name`` among this run's workers; yields :func:`run_shared_dir`."""
+    import fcntl
+
+    folder = run_shared_dir()
+    with open(folder / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield folder
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 _ROOT: list[Path] = []
