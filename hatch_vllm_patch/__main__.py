@@ -9,6 +9,7 @@ import sys  # built in, already loaded: nothing runs (and no ``from __future__``
 
 def entry() -> int:
     try:
+        _interrupts_from_finalizers_stop_the_command()
         from ._cli import main
 
         # ``main`` answers a Ctrl-C inside its own ``try`` with what it wrote; one that lands
@@ -25,6 +26,32 @@ def entry() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("vllm-patch: interrupted; nothing was written", file=sys.stderr, flush=True)
         return 130
+
+
+def _interrupts_from_finalizers_stop_the_command() -> None:
+    """A Ctrl-C that lands in a finalizer (an object's ``__del__`` or a ``weakref.finalize``
+    callback run by garbage collection) cannot propagate: Python prints "Exception ignored in
+    …" with a traceback and carries on. Such a Ctrl-C is delivered again a millisecond later,
+    outside the finalizer, where it stops the command with its one line (or is dropped, once
+    the work is done and SIGINT is ignored while the result is printed)."""
+    import signal
+
+    def again(signum: int, frame: object) -> None:
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            raise KeyboardInterrupt
+
+    previous = sys.unraisablehook
+
+    def hook(unraisable: "sys.UnraisableHookArgs") -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            # not raised here: this hook runs inside the finalizer's unwinding (a pending
+            # signal would be handled within it, and be ignored again)
+            signal.setitimer(signal.ITIMER_REAL, 0.001)
+            return
+        previous(unraisable)
+
+    signal.signal(signal.SIGALRM, again)
+    sys.unraisablehook = hook
 
 
 def interrupted(exc: BaseException) -> bool:
