@@ -1,0 +1,111 @@
+"""The third trust review (issue 30): a patch switches off only a patch it overlaps, two
+projects never stack blocks of one symbol, doctor reads a model folder as foreign data, and the
+smaller findings. Real subprocesses and venvs with the demo distribution; as root, uid 65534
+is the other user where a case is about another user."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import DEMO_BLOCK, DEMO_SOURCE, vllm_like, write_demo_catalog
+from venvs import UV, create_venv, run
+
+from hatch_vllm_patch.catalog import load_patch_folders, shared_symbol
+from hatch_vllm_patch.engine import symbol_digest
+from hatch_vllm_patch.errors import CatalogError
+from hatch_vllm_patch.selection import without_replaced
+from hatch_vllm_patch.trust import chosen
+
+OTHER_BLOCK = textwrap.dedent('''\
+    def other():
+        return "patched"
+    ''')
+
+
+def own_patch(folder: Path, patch_id: str, symbol: str, block: str, *,
+              replaces: tuple[str, ...] = ()) -> Path:
+    """A project's own patch ``patch_id`` of ``demo_pkg.core.<symbol>`` in ``folder``."""
+    where = folder / patch_id
+    where.mkdir(parents=True)
+    listed = f"replaces = {json.dumps(list(replaces))}\n" if replaces else ""
+    digest = symbol_digest(DEMO_SOURCE, symbol)
+    (where / "patch.toml").write_text(textwrap.dedent(f"""\
+        id = "{patch_id}"
+        summary = "{patch_id} of demo_pkg.core.{symbol}"
+        {listed}
+        [target]
+        distribution = "demo-pkg"
+        module = "demo_pkg.core"
+        symbol = "{symbol}"
+
+        [applies]
+        shapes = ["{digest}"]
+        """))
+    (where / "block.py").write_text(block)
+    return where
+
+
+def own_project(root: Path, *patches: str) -> Path:
+    """A project selecting ``patches`` from its own ``vllm-patches`` folder (guard error)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "pyproject.toml").write_text(textwrap.dedent(f"""\
+        [project]
+        name = "{root.name}"
+        version = "1.0"
+
+        [tool.vllm-patch]
+        patches = {json.dumps(list(patches))}
+        """))
+    return root
+
+
+# --- 1. `replaces` names only a patch it overlaps -----------------------------------------------
+
+def test_replaces_of_an_unrelated_patch_is_refused_at_load(tmp_path: Path) -> None:
+    """A folder whose b-fix (of `other`) replaces a-fix (of `compute`): the catalog is refused,
+    naming both and both symbols; without_replaced never drops a patch sharing no symbol."""
+    root = tmp_path / "patches"
+    own_patch(root, "a-fix", "compute", DEMO_BLOCK)
+    own_patch(root, "b-fix", "other", OTHER_BLOCK, replaces=("a-fix",))
+    with pytest.raises(CatalogError) as refused:
+        load_patch_folders(chosen(root))
+    message = str(refused.value)
+    for part in ("b-fix", "'a-fix'", "demo_pkg.core.compute", "demo_pkg.core.other",
+                 "shares no symbol"):
+        assert part in message, message
+    (root / "b-fix" / "patch.toml").write_text(
+        (root / "b-fix" / "patch.toml").read_text().replace('replaces = ["a-fix"]\n', ""))
+    catalog = load_patch_folders(chosen(root))
+    a, b = catalog["a-fix"], catalog["b-fix"]
+    assert shared_symbol(a, b) is None
+    kept, replaced = without_replaced([a, b._replace(replaces=("a-fix",))])
+    assert [p.id for p in kept] == ["a-fix", "b-fix"] and replaced == {}
+
+
+def test_another_projects_replaces_never_switches_a_fix_off(
+        tmp_path: Path, demo_wheels: dict[str, Path], project_wheel: Path) -> None:
+    """Project A applies a-fix (compute), project B applies b-fix (other) declaring it
+    replaces a-fix; after a reinstall, an `error` vLLM process stops naming both instead of
+    saying the patches are in place, and an `apply` one does not claim it healed."""
+    python = create_venv(tmp_path / "venv", str(demo_wheels["1.0.0"]), str(project_wheel))
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    first = own_project(tmp_path / "a", "a-fix")
+    own_patch(first / "vllm-patches", "a-fix", "compute", DEMO_BLOCK)
+    second = own_project(tmp_path / "b", "b-fix")
+    own_patch(second / "vllm-patches", "b-fix", "other", OTHER_BLOCK, replaces=("a-fix",))
+    env = {"HATCH_VLLM_PATCH_CATALOG": str(catalog)}
+    for project in (first, second):
+        proc = run([str(python), "-m", "hatch_vllm_patch", "apply"], cwd=project, env=env,
+                   check=False)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    run([UV, "pip", "install", "--quiet", "--reinstall", "--no-deps", "--python", str(python),
+         str(demo_wheels["1.0.0"])])
+    stopped = vllm_like(python, tmp_path, mode="error", catalog=catalog)
+    assert stopped.returncode == 1, stopped.stdout + stopped.stderr
+    assert "patches in place" not in stopped.stdout and "Traceback" not in stopped.stderr
+    assert "b-fix" in stopped.stderr and "'a-fix'" in stopped.stderr, stopped.stderr
+    healing = vllm_like(python, tmp_path, mode="apply", catalog=catalog)
+    assert healing.returncode == 1 and "healed (b-fix)" not in healing.stdout
