@@ -496,7 +496,25 @@ def plan_apply(patch: Patch, facts: FileFacts) -> Plan:
         new = ParsedFile(state.parsed.original, (*others, AppliedBlock(patch.id, "", body)))
         note = "updated a stale block" if state.verdict is Verdict.STALE else state.reason
         return Plan(Verdict.APPLIED, note, new.render())
+    if state.verdict is Verdict.ALREADY_APPLIED:
+        return _stacked(state, facts) or Plan(state.verdict, state.reason)
     return Plan(state.verdict, state.reason)
+
+
+def _stacked(state: Inspection, facts: FileFacts) -> Plan | None:
+    """BLOCKED when the patch's block is in place beside the block of another patch of one of
+    its symbols (stacked by an earlier release, or by hand): the later block wins, so neither
+    is "in place"."""
+    assert state.parsed is not None
+    rival = next((b.patch_id for b in state.parsed.blocks if b.patch_id in facts.overlapping),
+                 None)
+    if rival is None:
+        return None
+    return Plan(Verdict.BLOCKED, (
+        f"the file also carries the block of {rival}, which also replaces "
+        f"{facts.overlapping[rival]}: two blocks of one symbol undo each other; keep one of "
+        f"them (the selection that applied {rival} can drop it with `vllm-patch revert "
+        f"--patch {rival}`)"))
 
 
 def plan_remove_blocks(patch_ids: tuple[str, ...], facts: FileFacts) -> Plan:
@@ -536,7 +554,7 @@ def plan_verify(patch: Patch, facts: FileFacts) -> Plan:
     """What ``verify`` reports: APPLIED when in place and current, otherwise the problem."""
     state = inspect(patch, facts)
     if state.verdict is Verdict.ALREADY_APPLIED:
-        return Plan(Verdict.APPLIED, state.reason)
+        return _stacked(state, facts) or Plan(Verdict.APPLIED, state.reason)
     if state.verdict is Verdict.MISSING:
         return Plan(Verdict.MISSING, f"not patched ({state.reason})")
     return Plan(state.verdict, state.reason)

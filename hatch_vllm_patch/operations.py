@@ -542,10 +542,25 @@ class _Session:
         )
 
     def overlapping(self, member: Patch) -> dict[str, str]:
-        """The other known patches that replace a symbol ``member`` (one target) replaces."""
+        """The other known patches that replace a symbol ``member`` (one target) replaces:
+        this catalog's, and the patches the record names as other selections' (another
+        project's own patch, known here only by the module and symbols recorded for it)."""
         others = [p for p in self.catalog.patches if p.id != member.id]
-        return {o.second: o.where for o in overlaps([member, *others])
-                if o.first == member.id}
+        found = {o.second: o.where for o in overlaps([member, *others])
+                 if o.first == member.id}
+        selection = self.record.selection
+        for entry in selection.patches if selection else ():
+            if (entry.id == member.id or entry.id in found or entry.id in self.catalog
+                    or entry.module != member.target.module):
+                continue
+            shared = next((s for s in member.target.symbols for theirs in entry.symbols
+                           if s == theirs or s.startswith(theirs + ".")
+                           or theirs.startswith(s + ".")), None)
+            if shared is not None:
+                who = "; ".join(entry.selected_by) or "another selection"
+                found[entry.id] = (f"{member.target.module}.{shared} (another project's own "
+                                   f"patch {entry.id}, selected by {who})")
+        return found
 
     def read(self, path: Path) -> tuple[bytes | None, str | None]:
         if str(path) in self.contents:
@@ -1070,7 +1085,7 @@ class _Session:
             file=str(path) if content is not None else None,
             file_sha256=sha256_hex(content) if content is not None else None,
             block_sha256=block, folder=str(patch.folder),
-            selected_by=self.carriers.get(patch.id, ()))
+            selected_by=self.carriers.get(patch.id, ()), symbols=patch.target.symbols)
 
 
 def edit_states(env: TargetEnvironment, record: EnvironmentRecord) -> dict[str, str | None]:

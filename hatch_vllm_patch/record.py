@@ -153,6 +153,7 @@ class SelectedPatch(_Value):
         "block_sha256",
         "folder",
         "selected_by",
+        "symbols",
     )
     __slots__ = _fields
     _defaults: ClassVar[dict[str, Any]] = {
@@ -161,6 +162,7 @@ class SelectedPatch(_Value):
         "block_sha256": None,
         "folder": None,
         "selected_by": (),
+        "symbols": (),
     }
 
     id: str
@@ -176,12 +178,19 @@ class SelectedPatch(_Value):
     # Who selected it: a project's pyproject.toml, COMMAND_LINE, "carried by <distribution>";
     # empty: not known (never removed by convergence).
     selected_by: tuple[str, ...]
+    # The symbols of ``module`` its block rebinds (the patch's target symbols): another
+    # project's patch of one of them is refused before it writes. Empty in a record of an
+    # earlier release.
+    symbols: tuple[str, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "distribution": self.distribution, "module": self.module,
+        data = {"id": self.id, "distribution": self.distribution, "module": self.module,
                 "verdict": self.verdict, "ok": self.ok, "file": self.file,
                 "file_sha256": self.file_sha256, "block_sha256": self.block_sha256,
                 "folder": self.folder, "selected_by": list(self.selected_by)}
+        if self.symbols:
+            data["symbols"] = list(self.symbols)
+        return data
 
 
 class Selection(_Value):
@@ -628,6 +637,7 @@ def _selection(raw: object, roots: tuple[str, ...] = (),
                                  optional=True),
             folder=_text(p.get("folder"), f"{where}.folder", optional=True),
             selected_by=_selectors(p.get("selected_by"), f"{where}.selected_by", default_by),
+            symbols=_symbols(p.get("symbols"), f"{where}.symbols"),
         )
         if entry.file is not None:  # checked against the roots once the entry is well formed
             try:
@@ -646,4 +656,16 @@ def _selectors(value: object, where: str, default: tuple[str, ...]) -> tuple[str
         return default
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
         raise RecordDamaged(f"{where} is not a list of selectors")
+    return tuple(value)
+
+
+_SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)?")
+
+
+def _symbols(value: object, where: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(
+            isinstance(v, str) and _SYMBOL.fullmatch(v) for v in value):
+        raise RecordDamaged(f"{where} is not a list of symbols ('name' or 'Class.name')")
     return tuple(value)

@@ -6,18 +6,21 @@ is the other user where a case is about another user."""
 from __future__ import annotations
 
 import json
+import subprocess
 import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_BLOCK, DEMO_SOURCE, vllm_like, write_demo_catalog
-from venvs import UV, create_venv, run
+from conftest import DEMO_BLOCK, DEMO_SOURCE, cli, vllm_like, write_demo_catalog
+from venvs import UV, create_venv, run, site_packages
 
 from hatch_vllm_patch.catalog import load_patch_folders, shared_symbol
 from hatch_vllm_patch.engine import symbol_digest
 from hatch_vllm_patch.errors import CatalogError
 from hatch_vllm_patch.selection import without_replaced
 from hatch_vllm_patch.trust import chosen
+
+RECORD = ".hatch-vllm-patch.json"
 
 OTHER_BLOCK = textwrap.dedent('''\
     def other():
@@ -109,3 +112,49 @@ def test_another_projects_replaces_never_switches_a_fix_off(
     assert "b-fix" in stopped.stderr and "'a-fix'" in stopped.stderr, stopped.stderr
     healing = vllm_like(python, tmp_path, mode="apply", catalog=catalog)
     assert healing.returncode == 1 and "healed (b-fix)" not in healing.stdout
+
+
+# --- 2. two projects never stack blocks of one symbol -------------------------------------------
+
+def _apply(python: Path, project: Path, catalog: Path, *args: str
+           ) -> subprocess.CompletedProcess[str]:
+    return cli(*args, "--python", str(python), cwd=project, catalog=catalog)
+
+
+def test_another_projects_patch_of_the_same_symbol_is_blocked(
+        tmp_path: Path, demo_venv: Path) -> None:
+    """Project A applies its a-fix of compute; project B's b-fix of compute is blocked before
+    writing, naming A's patch and project; blocks stacked by an earlier release (a record with
+    no symbols) make both projects' verify fail."""
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    first = own_project(tmp_path / "a", "a-fix")
+    own_patch(first / "vllm-patches", "a-fix", "compute", DEMO_BLOCK)
+    second = own_project(tmp_path / "b", "b-fix")
+    own_patch(second / "vllm-patches", "b-fix", "compute", DEMO_BLOCK + "# b\n")
+    assert _apply(demo_venv, first, catalog, "apply").returncode == 0
+    core = site_packages(demo_venv.parent.parent) / "demo_pkg" / "core.py"
+    record = site_packages(demo_venv.parent.parent) / RECORD
+    after_a = core.read_bytes()
+    blocked = _apply(demo_venv, second, catalog, "apply", "--json")
+    assert blocked.returncode == 1, blocked.stdout + blocked.stderr
+    (outcome,) = [o for o in json.loads(blocked.stdout)["patches"] if o["id"] == "b-fix"]
+    assert outcome["verdict"] == "blocked", outcome
+    for part in ("a-fix", "demo_pkg.core.compute", str(first / "pyproject.toml")):
+        assert part in outcome["reason"], outcome["reason"]
+    assert core.read_bytes() == after_a
+    # a record of an earlier release (no symbols): the second apply stacks its block
+    data = json.loads(record.read_text())
+    for entry in data["selection"]["patches"]:
+        entry.pop("symbols", None)
+    record.write_text(json.dumps(data))
+    assert _apply(demo_venv, second, catalog, "apply").returncode == 0
+    assert b"hatch-vllm-patch: a-fix" in core.read_bytes()
+    assert b"hatch-vllm-patch: b-fix" in core.read_bytes()
+    data = json.loads(record.read_text())  # as this release records them
+    for entry in data["selection"]["patches"]:
+        entry["symbols"] = ["compute"]
+    record.write_text(json.dumps(data))
+    for project, rival in ((first, "b-fix"), (second, "a-fix")):
+        verify = _apply(demo_venv, project, catalog, "verify")
+        assert verify.returncode == 1, verify.stdout + verify.stderr
+        assert "blocked" in verify.stdout and rival in verify.stdout, verify.stdout
