@@ -158,3 +158,108 @@ def test_another_projects_patch_of_the_same_symbol_is_blocked(
         verify = _apply(demo_venv, project, catalog, "verify")
         assert verify.returncode == 1, verify.stdout + verify.stderr
         assert "blocked" in verify.stdout and rival in verify.stdout, verify.stdout
+
+
+# --- 3. doctor reads a model folder as foreign data ---------------------------------------------
+
+def _model(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(
+        {"architectures": ["DemoForCausalLM"], "auto_map": {"AutoConfig": "x.Y"}}))
+    (folder / "tokenizer_config.json").write_text("{}")
+    return folder
+
+
+@pytest.mark.parametrize("plant", ["dev-zero", "fifo", "not-utf8", "directory", "outside",
+                                   "huge"])
+def test_native_copy_refuses_what_is_no_regular_json_file(tmp_path: Path, plant: str) -> None:
+    """A model folder's `generation_config.json -> /dev/zero`, a FIFO, a non-UTF-8 file, a
+    folder named `y.json`, a link out of the folder, a file over the bound: each a one-line
+    UsageError naming the file, at once (no hang), and nothing left in the scratch folder."""
+    import os
+
+    from hatch_vllm_patch.doctor import MAX_NATIVE_FILE, native_copy
+    from hatch_vllm_patch.errors import UsageError
+
+    model = _model(tmp_path / "model")
+    secret = tmp_path / "secret.json"
+    secret.write_text("{}")
+    bad = model / "generation_config.json"
+    if plant == "dev-zero":
+        bad.symlink_to("/dev/zero")
+    elif plant == "fifo":
+        os.mkfifo(bad)
+    elif plant == "not-utf8":
+        bad.write_bytes(b'{"a": "\xff\xfe"}')
+    elif plant == "directory":
+        bad.mkdir()
+    elif plant == "outside":
+        bad.symlink_to(secret)
+    else:
+        bad.write_bytes(b" " * (MAX_NATIVE_FILE + 1))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    with pytest.raises(UsageError) as refused:
+        native_copy(model, scratch)
+    message = str(refused.value)
+    assert str(bad) in message and "\n" not in message, message
+    copy = scratch / "model"
+    assert not (copy / "generation_config.json").exists()
+    assert not any(p.is_symlink() for p in copy.iterdir())
+
+
+def test_native_copy_copies_regular_files_without_auto_map(tmp_path: Path) -> None:
+    """A plain model folder: its JSON files copied, config.json without auto_map."""
+    from hatch_vllm_patch.doctor import native_copy
+
+    model = _model(tmp_path / "model")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    copy = native_copy(model, scratch)
+    assert sorted(p.name for p in copy.iterdir()) == ["config.json", "tokenizer_config.json"]
+    assert "auto_map" not in json.loads((copy / "config.json").read_text())
+
+
+def test_a_fifo_config_json_is_refused_not_waited_for(tmp_path: Path, demo_catalog: Path
+                                                      ) -> None:
+    """`status --model` of a folder whose config.json is a FIFO exits 2 at once, naming it."""
+    import os
+    import sys
+
+    model = tmp_path / "model"
+    model.mkdir()
+    os.mkfifo(model / "config.json")
+    proc = cli("status", "--model", str(model), "--python", sys.executable, cwd=tmp_path,
+               catalog=demo_catalog)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "config.json" in proc.stderr and "not a regular file" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_doctors_child_never_runs_the_guard(tmp_path: Path) -> None:
+    """doctor's probe child gets HATCH_VLLM_PATCH_GUARD=off, whatever this process has (an
+    `apply` guard there could write during a doctor run)."""
+    import os
+    import stat
+
+    from hatch_vllm_patch.doctor import run_child
+
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\nfor last; do :; done\n'
+                    'printf \'{"guard": "%s"}\' "$HATCH_VLLM_PATCH_GUARD" > "$last"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HATCH_VLLM_PATCH_GUARD", "apply")
+        answer = run_child(fake, {}, timeout=30,
+                           extra_env={"HATCH_VLLM_PATCH_GUARD": "apply"})
+    assert answer == {"guard": "off"}
+    assert os.environ.get("HATCH_VLLM_PATCH_GUARD") != "off"
+
+
+def test_deeply_nested_overrides_are_one_message(tmp_path: Path) -> None:
+    """`doctor --hf-overrides` with 50,000 nested `[` is a usage error, not a RecursionError."""
+    from hatch_vllm_patch.doctor import parse_json_object
+    from hatch_vllm_patch.errors import UsageError
+
+    with pytest.raises(UsageError, match="nested deeper than"):
+        parse_json_object("--hf-overrides", "[" * 50_000)
