@@ -263,3 +263,37 @@ def test_deeply_nested_overrides_are_one_message(tmp_path: Path) -> None:
 
     with pytest.raises(UsageError, match="nested deeper than"):
         parse_json_object("--hf-overrides", "[" * 50_000)
+
+
+# --- 5. create checks everything before its first write -----------------------------------------
+
+def _edited(body: str) -> str:
+    return DEMO_SOURCE.replace('raise NotImplementedError("empty")', body)
+
+
+def test_create_overlapping_a_taken_out_patch_writes_nothing(tmp_path: Path,
+                                                             demo_venv: Path) -> None:
+    """With the project's own c-fix applied, `edit` the module again, change the same
+    function and `create d-fix`: exit 2 naming c-fix and the symbol; no d-fix folder,
+    pyproject.toml and the open edit as they were."""
+    project = tmp_path / "svc"
+    project.mkdir()
+    (project / "pyproject.toml").write_text(
+        '[project]\nname = "svc"\nversion = "0"\n\n[tool.vllm-patch]\n')
+    core = site_packages(demo_venv.parent.parent) / "demo_pkg" / "core.py"
+    python = ("--python", str(demo_venv))
+    assert cli("edit", "demo_pkg.core", *python, cwd=project).returncode == 0
+    core.write_text(_edited("return 0"))
+    made = cli("create", "c-fix", *python, "--summary", "c", cwd=project)
+    assert made.returncode == 0, made.stdout + made.stderr
+    opened = cli("edit", "demo_pkg.core", *python, cwd=project)
+    assert opened.returncode == 0 and "c-fix" in opened.stderr, opened.stderr
+    core.write_text(_edited("return -1"))
+    edited, pyproject = core.read_bytes(), (project / "pyproject.toml").read_bytes()
+    refused = cli("create", "d-fix", *python, "--summary", "d", cwd=project)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "c-fix" in refused.stderr and "demo_pkg.core.compute" in refused.stderr
+    assert "nothing was written" in refused.stderr and "Traceback" not in refused.stderr
+    assert not (project / "vllm-patches" / "d-fix").exists()
+    assert core.read_bytes() == edited
+    assert (project / "pyproject.toml").read_bytes() == pyproject
