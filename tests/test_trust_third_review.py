@@ -297,3 +297,30 @@ def test_create_overlapping_a_taken_out_patch_writes_nothing(tmp_path: Path,
     assert not (project / "vllm-patches" / "d-fix").exists()
     assert core.read_bytes() == edited
     assert (project / "pyproject.toml").read_bytes() == pyproject
+
+
+# --- 6. a distribution stands in for another only for that one's own package --------------------
+
+def test_a_module_of_another_distribution_is_not_the_declared_ones(
+        tmp_path: Path, demo_wheels: dict[str, Path], project_wheel: Path) -> None:
+    """A patch declaring `distribution = "hatch-vllm-patch"` (installed) or an uninstalled
+    `other-dist` for `demo_pkg.core` (demo-pkg's): refused as outside its distribution, the
+    file untouched; the catalog's demo-fix still applies."""
+    python = create_venv(tmp_path / "venv", str(demo_wheels["1.0.0"]), str(project_wheel))
+    core = site_packages(tmp_path / "venv") / "demo_pkg" / "core.py"
+    before = core.read_bytes()
+    for declared in ("hatch-vllm-patch", "other-dist"):
+        catalog = write_demo_catalog(tmp_path / declared)
+        manifest = catalog / "demo-fix" / "patch.toml"
+        manifest.write_text(manifest.read_text().replace('distribution = "demo-pkg"',
+                                                         f'distribution = "{declared}"'))
+        proc = cli("apply", "--python", str(python), "--patch", "demo-fix", "--json",
+                   catalog=catalog, cwd=tmp_path)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        (outcome,) = json.loads(proc.stdout)["patches"]
+        assert outcome["verdict"] == "outside-distribution", outcome
+        assert f"not a file of {declared}" in outcome["reason"], outcome
+        assert core.read_bytes() == before
+    proc = cli("apply", "--python", str(python), "--patch", "demo-fix",
+               catalog=write_demo_catalog(tmp_path / "right"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
