@@ -324,3 +324,76 @@ def test_a_module_of_another_distribution_is_not_the_declared_ones(
     proc = cli("apply", "--python", str(python), "--patch", "demo-fix",
                catalog=write_demo_catalog(tmp_path / "right"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --- 4, 12. edits of hand-written files keep what the tool does not own ------------------------
+
+def test_set_fixed_in_keeps_optional_and_install_from_and_links_stay_links(
+        tmp_path: Path, demo_wheels: dict[str, Path]) -> None:
+    """`create` with a symlinked pyproject.toml adds the patch to the file the link leads to
+    (the link stays); `update --set-fixed-in` keeps the author's `optional` and `install-from`
+    (and edits a symlinked patch.toml through the link); a link to no regular file is refused
+    with a message, never replaced."""
+    import os
+
+    python = create_venv(tmp_path / "v1", str(demo_wheels["1.0.0"]))
+    fixed = create_venv(tmp_path / "v2", str(demo_wheels["2.0.0"]))
+    core = site_packages(tmp_path / "v1") / "demo_pkg" / "core.py"
+    project = tmp_path / "proj"
+    project.mkdir()
+    shared = tmp_path / "shared-pyproject.toml"
+    shared.write_text('[project]\nname = "p"\nversion = "0"\n\n[tool.vllm-patch]\n')
+    (project / "pyproject.toml").symlink_to(shared)
+    assert cli("edit", "demo_pkg.core", "--python", str(python), cwd=project).returncode == 0
+    core.write_text(_edited("return 0"))
+    made = cli("create", "zero-fix", "--summary", "Zero", "--python", str(python), cwd=project)
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert (project / "pyproject.toml").is_symlink()
+    assert 'patches = ["zero-fix"]' in shared.read_text()
+    folder = project / "vllm-patches" / "zero-fix"
+    manifest = folder / "patch.toml"
+    authored = manifest.read_text().replace(
+        'version = "1.0.0"', 'optional = true\ninstall-from = "https://example.invalid/demo"\n'
+        'version = "1.0.0"')
+    kept = tmp_path / "kept-patch.toml"
+    kept.write_text(authored)
+    manifest.unlink()
+    manifest.symlink_to(kept)
+    updated = cli("update", "zero-fix", "--set-fixed-in", "--python", str(fixed), cwd=project)
+    assert updated.returncode == 0, updated.stdout + updated.stderr
+    assert manifest.is_symlink() and 'fixed-in = "2.0.0"' in kept.read_text()
+    text = kept.read_text()
+    assert "optional = true" in text and 'install-from = "https://example.invalid/demo"' in text
+    # a link to a directory: refused in one message, the link left as it was
+    (project / "pyproject.toml").unlink()
+    (project / "pyproject.toml").symlink_to(tmp_path)
+    from hatch_vllm_patch.authoring.toml_edit import select_in_pyproject
+    from hatch_vllm_patch.errors import UsageError
+
+    with pytest.raises(UsageError, match="not a regular file"):
+        select_in_pyproject(project / "pyproject.toml", "other-fix")
+    assert os.readlink(project / "pyproject.toml") == str(tmp_path)
+
+
+def test_update_keeps_the_authors_keys_of_every_target() -> None:
+    """`optional`, `install-from` of [[targets]] entries (matched by module) and an
+    `[applies] classifier` survive edit_manifest; computed keys the rendering drops go."""
+    from hatch_vllm_patch import _toml
+    from hatch_vllm_patch.authoring.render import ManifestTarget, render_manifest
+    from hatch_vllm_patch.authoring.toml_edit import edit_manifest
+
+    def drafted(version: str) -> str:
+        return render_manifest("p", targets=[
+            ManifestTarget("vllm", "vllm.a", version, {"f": ["a" * 64]}, (), "vllm.a.py"),
+            ManifestTarget("vllm-neuron", "vllm_neuron.b", version, {"h": ["c" * 64]},
+                           ("X",), "vllm_neuron.b.py")],
+            summary="s", why="w", removal="r", fixed_in=None, made_by="update")
+
+    hand = drafted("1.0").replace(
+        'module = "vllm_neuron.b"',
+        'module = "vllm_neuron.b"\noptional = true\ninstall-from = "https://x.invalid"')
+    edited = _toml.loads(edit_manifest(hand, drafted("2.0")))
+    first, second = edited["targets"]
+    assert "optional" not in first and first["version"] == "2.0"
+    assert second["optional"] is True and second["install-from"] == "https://x.invalid"
+    assert second["version"] == "2.0"
