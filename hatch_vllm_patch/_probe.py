@@ -4,7 +4,8 @@ Runs either in this process (when the target is the running interpreter) or as t
 ``python -c`` in the target interpreter (any Python >= 3.8, where hatch-vllm-patch may not be
 installed). So: standard library only, no import of this package, and no import of vLLM:
 top-level packages are found with ``importlib.util.find_spec`` (which does not import a
-top-level package), and distributions by their ``.dist-info`` folder in the site directories
+top-level package; never in the working directory: :func:`find_spec_outside_cwd`), and
+distributions by their ``.dist-info`` folder in the site directories
 on ``sys.path`` (never the working directory), in ``sys.path`` order as ``importlib.metadata``
 finds them, read directly: ``METADATA``'s Name and Version, ``RECORD``'s lines,
 ``direct_url.json``. (``importlib.metadata`` itself would cost tens of milliseconds per run,
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -171,10 +173,7 @@ def _owner(name: str, top: str) -> tuple[str | None, list[str]]:
     package found, or no distribution of it: ``name``'s folder, whose RECORD then refuses every
     file, as before."""
     named = _metadata_folder(name)
-    try:
-        spec = importlib.util.find_spec(top) if top else None
-    except (ImportError, ValueError):
-        spec = None
+    spec = find_spec_outside_cwd(top) if top else None
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     if not locations:
         return named, []
@@ -214,6 +213,42 @@ def _owner(name: str, top: str) -> tuple[str | None, list[str]]:
         return named, []
     owner = max(claimants, key=_stamp)
     return owner, [f for f in claimants if f != owner]
+
+
+def find_spec_outside_cwd(module: str) -> Any:
+    """The spec of ``module`` as this interpreter would import it, but never found in the
+    working directory (``''``, ``.`` or the cwd itself on ``sys.path``, as in a process started
+    with ``python script.py`` or ``python -m``): a folder planted there is no installed
+    package. Submodules are searched in their parent's locations without importing the parent;
+    None when not found (or not searchable)."""
+    parts = module.split(".")
+    try:
+        spec = _top_spec(parts[0])
+        for i in range(1, len(parts)):
+            locations = list(spec.submodule_search_locations or []) if spec is not None else []
+            if not locations:
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:i + 1]), locations)
+    except (ImportError, ValueError, OSError):
+        return None
+    return spec
+
+
+def _top_spec(top: str) -> Any:
+    try:
+        cwd = os.path.realpath(os.getcwd())
+    except OSError:
+        cwd = None
+    here = [p for p in sys.path if p in ("", ".") or (cwd is not None and
+                                                      os.path.realpath(p) == cwd)]
+    spec = importlib.util.find_spec(top)
+    if not here or spec is None:
+        return spec
+    found = list(spec.submodule_search_locations or []) or (
+        [spec.origin] if spec.origin else [])
+    if not any(os.path.dirname(os.path.realpath(f)) == cwd for f in found):
+        return spec
+    return importlib.machinery.PathFinder.find_spec(top, [p for p in sys.path if p not in here])
 
 
 def _own_tops(name: str, folder: str | None) -> set[str]:
@@ -360,10 +395,7 @@ def answer(queries: list[dict[str, str]]) -> dict[str, Any]:
                                         "distribution": (info or {}).get("name") or name or None,
                                         "refused": None}
         out["modules"][q["module"]] = entry
-        try:
-            spec = importlib.util.find_spec(q["module"].split(".")[0])
-        except (ImportError, ValueError):
-            spec = None
+        spec = find_spec_outside_cwd(q["module"].split(".")[0])
         locations = list(spec.submodule_search_locations or []) if spec is not None else []
         if not locations:
             continue

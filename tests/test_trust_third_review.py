@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_BLOCK, DEMO_SOURCE, cli, vllm_like, write_demo_catalog
+from conftest import DEMO_BLOCK, DEMO_PROCESS, DEMO_SOURCE, cli, vllm_like, write_demo_catalog
 from venvs import UV, create_venv, run, site_packages
 
 from hatch_vllm_patch.catalog import load_patch_folders, shared_symbol
@@ -397,3 +397,60 @@ def test_update_keeps_the_authors_keys_of_every_target() -> None:
     assert "optional" not in first and first["version"] == "2.0"
     assert second["optional"] is True and second["install-from"] == "https://x.invalid"
     assert second["version"] == "2.0"
+
+
+# --- 7. the guard and the probe never search the working directory -----------------------------
+
+def test_a_package_planted_in_the_working_directory_does_not_stop_vllm(
+        tmp_path: Path, demo_wheels: dict[str, Path], project_wheel: Path) -> None:
+    """An optional patch of a distribution not installed is recorded not-installed; a folder of
+    that package planted in a vLLM process's working directory (uid 65534's, when run as root)
+    is not taken for the installed package: the guard says the patches are in place."""
+    import os
+    import shutil
+
+    python = create_venv(tmp_path / "venv", str(demo_wheels["1.0.0"]), str(project_wheel))
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    absent = catalog / "absent-fix"
+    absent.mkdir()
+    (absent / "patch.toml").write_text(textwrap.dedent(f"""\
+        id = "absent-fix"
+        summary = "a fix of a plugin that is not installed here"
+
+        [target]
+        distribution = "absent-pkg"
+        module = "absent_pkg.worker.runner"
+        symbol = "run"
+        optional = true
+
+        [applies]
+        shapes = ["{'a' * 64}"]
+        """))
+    (absent / "block.py").write_text("def run():\n    return 1\n")
+    proc = cli("apply", "--python", str(python), "--patch", "demo-fix", "--patch", "absent-fix",
+               catalog=catalog, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    workdir = tmp_path / "shared"
+    workdir.mkdir(mode=0o1777)
+    workdir.chmod(0o1777)
+    planted = workdir / "absent_pkg" / "worker"
+    planted.mkdir(parents=True)
+    (planted.parent / "__init__.py").write_text("")
+    (planted / "__init__.py").write_text("")
+    (planted / "runner.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n"
+                                       "def run():\n    return 0\n")
+    if os.geteuid() == 0:
+        for folder, _, files in os.walk(workdir / "absent_pkg"):
+            shutil.chown(folder, 65534, 65534)
+            for name in files:
+                shutil.chown(os.path.join(folder, name), 65534, 65534)
+    script = vllm_like(python, workdir, mode="error", catalog=catalog)  # its folder on sys.path
+    environ = {k: v for k, v in os.environ.items() if k != "HATCH_VLLM_PATCH_GUARD"}
+    inline = subprocess.run(  # '' on sys.path (python -c, python -m)
+        [str(python), "-c", DEMO_PROCESS], cwd=workdir, capture_output=True, text=True,
+        env={**environ, "HATCH_VLLM_PATCH_GUARD": "error",
+             "HATCH_VLLM_PATCH_CATALOG": str(catalog)}, timeout=300, check=False)
+    for ran in (script, inline):
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        assert "patches in place (absent-fix, demo-fix)" in ran.stdout, ran.stdout
+        assert not (tmp_path / "ran").exists()
