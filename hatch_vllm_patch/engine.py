@@ -564,9 +564,10 @@ def plan_together(parts: list[tuple[str, Plan, bool]]) -> list[Plan]:
     """One verdict for a patch over several modules, from each module's (module, plan, fine):
     when one part is not fine (``unknown-shape``, ``modified``, ...), no part writes, and every
     fine part reports that part's verdict, naming its module."""
-    if len(parts) > 1 and all(plan.verdict is Verdict.NOT_APPLICABLE
-                              and plan.reason.startswith(ELSEWHERE_NOTE) for _, plan, _ in parts):
-        # every target says "the symbol lives in another target": it is in none of them
+    if parts and all(plan.verdict is Verdict.NOT_APPLICABLE
+                     and plan.reason.startswith(ELSEWHERE_NOTE) for _, plan, _ in parts):
+        # every target (the only one, too) says "the symbol lives in another target": it is in
+        # none of them
         return [Plan(Verdict.UNKNOWN_SHAPE, f"{plan.reason}; but no target of this patch holds "
                      "it: a release this patch does not know; refusing to patch")
                 for _, plan, _ in parts]

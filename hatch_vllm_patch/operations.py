@@ -605,7 +605,7 @@ class _Session:
         facts = [self.member_facts(m) for m in members]
         plans = [self.plan(m, f) for m, f in zip(members, facts, strict=True)]
         fine = [self.fine(m, plan) for m, plan in zip(members, plans, strict=True)]
-        if len(members) > 1:
+        if patch.members:  # [[targets]], also with one target (all "elsewhere": unknown)
             plans = plan_together([(m.target.module, plan, ok) for m, plan, ok
                                    in zip(members, plans, fine, strict=True)])
         if self.operation in _WRITES:
