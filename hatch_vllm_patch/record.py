@@ -42,6 +42,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -446,8 +447,16 @@ def read_record(directory: Path, roots: tuple[str, ...] = ()) -> RecordRead:
     record and named in ``dropped`` (see :func:`parse_record`)."""
     path = directory / RECORD_NAME
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        # Non-blocking, and a regular file before a byte is read: a FIFO planted under the
+        # record's name (a group-writable site-packages) must not hang every vLLM process.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with open(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                return RecordRead(path, EnvironmentRecord(), True,
+                                  "is damaged: not a regular file (a FIFO, a device or a "
+                                  "directory under the record's name); remove it")
+            size = info.st_size
             if size > MAX_RECORD_BYTES:
                 return RecordRead(path, EnvironmentRecord(), True,
                                   f"is damaged: {size} bytes, more than a record can be "

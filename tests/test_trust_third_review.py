@@ -454,3 +454,51 @@ def test_a_package_planted_in_the_working_directory_does_not_stop_vllm(
         assert ran.returncode == 0, ran.stdout + ran.stderr
         assert "patches in place (absent-fix, demo-fix)" in ran.stdout, ran.stdout
         assert not (tmp_path / "ran").exists()
+
+
+# --- 9. one target, only "elsewhere": unknown-shape ---------------------------------------------
+
+def test_a_single_target_only_elsewhere_is_unknown_shape(tmp_path: Path,
+                                                          demo_venv: Path) -> None:
+    """A [[targets]] patch with one target whose module is missing and whose only shape is
+    "elsewhere" is unknown-shape (exit 1), not not-applicable."""
+    catalog = tmp_path / "catalog"
+    folder = catalog / "moved-fix"
+    folder.mkdir(parents=True)
+    (folder / "patch.toml").write_text(textwrap.dedent("""\
+        id = "moved-fix"
+        summary = "a fix of a function that moved"
+
+        [[targets]]
+        distribution = "demo-pkg"
+        module = "demo_pkg.gone"
+        symbol = "compute"
+        shapes = ["elsewhere"]
+        """))
+    (folder / "demo_pkg.gone.py").write_text("def compute(values):\n    return 0\n")
+    proc = cli("verify", "--python", str(demo_venv), "--patch", "moved-fix", "--json",
+               catalog=catalog, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (outcome,) = json.loads(proc.stdout)["patches"]
+    assert outcome["verdict"] == "unknown-shape", outcome
+
+
+# --- 14. the record is read only when it is a regular file -----------------------------------
+
+def test_a_fifo_as_the_record_hangs_nothing(tmp_path: Path, demo_wheels: dict[str, Path],
+                                            project_wheel: Path) -> None:
+    """A FIFO under the record's name: a vLLM process (guard warn) and `verify` answer at once,
+    naming the record; nothing hangs."""
+    import os
+
+    python = create_venv(tmp_path / "venv", str(demo_wheels["1.0.0"]), str(project_wheel))
+    record = site_packages(tmp_path / "venv") / RECORD
+    os.mkfifo(record)
+    ran = vllm_like(python, tmp_path, mode="warn")
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "not a regular file" in ran.stdout + ran.stderr, ran.stdout + ran.stderr
+    proc = run([str(python), "-m", "hatch_vllm_patch", "verify", "--patch", "demo-fix"],
+               cwd=tmp_path, env={"HATCH_VLLM_PATCH_CATALOG": str(
+                   write_demo_catalog(tmp_path / "catalog"))}, check=False, timeout=120)
+    assert "not a regular file" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
