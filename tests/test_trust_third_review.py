@@ -502,3 +502,17 @@ def test_a_fifo_as_the_record_hangs_nothing(tmp_path: Path, demo_wheels: dict[st
                    write_demo_catalog(tmp_path / "catalog"))}, check=False, timeout=120)
     assert "not a regular file" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# --- 10. a relative --python is made absolute where it is read ----------------------------------
+
+def test_a_relative_python_is_the_one_in_the_working_directory(tmp_path: Path,
+                                                                demo_venv: Path) -> None:
+    """`--python venv/bin/python` from the folder that holds the venv applies there."""
+    relative = str(demo_venv.relative_to(tmp_path))
+    proc = cli("apply", "--python", relative, "--patch", "demo-fix",
+               catalog=write_demo_catalog(tmp_path / "catalog"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert str(demo_venv) in proc.stdout, proc.stdout
+    assert b"hatch-vllm-patch: demo-fix" in (
+        site_packages(demo_venv.parent.parent) / "demo_pkg" / "core.py").read_bytes()
