@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import _toml
-from .bounded import BoundExceeded, load_toml
+from .bounded import BoundExceeded, load_toml, read_regular
 from .errors import CatalogError
 from .names import ID_RULE, is_patch_id, shown
 from .trust import AdmittedPath, Rule, UntrustedPath, admit_folder, chosen, require_absolute
@@ -38,6 +38,7 @@ _RELEASE = re.compile(r"^\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?$")
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
+MAX_BLOCK_BYTES = 4 << 20  # a block is a few functions
 ABSENT = "absent"  # a shape entry meaning: the symbol must not exist (a function the patch adds)
 # A shape entry of one target of a patch over several modules: in some releases the symbol (or
 # its whole module) is not here because it lives in another target's module (a function vLLM
@@ -495,9 +496,15 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
         if block_path.exists() or block_path.is_symlink():
             _check(block_path)
         try:
-            block = block_path.read_text(encoding="utf-8")
+            block = read_regular(block_path, MAX_BLOCK_BYTES).decode("utf-8")
         except FileNotFoundError:
             errors.append(f"{where}: {block_name} is missing")
+        except UnicodeDecodeError as exc:
+            errors.append(f"{block_path}: must be UTF-8 Python source; found a byte that is "
+                          f"not ({exc.reason} at {exc.start})")
+        except (OSError, BoundExceeded) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            errors.append(f"{block_path}: cannot be read as the patch's block: {reason}")
         if block and not block.endswith("\n"):
             errors.append(f"{block_path}: must end with a newline")
         blocks.append(block)

@@ -516,3 +516,39 @@ def test_a_relative_python_is_the_one_in_the_working_directory(tmp_path: Path,
     assert str(demo_venv) in proc.stdout, proc.stdout
     assert b"hatch-vllm-patch: demo-fix" in (
         site_packages(demo_venv.parent.parent) / "demo_pkg" / "core.py").read_bytes()
+
+
+# --- 11. tracebacks become messages --------------------------------------------------------------
+
+def test_an_empty_hunk_then_no_newline_is_a_diff_error() -> None:
+    """`@@ -0,0 +0,0 @@` followed by `\\ No newline at end of file`: a DiffError naming the
+    line, not an IndexError."""
+    from hatch_vllm_patch.authoring.unidiff import DiffError, parse_diff
+
+    diff = ("--- a/demo_pkg/core.py\n+++ b/demo_pkg/core.py\n@@ -0,0 +0,0 @@\n"
+            "\\ No newline at end of file\n")
+    with pytest.raises(DiffError, match="holds no line"):
+        parse_diff(diff, "x.diff")
+
+
+@pytest.mark.parametrize("bad", ["not-utf8", "directory", "fifo"])
+def test_a_block_that_is_no_utf8_file_is_a_catalog_error(tmp_path: Path, demo_venv: Path,
+                                                         bad: str) -> None:
+    """A project's block.py that is not UTF-8, a directory or a FIFO: `apply` exits 2 with a
+    message naming it, no traceback, no hang."""
+    import os
+
+    project = own_project(tmp_path / "svc", "a-fix")
+    folder = own_patch(project / "vllm-patches", "a-fix", "compute", DEMO_BLOCK)
+    block = folder / "block.py"
+    block.unlink()
+    if bad == "not-utf8":
+        block.write_bytes(b"x = '\xff'\n")
+    elif bad == "directory":
+        block.mkdir()
+    else:
+        os.mkfifo(block)
+    proc = cli("apply", "--python", str(demo_venv), cwd=project,
+               catalog=write_demo_catalog(tmp_path / "catalog"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert str(block) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
