@@ -6,8 +6,11 @@ is the other user where a case is about another user."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+import tempfile
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,20 @@ from hatch_vllm_patch.selection import without_replaced
 from hatch_vllm_patch.trust import chosen
 
 RECORD = ".hatch-vllm-patch.json"
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A root-owned 0755 folder holding ``shared``, a 1777 folder (as /tmp): pytest's own
+    temporary folders are 0700, where uid 65534 can plant nothing."""
+    base = Path(tempfile.mkdtemp(prefix="hvp-trust-", dir="/tmp"))
+    base.chmod(0o755)
+    (base / "shared").mkdir()
+    (base / "shared").chmod(0o1777)
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 OTHER_BLOCK = textwrap.dedent('''\
     def other():
@@ -552,3 +569,39 @@ def test_a_block_that_is_no_utf8_file_is_a_catalog_error(tmp_path: Path, demo_ve
                catalog=write_demo_catalog(tmp_path / "catalog"))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert str(block) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+# --- 13. check never runs another user's code ----------------------------------------------------
+
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="another user's files need root")
+def test_check_of_another_users_folder_runs_none_of_its_code(shared_tmp: Path,
+                                                             demo_venv: Path) -> None:
+    """`check /shared/contrib/x-fix` as root, the folder planted by uid 65534 in a 1777
+    folder: its classify.py and probe.py are parsed, never run (a warning says why); the same
+    folder of root's own is run as before."""
+    import shutil
+
+    from test_trust import plant
+
+    shared = shared_tmp
+    marker = shared / "ran"
+    marker.write_text("")
+    staged = shared / "staged" / "x-fix"
+    write_demo_catalog(shared / "staged")
+    shutil.move(shared / "staged" / "demo-fix", staged)
+    manifest = staged / "patch.toml"
+    text = manifest.read_text().replace('id = "demo-fix"', 'id = "x-fix"')
+    manifest.write_text(text[:text.index("shapes = ")] + 'classifier = "classify.py"\n')
+    code = (f"open({str(marker)!r}, 'a').write('x')\n"
+            "def classify(source):\n    return ('known', 'fine')\n")
+    (staged / "classify.py").write_text(code)
+    (staged / "probe.py").write_text(code)
+    planted = shared / "shared" / "x-fix"
+    plant(staged, planted)
+    proc = cli("check", str(planted), "--python", str(demo_venv), cwd=shared)
+    assert marker.read_text() == "", "the other user's code ran"
+    assert "ran neither" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert "uid 65534" in proc.stdout + proc.stderr
+    proc = cli("check", str(staged), "--python", str(demo_venv), cwd=shared)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert marker.read_text() != "", "the user's own classifier was not run"
