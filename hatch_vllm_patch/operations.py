@@ -1047,6 +1047,7 @@ class _Session:
         before = previous.patches if previous else ()
         merged, removed = merge_selection(before, self.origin, entries, self.converge)
         merged = (*merged, *(e for e in removed if (e.id, e.file) in self.unremoved))
+        merged = tuple(self.current_digest(e) for e in merged)
         config = self.config
         if config is None and previous is not None:
             return previous._replace(patches=merged)
@@ -1061,6 +1062,26 @@ class _Session:
             project=str(config.project_dir) if config else None,
             patch_dirs=tuple(dirs),
         )
+
+    def current_digest(self, entry: SelectedPatch) -> SelectedPatch:
+        """``entry`` (another selection's, kept) with the digest its file has after this run,
+        when this run read or wrote that file and the entry's block is still in it as recorded
+        (two projects patching one file: the other's digest must not go stale, or every vLLM
+        process pays the full check). A block that is gone keeps the old digest: the guard
+        then checks, and says so."""
+        content = self.contents.get(entry.file) if entry.file else None
+        if content is None or entry.file_sha256 is None or not entry.ok:
+            return entry
+        digest = sha256_hex(content)
+        if digest == entry.file_sha256:
+            return entry
+        try:
+            block = parse_file(content).block(entry.id)
+        except MarkerError:
+            return entry
+        if block is None or not block.intact or block.declared_sha256 != entry.block_sha256:
+            return entry
+        return entry._replace(file_sha256=digest)
 
     def selected(self, patch: Patch, outcome: PatchOutcome) -> SelectedPatch:
         path = self.target_path(patch)

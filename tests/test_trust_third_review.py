@@ -605,3 +605,35 @@ def test_check_of_another_users_folder_runs_none_of_its_code(shared_tmp: Path,
     proc = cli("check", str(staged), "--python", str(demo_venv), cwd=shared)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert marker.read_text() != "", "the user's own classifier was not run"
+
+
+# --- 8. the record keeps every project's file digests current -----------------------------------
+
+def test_two_projects_patching_one_file_keep_the_fast_path(
+        tmp_path: Path, demo_wheels: dict[str, Path], project_wheel: Path) -> None:
+    """Project A patches compute, project B other, in one file: after both applies every
+    recorded digest is the file's, and a vLLM process takes the fast path (no full check);
+    after a reinstall and B's apply alone, A's entry keeps its old digest (its block is gone),
+    so the guard checks and stops."""
+    import hashlib
+
+    python = create_venv(tmp_path / "venv", str(demo_wheels["1.0.0"]), str(project_wheel))
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    first = own_project(tmp_path / "a", "a-fix")
+    own_patch(first / "vllm-patches", "a-fix", "compute", DEMO_BLOCK)
+    second = own_project(tmp_path / "b", "b-fix")
+    own_patch(second / "vllm-patches", "b-fix", "other", OTHER_BLOCK)
+    for project in (first, second):
+        assert _apply(python, project, catalog, "apply").returncode == 0
+    sp = site_packages(tmp_path / "venv")
+    digest = hashlib.sha256((sp / "demo_pkg" / "core.py").read_bytes()).hexdigest()
+    entries = json.loads((sp / RECORD).read_text())["selection"]["patches"]
+    assert {e["id"]: e["file_sha256"] for e in entries} == {"a-fix": digest, "b-fix": digest}
+    fast = vllm_like(python, tmp_path, mode="error", catalog=catalog)
+    assert fast.returncode == 0, fast.stdout + fast.stderr
+    assert "patches in place" in fast.stdout and "full check" not in fast.stdout, fast.stdout
+    run([UV, "pip", "install", "--quiet", "--reinstall", "--no-deps", "--python", str(python),
+         str(demo_wheels["1.0.0"])])
+    assert _apply(python, second, catalog, "apply").returncode == 0
+    stopped = vllm_like(python, tmp_path, mode="error", catalog=catalog)
+    assert stopped.returncode == 1 and "a-fix" in stopped.stderr, stopped.stdout + stopped.stderr
