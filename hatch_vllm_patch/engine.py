@@ -496,7 +496,25 @@ def plan_apply(patch: Patch, facts: FileFacts) -> Plan:
         new = ParsedFile(state.parsed.original, (*others, AppliedBlock(patch.id, "", body)))
         note = "updated a stale block" if state.verdict is Verdict.STALE else state.reason
         return Plan(Verdict.APPLIED, note, new.render())
+    if state.verdict is Verdict.ALREADY_APPLIED:
+        return _stacked(state, facts) or Plan(state.verdict, state.reason)
     return Plan(state.verdict, state.reason)
+
+
+def _stacked(state: Inspection, facts: FileFacts) -> Plan | None:
+    """BLOCKED when the patch's block is in place beside the block of another patch of one of
+    its symbols (stacked by an earlier release, or by hand): the later block wins, so neither
+    is "in place"."""
+    assert state.parsed is not None
+    rival = next((b.patch_id for b in state.parsed.blocks if b.patch_id in facts.overlapping),
+                 None)
+    if rival is None:
+        return None
+    return Plan(Verdict.BLOCKED, (
+        f"the file also carries the block of {rival}, which also replaces "
+        f"{facts.overlapping[rival]}: two blocks of one symbol undo each other; keep one of "
+        f"them (the selection that applied {rival} can drop it with `vllm-patch revert "
+        f"--patch {rival}`)"))
 
 
 def plan_remove_blocks(patch_ids: tuple[str, ...], facts: FileFacts) -> Plan:
@@ -536,7 +554,7 @@ def plan_verify(patch: Patch, facts: FileFacts) -> Plan:
     """What ``verify`` reports: APPLIED when in place and current, otherwise the problem."""
     state = inspect(patch, facts)
     if state.verdict is Verdict.ALREADY_APPLIED:
-        return Plan(Verdict.APPLIED, state.reason)
+        return _stacked(state, facts) or Plan(Verdict.APPLIED, state.reason)
     if state.verdict is Verdict.MISSING:
         return Plan(Verdict.MISSING, f"not patched ({state.reason})")
     return Plan(state.verdict, state.reason)
@@ -546,9 +564,10 @@ def plan_together(parts: list[tuple[str, Plan, bool]]) -> list[Plan]:
     """One verdict for a patch over several modules, from each module's (module, plan, fine):
     when one part is not fine (``unknown-shape``, ``modified``, ...), no part writes, and every
     fine part reports that part's verdict, naming its module."""
-    if len(parts) > 1 and all(plan.verdict is Verdict.NOT_APPLICABLE
-                              and plan.reason.startswith(ELSEWHERE_NOTE) for _, plan, _ in parts):
-        # every target says "the symbol lives in another target": it is in none of them
+    if parts and all(plan.verdict is Verdict.NOT_APPLICABLE
+                     and plan.reason.startswith(ELSEWHERE_NOTE) for _, plan, _ in parts):
+        # every target (the only one, too) says "the symbol lives in another target": it is in
+        # none of them
         return [Plan(Verdict.UNKNOWN_SHAPE, f"{plan.reason}; but no target of this patch holds "
                      "it: a release this patch does not know; refusing to patch")
                 for _, plan, _ in parts]

@@ -154,7 +154,11 @@ def choose_interpreter(
             raise UsageError("--python: an empty path; give an interpreter or an environment "
                              "directory, or leave the option out")
         reason = REASON_OPTION
-        return InterpreterChoice(_interpreter_in(Path(python_option)), reason)
+        # Absolute from the working directory the user typed it in, here where it is read:
+        # the helpers run in private working directories of their own. Not resolved: a
+        # venv's bin/python is a symlink that must stay the venv's.
+        given = Path(os.path.abspath(python_option))
+        return InterpreterChoice(_interpreter_in(given), reason)
     if config_python:
         reason = "[tool.vllm-patch] python in pyproject.toml"
         return InterpreterChoice(_interpreter_in(base / config_python), reason)

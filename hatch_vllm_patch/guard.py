@@ -315,25 +315,19 @@ def _changed_since_apply(state: RecordRead, editing: set[str]) -> str | None:
             continue
         if entry.file is None and entry.verdict == "not-applicable":
             # a target whose module this release does not have (the symbol lives in another
-            # target's module): unchanged while that module is still absent
-            import importlib.util
+            # target's module): unchanged while that module is still absent (never looked for
+            # in the working directory, where anyone may plant a folder)
+            from ._probe import find_spec_outside_cwd
 
-            try:
-                exists = importlib.util.find_spec(entry.module) is not None
-            except (ImportError, ValueError):
-                exists = False
-            if exists:
+            if find_spec_outside_cwd(entry.module) is not None:
                 return f"{entry.module} exists now ({entry.id})"
             continue
         if entry.file is None:
             top = entry.module.split(".")[0]
             if top not in present:
-                import importlib.util
+                from ._probe import find_spec_outside_cwd
 
-                try:
-                    present[top] = importlib.util.find_spec(top) is not None
-                except (ImportError, ValueError):
-                    present[top] = False
+                present[top] = find_spec_outside_cwd(top) is not None
             if present[top]:
                 return f"{entry.distribution} is installed now ({entry.id})"
             if not entry.ok:

@@ -542,10 +542,25 @@ class _Session:
         )
 
     def overlapping(self, member: Patch) -> dict[str, str]:
-        """The other known patches that replace a symbol ``member`` (one target) replaces."""
+        """The other known patches that replace a symbol ``member`` (one target) replaces:
+        this catalog's, and the patches the record names as other selections' (another
+        project's own patch, known here only by the module and symbols recorded for it)."""
         others = [p for p in self.catalog.patches if p.id != member.id]
-        return {o.second: o.where for o in overlaps([member, *others])
-                if o.first == member.id}
+        found = {o.second: o.where for o in overlaps([member, *others])
+                 if o.first == member.id}
+        selection = self.record.selection
+        for entry in selection.patches if selection else ():
+            if (entry.id == member.id or entry.id in found or entry.id in self.catalog
+                    or entry.module != member.target.module):
+                continue
+            shared = next((s for s in member.target.symbols for theirs in entry.symbols
+                           if s == theirs or s.startswith(theirs + ".")
+                           or theirs.startswith(s + ".")), None)
+            if shared is not None:
+                who = "; ".join(entry.selected_by) or "another selection"
+                found[entry.id] = (f"{member.target.module}.{shared} (another project's own "
+                                   f"patch {entry.id}, selected by {who})")
+        return found
 
     def read(self, path: Path) -> tuple[bytes | None, str | None]:
         if str(path) in self.contents:
@@ -590,7 +605,7 @@ class _Session:
         facts = [self.member_facts(m) for m in members]
         plans = [self.plan(m, f) for m, f in zip(members, facts, strict=True)]
         fine = [self.fine(m, plan) for m, plan in zip(members, plans, strict=True)]
-        if len(members) > 1:
+        if patch.members:  # [[targets]], also with one target (all "elsewhere": unknown)
             plans = plan_together([(m.target.module, plan, ok) for m, plan, ok
                                    in zip(members, plans, fine, strict=True)])
         if self.operation in _WRITES:
@@ -1032,6 +1047,7 @@ class _Session:
         before = previous.patches if previous else ()
         merged, removed = merge_selection(before, self.origin, entries, self.converge)
         merged = (*merged, *(e for e in removed if (e.id, e.file) in self.unremoved))
+        merged = tuple(self.current_digest(e) for e in merged)
         config = self.config
         if config is None and previous is not None:
             return previous._replace(patches=merged)
@@ -1046,6 +1062,26 @@ class _Session:
             project=str(config.project_dir) if config else None,
             patch_dirs=tuple(dirs),
         )
+
+    def current_digest(self, entry: SelectedPatch) -> SelectedPatch:
+        """``entry`` (another selection's, kept) with the digest its file has after this run,
+        when this run read or wrote that file and the entry's block is still in it as recorded
+        (two projects patching one file: the other's digest must not go stale, or every vLLM
+        process pays the full check). A block that is gone keeps the old digest: the guard
+        then checks, and says so."""
+        content = self.contents.get(entry.file) if entry.file else None
+        if content is None or entry.file_sha256 is None or not entry.ok:
+            return entry
+        digest = sha256_hex(content)
+        if digest == entry.file_sha256:
+            return entry
+        try:
+            block = parse_file(content).block(entry.id)
+        except MarkerError:
+            return entry
+        if block is None or not block.intact or block.declared_sha256 != entry.block_sha256:
+            return entry
+        return entry._replace(file_sha256=digest)
 
     def selected(self, patch: Patch, outcome: PatchOutcome) -> SelectedPatch:
         path = self.target_path(patch)
@@ -1070,7 +1106,7 @@ class _Session:
             file=str(path) if content is not None else None,
             file_sha256=sha256_hex(content) if content is not None else None,
             block_sha256=block, folder=str(patch.folder),
-            selected_by=self.carriers.get(patch.id, ()))
+            selected_by=self.carriers.get(patch.id, ()), symbols=patch.target.symbols)
 
 
 def edit_states(env: TargetEnvironment, record: EnvironmentRecord) -> dict[str, str | None]:

@@ -42,6 +42,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -153,6 +154,7 @@ class SelectedPatch(_Value):
         "block_sha256",
         "folder",
         "selected_by",
+        "symbols",
     )
     __slots__ = _fields
     _defaults: ClassVar[dict[str, Any]] = {
@@ -161,6 +163,7 @@ class SelectedPatch(_Value):
         "block_sha256": None,
         "folder": None,
         "selected_by": (),
+        "symbols": (),
     }
 
     id: str
@@ -176,12 +179,19 @@ class SelectedPatch(_Value):
     # Who selected it: a project's pyproject.toml, COMMAND_LINE, "carried by <distribution>";
     # empty: not known (never removed by convergence).
     selected_by: tuple[str, ...]
+    # The symbols of ``module`` its block rebinds (the patch's target symbols): another
+    # project's patch of one of them is refused before it writes. Empty in a record of an
+    # earlier release.
+    symbols: tuple[str, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "distribution": self.distribution, "module": self.module,
+        data = {"id": self.id, "distribution": self.distribution, "module": self.module,
                 "verdict": self.verdict, "ok": self.ok, "file": self.file,
                 "file_sha256": self.file_sha256, "block_sha256": self.block_sha256,
                 "folder": self.folder, "selected_by": list(self.selected_by)}
+        if self.symbols:
+            data["symbols"] = list(self.symbols)
+        return data
 
 
 class Selection(_Value):
@@ -437,8 +447,16 @@ def read_record(directory: Path, roots: tuple[str, ...] = ()) -> RecordRead:
     record and named in ``dropped`` (see :func:`parse_record`)."""
     path = directory / RECORD_NAME
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        # Non-blocking, and a regular file before a byte is read: a FIFO planted under the
+        # record's name (a group-writable site-packages) must not hang every vLLM process.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with open(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                return RecordRead(path, EnvironmentRecord(), True,
+                                  "is damaged: not a regular file (a FIFO, a device or a "
+                                  "directory under the record's name); remove it")
+            size = info.st_size
             if size > MAX_RECORD_BYTES:
                 return RecordRead(path, EnvironmentRecord(), True,
                                   f"is damaged: {size} bytes, more than a record can be "
@@ -628,6 +646,7 @@ def _selection(raw: object, roots: tuple[str, ...] = (),
                                  optional=True),
             folder=_text(p.get("folder"), f"{where}.folder", optional=True),
             selected_by=_selectors(p.get("selected_by"), f"{where}.selected_by", default_by),
+            symbols=_symbols(p.get("symbols"), f"{where}.symbols"),
         )
         if entry.file is not None:  # checked against the roots once the entry is well formed
             try:
@@ -646,4 +665,16 @@ def _selectors(value: object, where: str, default: tuple[str, ...]) -> tuple[str
         return default
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
         raise RecordDamaged(f"{where} is not a list of selectors")
+    return tuple(value)
+
+
+_SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)?")
+
+
+def _symbols(value: object, where: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(
+            isinstance(v, str) and _SYMBOL.fullmatch(v) for v in value):
+        raise RecordDamaged(f"{where} is not a list of symbols ('name' or 'Class.name')")
     return tuple(value)

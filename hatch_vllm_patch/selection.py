@@ -8,7 +8,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from .catalog import Catalog, Patch
+from .catalog import Catalog, Patch, shared_symbol
 from .config import Config
 from .errors import ConfigurationError, UsageError
 from .models import ModelInfo, read_model
@@ -143,10 +143,14 @@ def _digests(shapes: frozenset[str] | None) -> frozenset[str]:
 
 def without_replaced(patches: Iterable[Patch]) -> tuple[list[Patch], dict[str, str]]:
     """``patches`` without those another of them declares it ``replaces`` (patch.toml), and
-    which replaced which (replaced id -> replacing id). Pure."""
+    which replaced which (replaced id -> replacing id). Only a patch that shares a symbol with
+    the replacing one is dropped (:func:`~.catalog.shared_symbol`): a ``replaces`` naming an
+    unrelated patch (another project's, unknown when its catalog was loaded) never switches
+    that patch off. Pure."""
     listed = list(patches)
-    ids = {p.id for p in listed}
-    replaced = {old: p.id for p in listed for old in p.replaces if old in ids and old != p.id}
+    by_id = {p.id: p for p in listed}
+    replaced = {old: p.id for p in listed for old in p.replaces
+                if old in by_id and old != p.id and shared_symbol(p, by_id[old])}
     return [p for p in listed if p.id not in replaced], replaced
 
 

@@ -304,7 +304,8 @@ def _catalog_for(root: Path, distribution: str, module: str) -> Path:
 @pytest.mark.parametrize("distribution, module, why", [
     ("demo-pkg", "json.decoder", "is not a file of demo-pkg 1.0.0: not in its RECORD"),
     ("other-pkg", "json.decoder", "is not a file of other-pkg: other-pkg is not installed "
-                                  "here, nor any distribution that installs this package"),
+                                  "here, and no distribution that installs other-pkg's own "
+                                  "package stands in for it"),
 ])
 def test_targets_are_confined_to_their_distribution(demo_venv: Path, tmp_path: Path,
                                                     distribution: str, module: str,

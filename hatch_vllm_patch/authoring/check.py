@@ -139,6 +139,10 @@ def _check_one(patch: Patch, env: TargetEnvironment | None) -> FolderCheck:
     errors: list[str] = []
     warnings: list[str] = []
     info: list[str] = []
+    refused = _not_runnable(patch)
+    if refused is not None:  # its shape checks never import its classify.py either
+        patch = patch._replace(run_classifier=False, members=tuple(
+            m._replace(run_classifier=False) for m in patch.members))
     manifest = folder / "patch.toml"
     for key, value in (("summary", patch.summary), ("description", patch.description),
                        ("removal", patch.removal)):
@@ -163,7 +167,12 @@ def _check_one(patch: Patch, env: TargetEnvironment | None) -> FolderCheck:
             compile(script.read_text(encoding="utf-8"), str(script), "exec")
         except SyntaxError as exc:
             errors.append(f"{script}: not valid Python: {exc}")
-    if patch.classifier_path is not None and not errors:
+    if refused is not None and (patch.classifier_path is not None
+                                or patch.probe_path is not None):
+        warnings.append(f"{refused}: check parsed its classify.py and probe.py but ran "
+                        "neither (what reads as a check never runs another user's code); run "
+                        "check as the folder's owner, or after `chmod go-w` of a folder of yours")
+    if patch.classifier_path is not None and not errors and refused is None:
         try:
             patch.classifier()
         except Exception as exc:
@@ -174,7 +183,7 @@ def _check_one(patch: Patch, env: TargetEnvironment | None) -> FolderCheck:
         return FolderCheck(folder, tuple(errors), tuple(warnings), tuple(info))
     for member in patch.parts:
         _check_target(member, env, errors, warnings, info)
-    if patch.probe_path is not None and not errors:
+    if patch.probe_path is not None and not errors and refused is None:
         try:
             proc = run_target_python(env.python, ["-c", _IMPORT_PROBE,
                                                   os.path.abspath(patch.probe_path)],
@@ -188,6 +197,22 @@ def _check_one(patch: Patch, env: TargetEnvironment | None) -> FolderCheck:
             else:
                 info.append(f"probe.py imports in {env.python}")
     return FolderCheck(folder, tuple(errors), tuple(warnings), tuple(info))
+
+
+def _not_runnable(patch: Patch) -> str | None:
+    """None when the patch's folder, classify.py and probe.py pass the whole ownership rule
+    (this user's or root's, writable by no one else, no symlink): their code may be run. Else
+    the refusal (the folder of another user, given to ``check`` by path)."""
+    from ..trust import UntrustedPath, check_file, check_folder
+
+    try:
+        check_folder(patch.folder, "the patch folder")
+        for script in (patch.classifier_path, patch.probe_path):
+            if script is not None:
+                check_file(script, "a script of the patch folder", inside=patch.folder)
+    except UntrustedPath as exc:
+        return str(exc)
+    return None
 
 
 def _check_target(member: Patch, env: TargetEnvironment, errors: list[str],

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from ..catalog import load_patch_folders, module_relative_path
+from ..catalog import Catalog, Patch, load_patch_folders, module_relative_path
 from ..config import DEFAULT_PATCH_DIR
 from ..engine import locate_in, node_source
 from ..environment import InterpreterChoice, ModuleQuery, TargetEnvironment, inspect_environment
@@ -46,6 +46,7 @@ from ..record import (
     save_record,
 )
 from ..report import Report
+from ..selection import overlaps
 from ..trust import chosen
 from .draft import Draft, ModuleChange, draft_patch
 from .render import PLACEHOLDER, ManifestTarget, render_manifest, render_wrapper_block
@@ -83,6 +84,10 @@ class _NewPatch(NamedTuple):
     choice: InterpreterChoice
     pyproject: Path | None = None  # the project's pyproject.toml (create selects the patch)
     known: frozenset[str] = frozenset()  # the ids of the project's catalog
+    # The patches the new one will be applied beside: the project's selection, and the
+    # catalog (for the blocks `edit` took out, put back with it).
+    selected: tuple[Patch, ...] = ()
+    catalog: Catalog | None = None
 
 
 def _check_new_id(patch_id: str, request: Request) -> _NewPatch:
@@ -90,7 +95,7 @@ def _check_new_id(patch_id: str, request: Request) -> _NewPatch:
     a patch of the catalog or of the project)."""
     if not is_patch_id(patch_id):
         raise UsageError(f"{shown(patch_id)}: {ID_RULE}")
-    catalog, config, _, choice, *_ = resolve(request, overlap_ok=True)
+    catalog, config, selection, choice, *_ = resolve(request, overlap_ok=True)
     if patch_id in catalog:
         raise UsageError(f"{patch_id!r} is already a patch ({catalog[patch_id].folder}); "
                          "choose another id")
@@ -99,10 +104,45 @@ def _check_new_id(patch_id: str, request: Request) -> _NewPatch:
     pyproject = source if source.name == "pyproject.toml" and source.is_file() else None
     known = frozenset(catalog)
     if config is not None and config.patch_dirs:
-        return _NewPatch(config.patch_dirs[0], project, True, choice, pyproject, known)
+        return _NewPatch(config.patch_dirs[0], project, True, choice, pyproject, known,
+                         selection.patches, catalog)
     # The default folder counts once it exists, but only for a project with the table.
     return _NewPatch(project / DEFAULT_PATCH_DIR, project, config is not None, choice,
-                     pyproject, known)
+                     pyproject, known, selection.patches, catalog)
+
+
+def _refuse_overlap(new_patch: _NewPatch, patch_id: str, draft: Draft,
+                    also: tuple[str, ...] = ()) -> None:
+    """Before the first write: the draft loaded as the engine will load it (from a scratch
+    folder, removed afterwards), and UsageError when it replaces a symbol that a patch it will
+    be applied beside also replaces (the project's selection, the blocks ``edit`` took out).
+    Refused here, the environment, the project's patch folder and its pyproject.toml stay as
+    they were."""
+    scratch = Path(tempfile.mkdtemp(prefix="hvp-create-"))
+    try:
+        staged = scratch / patch_id
+        for name, text in draft.files.items():
+            (staged / name).parent.mkdir(parents=True, exist_ok=True)
+            (staged / name).write_text(text, encoding="utf-8")
+        patch = load_patch_folders(chosen(scratch))[patch_id]
+    except CatalogError as exc:
+        raise UsageError(f"the generated patch does not load (a bug; please report): {exc}"
+                         ) from None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    catalog = new_patch.catalog
+    beside = {p.id: p for p in new_patch.selected}
+    beside.update({r: catalog[r] for r in also if catalog is not None and r in catalog})
+    beside.pop(patch_id, None)
+    found = [o for o in overlaps([*beside.values(), patch]) if o.second == patch_id]
+    if found:
+        lines = [f"{o.first} ({beside[o.first].folder}) already replaces {o.where}, which "
+                 f"{patch_id} would replace too: two blocks of one symbol undo each other"
+                 for o in found]
+        raise UsageError(
+            f"{patch_id} overlaps a patch it would be applied beside; nothing was written (the "
+            "edit stays open): make the change in that patch (`vllm-patch update ID`), or "
+            "drop it from the selection first", lines)
 
 
 def _module_of(env: TargetEnvironment, module: str) -> tuple[Path, str, str]:
@@ -391,6 +431,8 @@ def create(request: Request, patch_id: str, *, module: str | None = None,
                    why=why, removal=removal)
     draft = draft_patch(patch_id, changes, summary=texts["summary"], why=texts["why"],
                         removal=texts["removal"], fixed_in=fixed_in, made_by="create")
+    _refuse_overlap(new_patch, patch_id, draft,
+                    tuple(dict.fromkeys(r for _, s, _ in opened for r in s.removed)))
     folder = _write_draft(new_patch, patch_id, draft)
     with locked([env.purelib, *{Path(n).parent for n, _, _ in opened}], exclusive=True,
                 environment=env.purelib, on_wait=request.on_wait):
@@ -510,6 +552,7 @@ def create_from_diff(request: Request, patch_id: str, diff: str, *, source: str,
     if skipped:
         draft = draft._replace(notes=(*draft.notes, "skipped, not installed in "
                                       f"{env.python}: {', '.join(skipped)}"))
+    _refuse_overlap(new_patch, patch_id, draft)
     folder = _write_draft(new_patch, patch_id, draft)
     return _apply_new(request, new_patch, folder, draft)
 

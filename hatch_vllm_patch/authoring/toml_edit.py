@@ -16,18 +16,46 @@ from ..files import write_atomic
 # The tables of patch.toml that `update` computes; the texts (summary, description, links,
 # removal, architectures) are the author's and never rewritten.
 MANIFEST_TABLES = ("target", "targets", "applies")
+# The keys of those tables that `update` computes; any other key there (`optional`,
+# `install-from`, `classifier`) is the author's, and kept as it is.
+COMPUTED_KEYS = {
+    "target": frozenset({"distribution", "module", "symbol", "symbols", "adds", "version",
+                         "block", "shapes"}),
+    "applies": frozenset({"fixed-in", "fixed-shapes", "shapes"}),
+}
 
 
 def edit_manifest(text: str, rendered: str) -> str:
-    """``text`` (a patch.toml) with the tables :data:`MANIFEST_TABLES` made equal to those of
-    ``rendered`` (the manifest ``update`` drafted), changing only the values that differ."""
+    """``text`` (a patch.toml) with the computed keys of the tables :data:`MANIFEST_TABLES`
+    made equal to those of ``rendered`` (the manifest ``update`` drafted), changing only the
+    values that differ; the author's keys there (:data:`COMPUTED_KEYS` aside) are kept."""
     import tomlkit
 
     doc = tomlkit.parse(text)
+    old = _toml.loads(text)
     new = _toml.loads(rendered)
+    _keep_authored(old, new)
     for key in MANIFEST_TABLES:
         _merge(doc, key, new.get(key))
     return tomlkit.dumps(doc)
+
+
+def _keep_authored(old: dict[str, Any], new: dict[str, Any]) -> None:
+    """Copy into ``new`` (the rendering) the author's keys of ``old``'s target tables (a
+    [[targets]] entry matched by its module) and of ``[applies]``."""
+    def keep(mine: Any, theirs: Any, computed: frozenset[str]) -> None:
+        if isinstance(mine, dict) and isinstance(theirs, dict):
+            for name, value in mine.items():
+                if name not in computed:
+                    theirs.setdefault(name, value)
+
+    keep(old.get("target"), new.get("target"), COMPUTED_KEYS["target"])
+    keep(old.get("applies"), new.get("applies"), COMPUTED_KEYS["applies"])
+    entries = old.get("targets")
+    by_module = ({e.get("module"): e for e in entries if isinstance(e, dict)}
+                 if isinstance(entries, list) else {})
+    for entry in new.get("targets") or ():
+        keep(by_module.get(entry.get("module")), entry, COMPUTED_KEYS["target"])
 
 
 def _plain(value: Any) -> Any:
@@ -89,6 +117,7 @@ def select_in_pyproject(path: Path, patch_id: str) -> bool:
     key when absent); False when it is listed already (nothing written)."""
     import tomlkit
 
+    path = through_link(path)
     doc = tomlkit.parse(path.read_text(encoding="utf-8"))
     tool = doc.get("tool")
     if tool is None:
@@ -107,3 +136,21 @@ def select_in_pyproject(path: Path, patch_id: str) -> bool:
         patches.append(patch_id)
     write_atomic(path, tomlkit.dumps(doc).encode("utf-8"))
     return True
+
+
+def through_link(path: Path) -> Path:
+    """The file to edit for ``path``: itself, or, when it is a symlink, the regular file it
+    leads to (edited there, so the link stays a link and its target gets the change); a link
+    to anything else is refused (UsageError, a ValueError), never replaced by a file."""
+    import os
+
+    from ..errors import UsageError
+
+    if not path.is_symlink():
+        return path
+    real = Path(os.path.realpath(path))
+    if not real.is_file() or real.is_symlink():
+        raise UsageError(f"{path} is a symlink to {real}, which is not a regular file; "
+                         "refusing to replace the link: point it at the file, or edit it by "
+                         "hand")
+    return real

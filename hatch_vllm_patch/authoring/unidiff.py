@@ -122,6 +122,9 @@ def parse_diff(text: str, name: str = "the diff") -> list[FileDiff]:
                 seen_new += kind != "-"
                 i += 1
             while i < len(lines) and lines[i].startswith("\\"):
+                if not body:  # "\ No newline" after an empty hunk: it marks no line
+                    raise DiffError(f"{name}, line {i + 1}: {lines[i].rstrip()!r} follows the "
+                                    f"hunk {line.strip()!r}, which holds no line")
                 tag, last = body[-1]
                 body[-1] = (tag, last.rstrip("\n"))
                 i += 1

@@ -42,7 +42,7 @@ from .commands import (
 from .draft import BASE_DIR, Draft, ModuleChange, base_name, draft_patch
 from .merge import has_conflict_markers, merge3
 from .render import _dedent_code, _snake, render_manifest_of
-from .toml_edit import edit_manifest
+from .toml_edit import edit_manifest, through_link
 
 
 class SymbolMerge(NamedTuple):
@@ -418,7 +418,7 @@ def _replace_patch_files(patch: Patch, draft: Draft) -> None:
 
 def _rewrite_manifest(patch: Patch, *, fixed_in: str) -> None:
     """``fixed-in`` set in the patch's ``patch.toml``, everything else of the file kept."""
-    manifest = patch.folder / "patch.toml"
+    manifest = through_link(patch.folder / "patch.toml")
     text = edit_manifest(manifest.read_text(encoding="utf-8"),
                          render_manifest_of(patch, fixed_in=fixed_in))
     write_atomic(manifest, text)
