@@ -16,7 +16,7 @@ from typing import Any
 import jsonschema
 import pytest
 from conftest import REPO, cli, write_demo_catalog
-from venvs import site_packages
+from venvs import repetitions, site_packages
 
 from hatch_vllm_patch.engine import Verdict
 
@@ -371,7 +371,7 @@ def test_misspelt_module_and_symbol_get_close_matches(tmp_path: Path, demo_venv:
 # --- Ctrl-C -------------------------------------------------------------------------------------
 
 # Each run is one `vllm-patch apply` (0.15 s on 2 idle cores, 0.4 s on busy ones): 30-60 s.
-CTRL_C_RUNS = 150
+CTRL_C_RUNS = repetitions(150, 600)
 
 
 @pytest.fixture(scope="module")

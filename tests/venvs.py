@@ -31,6 +31,17 @@ SCRUBBED_ENV = (
 )
 
 
+# The exhaustive tier (README, "Tests"): `HATCH_VLLM_PATCH_EXHAUSTIVE=1 uv run pytest` runs the
+# repetition tests (random SIGINTs and SIGKILLs, concurrent rounds) at their full counts; the
+# complete check runs each often enough to land in every window it names.
+EXHAUSTIVE = os.environ.get("HATCH_VLLM_PATCH_EXHAUSTIVE", "") not in ("", "0")
+
+
+def repetitions(complete: int, exhaustive: int) -> int:
+    """How many times a repetition test repeats in this tier."""
+    return exhaustive if EXHAUSTIVE else complete
+
+
 def scrubbed_environ() -> dict[str, str]:
     """``os.environ`` without the variables of :data:`SCRUBBED_ENV`."""
     return {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}
