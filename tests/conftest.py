@@ -294,10 +294,35 @@ def measured_modules() -> dict[str, float]:
         return {}
 
 
+# The everyday loop's real-vLLM smoke (`uv run pytest -m "not slow or smoke"`): one round trip
+# per catalog patch on one release of the patch's newest shape, and doctor on a full vLLM. Each
+# entry names tests of the complete check (marked `smoke` here); one that names no test fails.
+SMOKE = (
+    "test_vllm_releases.py::test_buggy_release_is_patched_verified_and_reverted[0.28.0]",
+    "test_vllm_releases.py::test_hybrid_patches_on_every_release[0.31.0]",
+    "test_kv_cache_uneven_groups.py::test_release_is_patched_verified_and_reverted[0.33.0-",
+    "test_kv_cache_page_promotion.py::test_release_apply_verify_revert[0.33.0]",
+    "test_neuron_patches.py::test_deep_verify_runs_both_probes",
+    "test_doctor_vllm.py::test_non_hybrid_model_needs_nothing",
+)
+
+
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest modules first, by measured seconds; a module not measured yet goes first (it
-    may be long); the tests of a module keep their order."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The smoke tests marked; the longest modules first, by measured seconds; a module not
+    measured yet goes first (it may be long); the tests of a module keep their order."""
+    found = dict.fromkeys(SMOKE, 0)
+    for item in items:
+        name = item.nodeid.rsplit("/", 1)[-1]
+        for entry in SMOKE:
+            if name.startswith(entry):
+                item.add_marker(pytest.mark.smoke)
+                found[entry] += 1
+    everything = not config.args or config.args == ["tests"] or config.args == [
+        str(Path(__file__).parent)]
+    missing = [entry for entry, n in found.items() if not n]
+    if everything and missing and not config.getoption("keyword"):
+        raise pytest.UsageError(f"tests/conftest.py SMOKE names no collected test: {missing}")
     seconds = measured_modules()
     items.sort(key=lambda item: -seconds.get(item.path.name, float("inf")))
 
