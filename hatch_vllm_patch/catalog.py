@@ -44,6 +44,15 @@ ABSENT = "absent"  # a shape entry meaning: the symbol must not exist (a functio
 # moved); there this target is not-applicable and nothing is written to it.
 ELSEWHERE = "elsewhere"
 
+# The keys of patch.toml, by table (the reference page docs/reference/patch-toml.md is checked
+# against these).
+PATCH_KEYS = frozenset({"id", "summary", "description", "links", "removal", "architectures",
+                        "target", "targets", "applies", "replaces", "opt-in"})
+APPLIES_KEYS = frozenset({"fixed-in", "fixed-shapes", "shapes", "classifier"})
+TARGET_KEYS = frozenset({"distribution", "module", "symbol", "symbols", "optional", "version",
+                         "install-from", "adds"})
+TARGETS_ONLY_KEYS = frozenset({"shapes", "block"})  # only in [[targets]]
+
 
 class Target(NamedTuple):
     """Where a patch goes: symbols (functions, or methods of classes) in a module of an
@@ -335,9 +344,7 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
             return ()
         return tuple(value)
 
-    known = {"id", "summary", "description", "links", "removal", "architectures", "target",
-             "targets", "applies", "replaces", "opt-in"}
-    for key in sorted(set(data) - known):
+    for key in sorted(set(data) - PATCH_KEYS):
         errors.append(f"{where}: unknown key {key!r}")
     patch_id = text(data, "id", "id")
     if patch_id and (patch_id != folder.name or not is_patch_id(patch_id)):
@@ -347,7 +354,7 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
     if not isinstance(applies, dict):
         errors.append(f"{where}: [applies] must be a table")
         applies = {}
-    for key in sorted(set(applies) - {"fixed-in", "fixed-shapes", "shapes", "classifier"}):
+    for key in sorted(set(applies) - APPLIES_KEYS):
         errors.append(f"{where}: unknown key applies.{key}")
     # One target: [target] + applies.shapes + block.py. Several (one patch over several
     # modules, applied and reverted all together): [[targets]], each with its shapes and block.
@@ -371,8 +378,7 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
         tables = [("target", target_table)]
     parsed_targets: list[tuple[Target, dict[str, frozenset[str]], str]] = []
     for label, table in tables:
-        allowed = {"distribution", "module", "symbol", "symbols", "optional", "version",
-                   "install-from", "adds"} | ({"shapes", "block"} if several else set())
+        allowed = TARGET_KEYS | (TARGETS_ONLY_KEYS if several else frozenset())
         for key in sorted(set(table) - allowed):
             errors.append(f"{where}: unknown key {label}.{key}")
         module = text(table, "module", f"{label}.module")
