@@ -66,6 +66,8 @@ _AUTHORING = {
 _DOCTOR = ("will MODEL start on the installed vLLM, and which patch does it need? (runs vLLM's "
            "start-up KV steps in the target environment, on CPU, offline, without weights)")
 EXIT_PATCH_NEEDED = 3
+DOCS_EPILOG = ("docs: docs/ in the source (uv run mkdocs serve); the reference of every command: "
+               "docs/reference/cli.md")
 # doctor's exit codes, by DoctorReport.outcome (2: usage, as every command)
 DOCTOR_EXIT = {"nothing-needed": EXIT_OK, "no-fix": EXIT_FAILED,
                "patch-needed": EXIT_PATCH_NEEDED}
@@ -119,6 +121,7 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="vllm-patch",
         description="Patch vLLM's installed files for hybrid models, verifiably and reversibly.",
+        epilog=DOCS_EPILOG,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="operation", metavar="COMMAND", required=True)

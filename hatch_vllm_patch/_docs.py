@@ -240,14 +240,14 @@ def cli_page() -> str:
     out += ["\n## Exit codes\n\n", _table(("code", "meaning"), codes)]
     schema = json.loads((Path(_cli.__file__).parent / "schema" / "output.schema.json")
                         .read_text(encoding="utf-8"))
-    rows = _schema_rows(schema["properties"], "")
+    fields = _schema_rows(schema["properties"], "")
     for name in ("environment", "patch"):
-        rows += _schema_rows(schema["$defs"][name].get("properties", {}),
+        fields += _schema_rows(schema["$defs"][name].get("properties", {}),
                              "patches[]." if name == "patch" else f"{name}.")
     out += ["\n## JSON fields\n\n",
             f"`--json` prints one object (schema version {_cli.SCHEMA_VERSION}, "
             "`hatch_vllm_patch/schema/output.schema.json`) for every outcome:\n\n",
-            _table(("field", "meaning"), rows)]
+            _table(("field", "meaning"), fields)]
     return "".join(out)
 
 

@@ -76,7 +76,7 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
         if config is None:
             self._fail(
                 "the build hook is enabled but pyproject.toml has no [tool.vllm-patch] table",
-                ["add one (see hatch-vllm-patch's README), or remove "
+                ["add one (see hatch-vllm-patch's docs/reference/configuration.md), or remove "
                  "[tool.hatch.build.hooks.vllm-patch]"],
                 str(root / "pyproject.toml"),
             )
@@ -302,5 +302,5 @@ def _when_missing(isolated: bool, root: Path) -> str:
     if isolated:
         return (f"this build runs before the dependencies are installed: after the install, "
                 f"{_next_command(root)} — or use uv's two-phase setting (see hatch-vllm-patch's "
-                "README) to have it done on every sync")
+                "docs/explanation/install-time.md) to have it done on every sync")
     return f"once it is installed, {_next_command(root)}"
