@@ -25,7 +25,7 @@ from .engine import Verdict
 from .environment import TargetEnvironment, last_line, run_target_python
 from .errors import ConfigurationError, TargetEnvironmentError, UsageError
 from .files import write_atomic
-from .models import FAMILY_BY_MODEL_TYPE, read_model
+from .models import FAMILY_BY_MODEL_TYPE, model_above, read_model
 from .report import Report
 from .selection import overlaps, without_replaced
 from .trust import Rule
@@ -275,8 +275,10 @@ def resolve_model(name: str, environ: Mapping[str, str] | None = None,
         if not (path / "config.json").is_file():
             raise UsageError(f"{option} {name}: {path} has no config.json")
         return path.resolve()
+    above = model_above(name)
     if name.count("/") != 1 or name.startswith((".", "/")):
-        raise UsageError(f"{option} {name}: no such directory, and not a hub id (ORG/NAME)")
+        raise UsageError(f"{option} {name}: no such directory, and not a hub id (ORG/NAME)"
+                         + (f"; {above} is a model directory: pass that" if above else ""))
     looked = []
     for cache in hub_caches(environ):
         repo = cache / f"models--{name.replace('/', '--')}"
@@ -292,9 +294,13 @@ def resolve_model(name: str, environ: Mapping[str, str] | None = None,
         for snapshot in candidates:
             if (snapshot / "config.json").is_file():
                 return snapshot
-    raise UsageError(f"{option} {name}: not in the local Hugging Face cache (looked in "
-                     f"{', '.join(looked)}; set HF_HOME or HF_HUB_CACHE, or download it "
-                     f"once: `hf download {name} config.json`); doctor never goes online")
+    if above:  # a relative path typed in a subfolder, not a hub id
+        raise UsageError(f"{option} {name}: no such directory here ({path.absolute()}); "
+                         f"{above} is a model directory: pass that path")
+    raise UsageError(f"{option} {name}: not a directory ({path.absolute()}) and not in the "
+                     f"local Hugging Face cache (looked in {', '.join(looked)}; set HF_HOME "
+                     f"or HF_HUB_CACHE, or download it once: `hf download {name} "
+                     f"config.json`); doctor never goes online")
 
 
 # --- the job ----------------------------------------------------------------------------------
@@ -776,6 +782,12 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
         answer = run_child(env.python, job, timeout=timeout)
         needed, verdict, runs, notes = _recommend(
             job, answer, job_variants, candidates, patches, env, timeout, notes)
+        if INSPECTION_FAILED in json.dumps(answer["cases"][0]["variants"][INSTALLED]):
+            cause = inspection_cause(env.python, architecture, (modules or {}).get(architecture),
+                                     timeout)
+            notes.append(cause)
+            if not needed and cause.startswith("vLLM could not inspect"):
+                verdict += "; the cause is in this environment, not in vLLM (see the note)"
     neuron = tuple(NeuronBudget(name, b.get("bytes_per_token"), b.get("max_concurrency"),
                                 b.get("layers"), _err(b.get("error")))
                    for name, b in (answer["cases"][0].get("neuron") or {}).items())
@@ -825,6 +837,37 @@ def _recommend(job: dict[str, Any], answer: dict[str, Any], job_variants: list[d
             needed = needed[:1]
             verdict += f"; with {', '.join(together.patches[1:])} as well it does not start"
     return needed, verdict, runs, notes
+
+
+# vLLM inspects a model class in a subprocess of its own and shows only this line, not why.
+INSPECTION_FAILED = "failed to be inspected"
+# Imports that a model module makes and an environment may lack, by the architecture's prefix,
+# with why the module needs it: tried one by one in the target when the inspection failed.
+INSPECTION_IMPORTS = {
+    "Qwen3_5": (("torchvision", "vLLM's qwen3_5.py imports transformers' Qwen2-VL image "
+                 "processor, which imports torchvision"),),
+}
+
+
+def inspection_cause(python: Path, architecture: str, module: str | None,
+                     timeout: float) -> str:
+    """Why vLLM could not inspect ``architecture``: the import that fails in the target (tried
+    from :data:`INSPECTION_IMPORTS`) and its fix, else how to see the hidden error."""
+    for prefix, imports in INSPECTION_IMPORTS.items():
+        if not architecture.startswith(prefix):
+            continue
+        for name, why in imports:
+            proc = run_target_python(python, ["-c", f"import {name}"], timeout=timeout,
+                                     what=f"import {name}")
+            if proc.returncode != 0:
+                return (f"vLLM could not inspect {architecture}: `import {name}` fails in "
+                        f"{python} ({last_line(proc.stderr)}); {why}. Fix: install the "
+                        f"{name} build that matches the installed torch (for a CPU torch, from "
+                        f"https://download.pytorch.org/whl/cpu); for doctor alone a stand-in "
+                        f"package is enough (docs/how-to/cpu-build.md)")
+    shown = module or "vllm.model_executor.models.<the model's module>"
+    return (f"vLLM inspects {architecture} in a subprocess and hides its error: "
+            f"`{python} -c \"import {shown}\"` shows it")
 
 
 def remote_code_of(model_dir: Path) -> bool:

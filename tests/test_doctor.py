@@ -26,6 +26,7 @@ from hatch_vllm_patch.doctor import (
     compatible,
     concerns,
     config_lines,
+    inspection_cause,
     judge,
     native_copy,
     parse_memory,
@@ -478,3 +479,37 @@ def test_memory_advice_recommends_a_patch_that_holds_more() -> None:
     assert quiet is not None and quiet.recommended == ()
     assert quiet.line.startswith("same changes nothing here:")
     assert memory_advice([_run(INSTALLED, (), fails="grouping")], [], None, "cuda") is None
+
+
+def test_relative_model_from_a_subfolder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """doctor names `../models/x` for `--model models/x` typed in a subfolder, never a download."""
+    (tmp_path / ".git").mkdir()
+    (tmp_path / "models" / "x").mkdir(parents=True)
+    (tmp_path / "models" / "x" / "config.json").write_text("{}")
+    (tmp_path / "service").mkdir()
+    monkeypatch.chdir(tmp_path / "service")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(UsageError, match=r"\.\./models/x is a model directory") as info:
+        resolve_model("models/x")
+    assert "hf download" not in str(info.value)
+
+
+def test_inspection_cause_names_the_failing_import(tmp_path: Path) -> None:
+    """A Qwen3.5 class vLLM could not inspect: the note names `import torchvision`, the error
+    and the fix (a stand-in torchvision that fails to import plays the broken one)."""
+    import subprocess
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")],
+                   check=True)
+    python = tmp_path / "venv" / "bin" / "python"
+    site = next((tmp_path / "venv" / "lib").glob("python3*/site-packages"))
+    (site / "torchvision").mkdir()
+    (site / "torchvision" / "__init__.py").write_text(
+        "raise RuntimeError('operator torchvision::nms does not exist')\n")
+    note = inspection_cause(python, "Qwen3_5MoeForConditionalGeneration", None, 60)
+    assert note.startswith("vLLM could not inspect Qwen3_5MoeForConditionalGeneration: "
+                           "`import torchvision` fails")
+    assert "torchvision::nms does not exist" in note
+    assert "docs/how-to/cpu-build.md" in note
+    other = inspection_cause(python, "JambaForCausalLM", "vllm.model_executor.models.jamba", 60)
+    assert "import vllm.model_executor.models.jamba" in other
