@@ -175,3 +175,18 @@ def test_help_names_the_docs() -> None:
     proc = subprocess.run([sys.executable, "-I", "-m", "hatch_vllm_patch", "--help"],
                           env={**os.environ, "COLUMNS": "80"}, capture_output=True, text=True)
     assert "docs/reference/cli.md" in proc.stdout
+
+
+def test_check_names_a_stale_page(tmp_path: Path) -> None:
+    """`--check` finds a hand-edited generated page and a catalog page whose patch is gone."""
+    import shutil
+
+    for name in ("docs", "patches"):
+        shutil.copytree(REPO / name, tmp_path / name)
+    shutil.copy(REPO / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    assert _docs.stale(tmp_path) == []
+    cli_page = tmp_path / "docs" / "reference" / "cli.md"
+    cli_page.write_text(cli_page.read_text() + "edited by hand\n")
+    (tmp_path / "docs" / "reference" / "catalog" / "gone.md").write_text("# gone\n")
+    assert _docs.stale(tmp_path) == [cli_page,
+                                     tmp_path / "docs" / "reference" / "catalog" / "gone.md"]
