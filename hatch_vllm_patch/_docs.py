@@ -359,12 +359,42 @@ def patch_page(p: catalog.Patch) -> str:
     out += ["\n## Select it\n\n", "```toml\n[tool.vllm-patch]\n",
             f"patches = [\"{p.id}\"]\n```\n"]
     if p.description:
-        out += ["\n## Description\n\n```text\n", p.description.strip(), "\n```\n"]
+        out += ["\n## Description\n\n", _prose(p.description)]
     if p.removal:
-        out += ["\n## When to remove it\n\n```text\n", p.removal.strip(), "\n```\n"]
+        out += ["\n## When to remove it\n\n", _prose(p.removal)]
     if p.links:
         out += ["\n## Links\n\n"] + [f"- <{link}>\n" for link in p.links]
     return "".join(out)
+
+
+_MARKDOWN = re.compile(r"([\\`*_\[\]<>#|])")
+_ITEM = re.compile(r"^\s*(?:- |\d+\. )")
+
+
+def _prose(text: str) -> str:
+    """A hard-wrapped plain text of patch.toml as Markdown: paragraphs and ``- `` items joined
+    into lines (an indented line continues an item, a flush one starts a paragraph), every
+    Markdown character escaped (the text is not Markdown: ``__wrapped__``)."""
+    blocks: list[str] = []
+    for paragraph in text.strip().split("\n\n"):
+        lines: list[str] = []
+        in_item = False
+        for raw in paragraph.splitlines():
+            line = _MARKDOWN.sub(r"\\\1", raw.strip())
+            if _ITEM.match(raw):
+                if lines and not in_item:
+                    lines.append("")
+                lines.append(line)
+                in_item = True
+            elif lines and (not in_item or raw.startswith(" ")):
+                lines[-1] += " " + line
+            else:
+                if lines:
+                    lines.append("")
+                lines.append(line)
+                in_item = False
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n"
 
 
 def catalog_index(cat: catalog.Catalog) -> str:
