@@ -455,6 +455,10 @@ def main(argv: list[str] | None = None) -> int:
     args.add_argument("--check", action="store_true",
                       help="write nothing; exit 1 naming each stale page")
     check = args.parse_args(argv).check
+    if not (ROOT / "mkdocs.yml").is_file():
+        print(f"error: {ROOT} is not a source checkout (no mkdocs.yml): the docs are generated "
+              "from a clone of the repository", file=sys.stderr)
+        return 2
     try:
         if check:
             bad = stale()
