@@ -119,7 +119,8 @@ def test_json_is_off_without_the_option(tmp_path: Path, demo_catalog: Path) -> N
 
 
 def test_status_short_is_one_line_per_patch(tmp_path: Path, demo_venv: Path) -> None:
-    """status --short: id, verdict and file, one line per patch; the long form is unchanged."""
+    """status --short: id, verdict and file, one line per patch; status: one line per patch
+    with its reason, and the option that adds the accounts; status -v: the accounts."""
     catalog = write_demo_catalog(tmp_path / "catalog")
     second = catalog / "demo-two"
     second.mkdir()
@@ -134,8 +135,16 @@ def test_status_short_is_one_line_per_patch(tmp_path: Path, demo_venv: Path) -> 
     core = site_packages(demo_venv.parent.parent) / "demo_pkg" / "core.py"
     assert proc.stdout.splitlines() == [f"demo-fix  applied  {core}",
                                         f"demo-two  missing  {core}"]
-    long = cli("status", "--python", str(demo_venv), catalog=catalog).stdout
+    default = cli("status", "--python", str(demo_venv), catalog=catalog).stdout.splitlines()
+    assert default[-4].split()[:2] == ["applied", "demo-fix:"], default
+    assert default[-4].endswith(" in place") and default[-3].startswith("  missing   demo-two: ")
+    assert default[-2:] == ["each patch's file, selectors and account: vllm-patch status -v",
+                            "vllm-patch status: 1 applied, 1 missing \u2014 OK"], default
+    assert len(default) == 6 and "file:" not in str(default), default
+    long = cli("status", "-v", "--python", str(demo_venv), catalog=catalog).stdout
     assert "summary: Make demo_pkg.core.compute" in long and len(long.splitlines()) > 10
+    usage = cli("status", "-v", "--short", "--python", str(demo_venv), catalog=catalog)
+    assert usage.returncode == 2 and "not allowed with" in usage.stderr, usage.stderr
 
 
 def test_project_is_found_upward_and_named(tmp_path: Path, demo_venv: Path,
@@ -284,7 +293,7 @@ def test_removal_text_is_never_wrapped_inside_a_word(tmp_path: Path, demo_venv: 
     assert proc.returncode == 0, proc.stdout + proc.stderr
     manifest = (project / "vllm-patches" / "touch" / "patch.toml").read_text()
     assert "vllm-\n" not in manifest and "hatch-\n" not in manifest, manifest
-    status = cli("status", "--python", python, "--patch", "touch", cwd=project,
+    status = cli("status", "-v", "--python", python, "--patch", "touch", cwd=project,
                  catalog=demo_catalog)
     assert f"remove when: {removal}" in status.stdout, status.stdout
 
