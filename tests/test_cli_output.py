@@ -190,6 +190,50 @@ def test_revert_needs_no_valid_configuration(tmp_path: Path, demo_venv: Path,
     assert "hatch-vllm-patch" not in core.read_text()
 
 
+def test_verify_with_nothing_selected_names_the_blocks_left(tmp_path: Path, demo_venv: Path,
+                                                             demo_catalog: Path) -> None:
+    """Nothing selected but blocks of ours left (the table removed, as in an uninstall; a
+    table selecting nothing; an `apply --patch` of the past): verify fails (exit 1, drift) and
+    names each block and `vllm-patch revert`; a block another project selects is not this
+    one's drift; with no block left, nothing selected is the usage error it was (exit 2)."""
+    python = str(demo_venv)
+    project = tmp_path / "serve"
+    project.mkdir()
+    pyproject = project / "pyproject.toml"
+    pyproject.write_text('[tool.vllm-patch]\npatches = ["demo-fix"]\n')
+
+    def vp(*args: str, where: Path = project) -> Any:
+        return cli(*args, "--python", python, cwd=where, catalog=demo_catalog)
+
+    assert vp("apply").returncode == 0
+    pyproject.write_text("[project]\nname = 'serve'\n")  # the table removed
+    proc = vp("verify")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "! not-selected  demo-fix: present but not selected" in proc.stdout, proc.stdout
+    assert f"next: vllm-patch revert --python {python} --patch demo-fix" in proc.stdout
+    assert "note: nothing is selected, but blocks of hatch-vllm-patch remain" in proc.stdout
+    assert "`vllm-patch revert` removes them" in proc.stdout, proc.stdout
+    # From elsewhere the block is that project's: named with it, not this place's drift.
+    proc = vp("verify", where=tmp_path)
+    assert proc.returncode == 0 and f"applied for {pyproject}" in proc.stdout, proc.stdout
+    pyproject.write_text("[tool.vllm-patch]\npatches = []\n")  # a table selecting nothing
+    proc = vp("verify")
+    assert proc.returncode == 1 and "`vllm-patch revert` removes them" in proc.stdout, proc.stdout
+    # Another project's block (selected there) is not this project's leftover.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "pyproject.toml").write_text('[tool.vllm-patch]\npatches = ["demo-fix"]\n')
+    assert vp("apply", where=other).returncode == 0
+    proc = vp("verify")
+    assert proc.returncode == 0 and "  not-selected  demo-fix" in proc.stdout, proc.stdout
+    assert "remain" not in proc.stdout, proc.stdout
+    proc = vp("revert")
+    assert proc.returncode == 0 and "reverted" in proc.stdout, proc.stdout
+    pyproject.write_text("[project]\nname = 'serve'\n")
+    proc = vp("verify")
+    assert proc.returncode == 2 and "no patches selected" in proc.stderr, proc.stderr
+
+
 def test_configuration_error_headline_is_the_first_real_error(tmp_path: Path, demo_venv: Path,
                                                               demo_catalog: Path) -> None:
     """A misspelt architecture that leaves nothing selected: the headline is that name with
