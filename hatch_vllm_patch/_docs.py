@@ -113,6 +113,9 @@ APPLIES_KEYS = {
                      "(`module:digest` when the symbol moved)"),
     "classifier": ("string", "a structural shape check (`classify.py`) for code whose text "
                    "varies; never run by the guard"),
+    "removed-in": ("PEP 440 version", "the first release without the target (vLLM removed the "
+                   "model): where the module is gone, `not-applicable` from there on, with the "
+                   "reason (else `unknown-shape`: the file does not exist)"),
 }
 ENV_VARS = {
     "HATCH_VLLM_PATCH_GUARD": "the guard's mode in this process (`error`, `warn`, `apply`, "
@@ -350,6 +353,8 @@ def patch_page(p: catalog.Patch) -> str:
              ("selected", _selected_by(p)),
              ("fixed in", p.fixed_in or "not fixed upstream"),
              ("known shapes", str(sum(len(m.shapes) for m in p.parts)))]
+    if p.removed_in:
+        facts.insert(4, ("removed in", f"{p.removed_in} (the target is gone: `not-applicable`)"))
     if p.replaces:
         facts.append(("replaces", ", ".join(f"[`{r}`]({r}.md)" for r in p.replaces)))
     out = [_page(p.id, REGENERATE, f"`patches/{p.id}/patch.toml`"),

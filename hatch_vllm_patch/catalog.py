@@ -48,7 +48,7 @@ ELSEWHERE = "elsewhere"
 # against these).
 PATCH_KEYS = frozenset({"id", "summary", "description", "links", "removal", "architectures",
                         "target", "targets", "applies", "replaces", "opt-in"})
-APPLIES_KEYS = frozenset({"fixed-in", "fixed-shapes", "shapes", "classifier"})
+APPLIES_KEYS = frozenset({"fixed-in", "fixed-shapes", "shapes", "classifier", "removed-in"})
 TARGET_KEYS = frozenset({"distribution", "module", "symbol", "symbols", "optional", "version",
                          "install-from", "adds"})
 TARGETS_ONLY_KEYS = frozenset({"shapes", "block"})  # only in [[targets]]
@@ -114,6 +114,9 @@ class Patch(NamedTuple):
     # patch.toml ``opt-in = true``: ``architectures`` say which models it concerns (doctor tries
     # it for them), but no architecture selects it by default; a project selects it by id.
     opt_in: bool = False
+    # patch.toml ``applies.removed-in``: the first release without the target (vLLM removed
+    # the model): where its module is gone from that release on, ``not-applicable``.
+    removed_in: str | None = None
 
     @property
     def parts(self) -> tuple[Patch, ...]:
@@ -426,6 +429,12 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
         if not _RELEASE.fullmatch(fixed_in):
             errors.append(f"{where}: applies.fixed-in {applies['fixed-in']!r} is not a release "
                           "version (e.g. 0.29.0, 1.0rc1)")
+    removed_in: str | None = None
+    if "removed-in" in applies:
+        removed_in = str(applies["removed-in"])
+        if not _RELEASE.fullmatch(removed_in):
+            errors.append(f"{where}: applies.removed-in {applies['removed-in']!r} is not a "
+                          "release version (e.g. 0.24.0)")
     if not several:
         parsed_targets[0] = (parsed_targets[0][0], _shapes(
             applies.get("shapes"), parsed_targets[0][0].symbols, where, errors), "block.py")
@@ -501,6 +510,7 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
         block_name=block_name,
         replaces=replaces,
         opt_in=opt_in,
+        removed_in=removed_in,
     ) for (target, shapes, block_name), block in zip(parsed_targets, blocks, strict=True))
     return members[0]._replace(members=members) if several else members[0]
 
