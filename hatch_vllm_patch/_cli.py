@@ -788,7 +788,7 @@ def _size(value: float | None) -> str:
 
 
 def _print_doctor(report: DoctorReport, out: TextIO) -> None:
-    from .doctor import RECOMMENDED
+    from .doctor import RECOMMENDED, tokens_per_gib
 
     r = report.request
     draft = json.dumps(dict(r.speculative_config)) if r.speculative_config else "none"
@@ -830,15 +830,19 @@ def _print_doctor(report: DoctorReport, out: TextIO) -> None:
              for one in (installed, *shown) if one.cost is not None
              and (one.name == "installed" or one.cost != installed.cost)]
     if costs:
-        header = ["KV cache per rank", "page B", "padding", "block", "blocks/GiB",
+        header = ["KV cache per rank", "page B", "padding", "block", "groups", "blocks/GiB",
                   "tokens/GiB"] + ([f"max concurrency ({_size(r.kv_cache_memory)})"]
                                    if r.kv_cache_memory else [])
         rows = [header]
         for label, cost in costs:
             pad = ("-" if cost.padding_bytes is None else
                    f"{cost.padding_bytes} B ({cost.padding_pct:.2f}%)")
+            # one figure per state: the memory line's (requests of max_model_len, before
+            # vLLM rounds to whole blocks), where it has one; else vLLM's own
+            tokens = (tokens_per_gib(cost.bytes_per_request, report.memory.max_model_len)
+                      if report.memory is not None else None) or cost.tokens_per_gib
             row = [label, str(cost.page), pad, str(cost.attention_block),
-                   str(cost.blocks_per_gib), str(cost.tokens_per_gib)]
+                   str(len(cost.groups) or "-"), str(cost.blocks_per_gib), f"{tokens:,}"]
             if r.kv_cache_memory:
                 row.append("-" if cost.max_concurrency is None
                            else f"{cost.max_concurrency:.2f}x")
@@ -855,7 +859,8 @@ def _print_doctor(report: DoctorReport, out: TextIO) -> None:
                 + ([f"minimum {memory.minimum:,}"] if memory.minimum else []))
         print(f"memory, tokens per GiB of KV cache per rank (requests of {memory.max_model_len} "
               f"tokens): {'; '.join(held)}", file=out)
-        print(f"memory: {'recommended: ' if memory.recommended else ''}{memory.line}", file=out)
+        if not memory.recommended:  # else the verdict says it, gain and cost together
+            print(f"memory: {memory.line}", file=out)
     stated = next((c for _, c in costs if c is not None and c.state_bytes), None)
     if r.platform == "cpu" and stated is not None:
         print(f"CPU path: tokens/GiB follow the CPU platform's block rule ({stated.attention_block}"

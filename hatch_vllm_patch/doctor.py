@@ -501,9 +501,9 @@ def judge(runs: Sequence[Run], candidates: Sequence[str]) -> tuple[tuple[str, ..
                 f"{_shapes(first.state_shapes)} with it)")
         paging = [r.patches[0] for r in alone if changes(r)]
         if paging:
+            verb = "lays" if len(paging) == 1 else "lay"
             return (), ("starts as installed: nothing needed (" + ", ".join(paging)
-                        + " would only lay out the same KV cache differently: optional, "
-                        "see the table)")
+                        + f" {verb} out the same state in other pages: see the table)")
         return (), "starts as installed: nothing needed"
     assert installed.failed is not None
     fixing = [r for r in alone if r.starts]
@@ -575,6 +575,13 @@ def config_lines(needed: Sequence[str], architecture: str, model: str,
 
 # --- memory: tokens per GiB, as installed, with each memory patch, the minimum ----------------
 
+# What more KV cache groups cost, as measured (docs/explanation/costs.md, "What exact groups
+# cost in serving time"): vLLM does per-group work every step.
+GROUPS_COST = ("vLLM works per group every step, generate time 1.03x at 4 \u2192 41 groups and "
+               "1.20x at 3 \u2192 8 on CPU (benchmarks/groups_step_time.py), more on a GPU, "
+               "where vllm#51742 measured half the throughput at 46 groups, so worth it where "
+               "memory, not step time, limits serving")
+
 # The attention backend's block unit in tokens: FlashAttention's 16-token rule (the CUDA path),
 # the CPU backend's 32.
 BLOCK_UNIT = {"cuda": 16, "cpu": 32}
@@ -636,8 +643,11 @@ def memory_advice(runs: Sequence[Run], memory: Sequence[str], facts: Mapping[str
 
     def regrouped(pid: str) -> str:
         count = groups.get(pid, groups_before)
-        return "" if count == groups_before else \
-            f", {count} KV cache groups instead of {groups_before}"
+        if count == groups_before:
+            return ""
+        if count < groups_before:
+            return f", with {count} KV cache groups instead of {groups_before}"
+        return f", at a cost: {count} KV cache groups instead of {groups_before}: {GROUPS_COST}"
 
     minimum = None
     if facts and "state_blocks_per_request" in facts:
@@ -648,7 +658,7 @@ def memory_advice(runs: Sequence[Run], memory: Sequence[str], facts: Mapping[str
     floor = f"; the minimum holds {minimum:,}" if minimum else ""
     if gaining:
         line = "; ".join(f"{pid}: {100.0 * (t - before) / before:+.0f}% tokens per GiB "
-                         f"({before:,} \u2192 {t:,}{regrouped(pid)})"
+                         f"({before:,} \u2192 {t:,}){regrouped(pid)}"
                          for pid, t in gaining) + floor
     elif patches:
         verb = "changes" if len(patches) == 1 else "change"
@@ -756,13 +766,20 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
     chosen = [p for p in missing
               if everything or concerns(p, names, model_modules, prefer)
               or p.target.distribution in platform_of]
-    if len(chosen) < len(missing):
-        notes.append(f"not tried: {len(missing) - len(chosen)} patch(es) for other models or "
-                     "settings (--all tries every patch)")
+    # A patch of vLLM's KV planning that names no architecture (exact groups) concerns every
+    # model's memory: tried alone (not in the together run, which answers whether it starts),
+    # so the memory line weighs it, gain and cost, without --all.
+    planning_only = [p for p in missing if p not in chosen and not p.architectures and any(
+        m.target.module in PLANNING_MODULES for m in p.parts)]
+    if len(chosen) + len(planning_only) < len(missing):
+        notes.append(f"not tried: {len(missing) - len(chosen) - len(planning_only)} patch(es) "
+                     "for other models or settings (--all tries every patch)")
     own = {p.id for p in chosen if p.folder.parent != _catalog_root(patches)}
     candidates = sorted(chosen, key=lambda p: (p.id not in prefer, p.id in own))
     in_place = tuple(pid for pid, v in verdicts.items() if v is Verdict.APPLIED)
-    job_variants = variants(candidates)
+    job_variants = variants(candidates) + [
+        {"name": p.id, "patches": [p.id], "blocks": blocks_of(p)} for p in planning_only]
+    candidates += planning_only
     with tempfile.TemporaryDirectory(prefix="hvp-doctor-model-") as scratch:
         loaded_from = model_dir
         if not request.trust_remote_code and remote_code_of(model_dir) and registered \
@@ -806,6 +823,8 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
         answer["cases"][0]["variants"][INSTALLED].get("facts"), request.platform,
         untried=[pid for pid in planning if pid not in tried])
     if memory is not None and memory.recommended:
+        if not needed and runs[0].starts:  # the table's layouts are weighed by the memory line
+            verdict = "starts as installed: nothing needed to start"
         verdict = f"{verdict}; for memory, recommended: {memory.line}"
     lines = config_lines(needed or memory.recommended if memory else needed, architecture,
                          request.model, model_is_dir)
