@@ -899,10 +899,12 @@ class _Session:
                        entry.selected_by else "no record says who applied it")
                 left = self.nothing_selected and self._left_behind(entry)
                 fails = strict or (left and self.operation == "verify")
+                tail = ("left behind: revert removes it" if left else
+                        "apply from a project does not remove it")
                 outcomes.append(PatchOutcome(
                     pid, Verdict.NOT_SELECTED,
-                    f"present but not selected by {self._selector()}: {who}; apply from a "
-                    "project does not remove it", not fails, Path(name),
+                    f"present but not selected by {self._selector()}: {who}; {tail}",
+                    not fails, Path(name),
                     next_step=(self.leftover_step(pid) if left else
                                self._owner_step(pid, entry) if strict else None)))
         return outcomes
