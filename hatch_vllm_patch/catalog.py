@@ -45,6 +45,15 @@ ABSENT = "absent"  # a shape entry meaning: the symbol must not exist (a functio
 # moved); there this target is not-applicable and nothing is written to it.
 ELSEWHERE = "elsewhere"
 
+# The keys of patch.toml, by table (the reference page docs/reference/patch-toml.md is checked
+# against these).
+PATCH_KEYS = frozenset({"id", "summary", "description", "links", "removal", "architectures",
+                        "target", "targets", "applies", "replaces", "opt-in"})
+APPLIES_KEYS = frozenset({"fixed-in", "fixed-shapes", "shapes", "classifier", "removed-in"})
+TARGET_KEYS = frozenset({"distribution", "module", "symbol", "symbols", "optional", "version",
+                         "install-from", "adds"})
+TARGETS_ONLY_KEYS = frozenset({"shapes", "block"})  # only in [[targets]]
+
 
 class Target(NamedTuple):
     """Where a patch goes: symbols (functions, or methods of classes) in a module of an
@@ -106,6 +115,9 @@ class Patch(NamedTuple):
     # patch.toml ``opt-in = true``: ``architectures`` say which models it concerns (doctor tries
     # it for them), but no architecture selects it by default; a project selects it by id.
     opt_in: bool = False
+    # patch.toml ``applies.removed-in``: the first release without the target (vLLM removed
+    # the model): where its module is gone from that release on, ``not-applicable``.
+    removed_in: str | None = None
 
     @property
     def parts(self) -> tuple[Patch, ...]:
@@ -382,9 +394,7 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
             return ()
         return tuple(value)
 
-    known = {"id", "summary", "description", "links", "removal", "architectures", "target",
-             "targets", "applies", "replaces", "opt-in"}
-    for key in sorted(set(data) - known):
+    for key in sorted(set(data) - PATCH_KEYS):
         errors.append(f"{where}: unknown key {key!r}")
     patch_id = text(data, "id", "id")
     if patch_id and (patch_id != folder.name or not is_patch_id(patch_id)):
@@ -394,7 +404,7 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
     if not isinstance(applies, dict):
         errors.append(f"{where}: [applies] must be a table")
         applies = {}
-    for key in sorted(set(applies) - {"fixed-in", "fixed-shapes", "shapes", "classifier"}):
+    for key in sorted(set(applies) - APPLIES_KEYS):
         errors.append(f"{where}: unknown key applies.{key}")
     # One target: [target] + applies.shapes + block.py. Several (one patch over several
     # modules, applied and reverted all together): [[targets]], each with its shapes and block.
@@ -418,8 +428,7 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
         tables = [("target", target_table)]
     parsed_targets: list[tuple[Target, dict[str, frozenset[str]], str]] = []
     for label, table in tables:
-        allowed = {"distribution", "module", "symbol", "symbols", "optional", "version",
-                   "install-from", "adds"} | ({"shapes", "block"} if several else set())
+        allowed = TARGET_KEYS | (TARGETS_ONLY_KEYS if several else frozenset())
         for key in sorted(set(table) - allowed):
             errors.append(f"{where}: unknown key {label}.{key}")
         module = text(table, "module", f"{label}.module")
@@ -467,6 +476,12 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
         if not _RELEASE.fullmatch(fixed_in):
             errors.append(f"{where}: applies.fixed-in {applies['fixed-in']!r} is not a release "
                           "version (e.g. 0.29.0, 1.0rc1)")
+    removed_in: str | None = None
+    if "removed-in" in applies:
+        removed_in = str(applies["removed-in"])
+        if not _RELEASE.fullmatch(removed_in):
+            errors.append(f"{where}: applies.removed-in {applies['removed-in']!r} is not a "
+                          "release version (e.g. 0.24.0)")
     if not several:
         parsed_targets[0] = (parsed_targets[0][0], _shapes(
             applies.get("shapes"), parsed_targets[0][0].symbols, where, errors), "block.py")
@@ -548,6 +563,7 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
         block_name=block_name,
         replaces=replaces,
         opt_in=opt_in,
+        removed_in=removed_in,
     ) for (target, shapes, block_name), block in zip(parsed_targets, blocks, strict=True))
     return members[0]._replace(members=members) if several else members[0]
 

@@ -25,7 +25,7 @@ from .engine import Verdict
 from .environment import TargetEnvironment, last_line, run_target_python
 from .errors import ConfigurationError, TargetEnvironmentError, UsageError
 from .files import write_atomic
-from .models import FAMILY_BY_MODEL_TYPE, read_model
+from .models import FAMILY_BY_MODEL_TYPE, model_above, read_model
 from .report import Report
 from .selection import overlaps, without_replaced
 from .trust import Rule
@@ -281,8 +281,10 @@ def resolve_model(name: str, environ: Mapping[str, str] | None = None,
         if not (path / "config.json").is_file():
             raise UsageError(f"{option} {name}: {path} has no config.json")
         return path.resolve()
+    above = model_above(name)
     if name.count("/") != 1 or name.startswith((".", "/")):
-        raise UsageError(f"{option} {name}: no such directory, and not a hub id (ORG/NAME)")
+        raise UsageError(f"{option} {name}: no such directory, and not a hub id (ORG/NAME)"
+                         + (f"; {above} is a model directory: pass that" if above else ""))
     looked = []
     for cache in hub_caches(environ):
         repo = cache / f"models--{name.replace('/', '--')}"
@@ -298,9 +300,13 @@ def resolve_model(name: str, environ: Mapping[str, str] | None = None,
         for snapshot in candidates:
             if (snapshot / "config.json").is_file():
                 return snapshot
-    raise UsageError(f"{option} {name}: not in the local Hugging Face cache (looked in "
-                     f"{', '.join(looked)}; set HF_HOME or HF_HUB_CACHE, or download it "
-                     f"once: `hf download {name} config.json`); doctor never goes online")
+    if above:  # a relative path typed in a subfolder, not a hub id
+        raise UsageError(f"{option} {name}: no such directory here ({path.absolute()}); "
+                         f"{above} is a model directory: pass that path")
+    raise UsageError(f"{option} {name}: not a directory ({path.absolute()}) and not in the "
+                     f"local Hugging Face cache (looked in {', '.join(looked)}; set HF_HOME "
+                     f"or HF_HUB_CACHE, or download it once: `hf download {name} "
+                     f"config.json`); doctor never goes online")
 
 
 # --- the job ----------------------------------------------------------------------------------
@@ -504,9 +510,9 @@ def judge(runs: Sequence[Run], candidates: Sequence[str]) -> tuple[tuple[str, ..
                 f"{_shapes(first.state_shapes)} with it)")
         paging = [r.patches[0] for r in alone if changes(r)]
         if paging:
+            verb = "lays" if len(paging) == 1 else "lay"
             return (), ("starts as installed: nothing needed (" + ", ".join(paging)
-                        + " would only lay out the same KV cache differently: optional, "
-                        "see the table)")
+                        + f" {verb} out the same state in other pages: see the table)")
         return (), "starts as installed: nothing needed"
     assert installed.failed is not None
     fixing = [r for r in alone if r.starts]
@@ -578,6 +584,13 @@ def config_lines(needed: Sequence[str], architecture: str, model: str,
 
 # --- memory: tokens per GiB, as installed, with each memory patch, the minimum ----------------
 
+# What more KV cache groups cost, as measured (docs/explanation/costs.md, "What exact groups
+# cost in serving time"): vLLM does per-group work every step.
+GROUPS_COST = ("vLLM works per group every step, generate time 1.03x at 4 \u2192 41 groups and "
+               "1.20x at 3 \u2192 8 on CPU (benchmarks/groups_step_time.py), more on a GPU, "
+               "where vllm#51742 measured half the throughput at 46 groups, so worth it where "
+               "memory, not step time, limits serving")
+
 # The attention backend's block unit in tokens: FlashAttention's 16-token rule (the CUDA path),
 # the CPU backend's 32.
 BLOCK_UNIT = {"cuda": 16, "cpu": 32}
@@ -639,8 +652,11 @@ def memory_advice(runs: Sequence[Run], memory: Sequence[str], facts: Mapping[str
 
     def regrouped(pid: str) -> str:
         count = groups.get(pid, groups_before)
-        return "" if count == groups_before else \
-            f", {count} KV cache groups instead of {groups_before}"
+        if count == groups_before:
+            return ""
+        if count < groups_before:
+            return f", with {count} KV cache groups instead of {groups_before}"
+        return f", at a cost: {count} KV cache groups instead of {groups_before}: {GROUPS_COST}"
 
     minimum = None
     if facts and "state_blocks_per_request" in facts:
@@ -651,7 +667,7 @@ def memory_advice(runs: Sequence[Run], memory: Sequence[str], facts: Mapping[str
     floor = f"; the minimum holds {minimum:,}" if minimum else ""
     if gaining:
         line = "; ".join(f"{pid}: {100.0 * (t - before) / before:+.0f}% tokens per GiB "
-                         f"({before:,} \u2192 {t:,}{regrouped(pid)})"
+                         f"({before:,} \u2192 {t:,}){regrouped(pid)}"
                          for pid, t in gaining) + floor
     elif patches:
         verb = "changes" if len(patches) == 1 else "change"
@@ -759,13 +775,20 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
     chosen = [p for p in missing
               if everything or concerns(p, names, model_modules, prefer)
               or p.target.distribution in platform_of]
-    if len(chosen) < len(missing):
-        notes.append(f"not tried: {len(missing) - len(chosen)} patch(es) for other models or "
-                     "settings (--all tries every patch)")
+    # A patch of vLLM's KV planning that names no architecture (exact groups) concerns every
+    # model's memory: tried alone (not in the together run, which answers whether it starts),
+    # so the memory line weighs it, gain and cost, without --all.
+    planning_only = [p for p in missing if p not in chosen and not p.architectures and any(
+        m.target.module in PLANNING_MODULES for m in p.parts)]
+    if len(chosen) + len(planning_only) < len(missing):
+        notes.append(f"not tried: {len(missing) - len(chosen) - len(planning_only)} patch(es) "
+                     "for other models or settings (--all tries every patch)")
     own = {p.id for p in chosen if p.folder.parent != _catalog_root(patches)}
     candidates = sorted(chosen, key=lambda p: (p.id not in prefer, p.id in own))
     in_place = tuple(pid for pid, v in verdicts.items() if v is Verdict.APPLIED)
-    job_variants = variants(candidates)
+    job_variants = variants(candidates) + [
+        {"name": p.id, "patches": [p.id], "blocks": blocks_of(p)} for p in planning_only]
+    candidates += planning_only
     with tempfile.TemporaryDirectory(prefix="hvp-doctor-model-") as scratch:
         loaded_from = model_dir
         if not request.trust_remote_code and remote_code_of(model_dir) and registered \
@@ -785,6 +808,12 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
         answer = run_child(env.python, job, timeout=timeout)
         needed, verdict, runs, notes = _recommend(
             job, answer, job_variants, candidates, patches, env, timeout, notes)
+        if INSPECTION_FAILED in json.dumps(answer["cases"][0]["variants"][INSTALLED]):
+            cause = inspection_cause(env.python, architecture, (modules or {}).get(architecture),
+                                     timeout)
+            notes.append(cause)
+            if not needed and cause.startswith("vLLM could not inspect"):
+                verdict += "; the cause is in this environment, not in vLLM (see the note)"
     neuron = tuple(NeuronBudget(name, b.get("bytes_per_token"), b.get("max_concurrency"),
                                 b.get("layers"), _err(b.get("error")))
                    for name, b in (answer["cases"][0].get("neuron") or {}).items())
@@ -803,6 +832,8 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
         answer["cases"][0]["variants"][INSTALLED].get("facts"), request.platform,
         untried=[pid for pid in planning if pid not in tried])
     if memory is not None and memory.recommended:
+        if not needed and runs[0].starts:  # the table's layouts are weighed by the memory line
+            verdict = "starts as installed: nothing needed to start"
         verdict = f"{verdict}; for memory, recommended: {memory.line}"
     lines = config_lines(needed or memory.recommended if memory else needed, architecture,
                          request.model, model_is_dir)
@@ -834,6 +865,37 @@ def _recommend(job: dict[str, Any], answer: dict[str, Any], job_variants: list[d
             needed = needed[:1]
             verdict += f"; with {', '.join(together.patches[1:])} as well it does not start"
     return needed, verdict, runs, notes
+
+
+# vLLM inspects a model class in a subprocess of its own and shows only this line, not why.
+INSPECTION_FAILED = "failed to be inspected"
+# Imports that a model module makes and an environment may lack, by the architecture's prefix,
+# with why the module needs it: tried one by one in the target when the inspection failed.
+INSPECTION_IMPORTS = {
+    "Qwen3_5": (("torchvision", "vLLM's qwen3_5.py imports transformers' Qwen2-VL image "
+                 "processor, which imports torchvision"),),
+}
+
+
+def inspection_cause(python: Path, architecture: str, module: str | None,
+                     timeout: float) -> str:
+    """Why vLLM could not inspect ``architecture``: the import that fails in the target (tried
+    from :data:`INSPECTION_IMPORTS`) and its fix, else how to see the hidden error."""
+    for prefix, imports in INSPECTION_IMPORTS.items():
+        if not architecture.startswith(prefix):
+            continue
+        for name, why in imports:
+            proc = run_target_python(python, ["-c", f"import {name}"], timeout=timeout,
+                                     what=f"import {name}")
+            if proc.returncode != 0:
+                return (f"vLLM could not inspect {architecture}: `import {name}` fails in "
+                        f"{python} ({last_line(proc.stderr)}); {why}. Fix: install the "
+                        f"{name} build that matches the installed torch (for a CPU torch, from "
+                        f"https://download.pytorch.org/whl/cpu); for doctor alone a stand-in "
+                        f"package is enough (docs/how-to/cpu-build.md)")
+    shown = module or "vllm.model_executor.models.<the model's module>"
+    return (f"vLLM inspects {architecture} in a subprocess and hides its error: "
+            f"`{python} -c \"import {shown}\"` shows it")
 
 
 def remote_code_of(model_dir: Path) -> bool:

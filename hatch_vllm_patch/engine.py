@@ -335,12 +335,18 @@ def fixed_shape_note(patch: Patch, original: bytes | None,
 
 
 def _fixed_upstream(patch: Patch, version: str | None) -> bool:
-    if patch.fixed_in is None or version is None:
+    return _at_least(version, patch.fixed_in)
+
+
+def _at_least(version: str | None, release: str | None) -> bool:
+    """Whether ``version`` is ``release`` or newer (False when either is missing or no
+    version)."""
+    if release is None or version is None:
         return False
     from packaging.version import InvalidVersion, Version
 
     try:
-        return Version(version) >= Version(patch.fixed_in)
+        return Version(version) >= Version(release)
     except InvalidVersion:
         return False
 
@@ -407,6 +413,12 @@ def inspect(patch: Patch, facts: FileFacts) -> Inspection:
                 Verdict.NOT_NEEDED, f"{dist} {facts.installed_version} >= {patch.fixed_in}: "
                 f"fixed upstream{fixed_shape_note(patch, None, facts.elsewhere)}",
             )
+        if _at_least(facts.installed_version, patch.removed_in):
+            served = ", ".join(patch.architectures) or "what it served"
+            return Inspection(Verdict.NOT_APPLICABLE, (
+                f"{dist} {facts.installed_version} >= {patch.removed_in}: "
+                f"{patch.target.module} is gone (removed in {patch.removed_in}), nothing to "
+                f"patch ({served}: no longer in this {dist})"))
         if patch.symbol_shapes and all(ELSEWHERE in known
                                        for known in patch.symbol_shapes.values()):
             return Inspection(Verdict.NOT_APPLICABLE, (

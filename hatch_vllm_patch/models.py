@@ -102,6 +102,23 @@ def hub_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
     return Path(home).expanduser() / "hub"
 
 
+def model_above(name: str, base: Path | None = None) -> str | None:
+    """For a relative model path that is no directory from ``base`` (default the working
+    directory): the same path from a folder above ``base`` (up to a repository root), where it
+    is a model directory — ``models/x`` typed in a subfolder of the project — shown relative to
+    ``base``; else None."""
+    path = Path(name).expanduser()
+    if path.is_absolute() or not name:
+        return None
+    start = (base or Path.cwd()).absolute()
+    for folder in start.parents:
+        if (folder / path / "config.json").is_file():
+            return os.path.relpath(folder / path, start)
+        if (folder / ".git").exists():
+            break
+    return None
+
+
 def resolve_model_dir(arg: str, base: Path | None = None, *, where: str = "model",
                       environ: Mapping[str, str] | None = None) -> Path:
     """The model directory ``arg`` names: a path (relative to ``base``, default the working
@@ -134,6 +151,10 @@ def resolve_model_dir(arg: str, base: Path | None = None, *, where: str = "model
     for snapshot in candidates:
         if (snapshot / "config.json").is_file():
             return snapshot
+    above = model_above(arg, base)
+    if above:  # a relative path typed in a subfolder, not a hub id
+        raise UsageError(f"{where}: {arg!r} is not a directory here ({path}); {above} is a "
+                         "model directory: pass that path")
     shown = f"{snapshots}/{commit or '*'}/config.json"
     raise UsageError(
         f"{where}: {arg!r} is not a directory ({path}) and not in the local Hugging Face cache "

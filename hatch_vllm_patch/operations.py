@@ -355,7 +355,12 @@ def run(operation: str, request: Request) -> Report:
         raise ConfigurationError([f"tool.vllm-patch.architectures: {t}" for t in typos],
                                  str(config.source), notes)
     notes += typos
-    if not patches and not loose:
+    # Nothing selected while blocks of ours remain (the table removed, as in an uninstall):
+    # verify reports them rather than stopping at "no patches selected".
+    left_behind = (operation == "verify" and not patches and not loose
+                   and not request.command_line_selection
+                   and any(e.patches for e in recorded.files.values()))
+    if not patches and not loose and not left_behind:
         if config is None and not request.command_line_selection:
             raise UsageError(
                 "no patches selected: add [tool.vllm-patch] to pyproject.toml "
@@ -364,6 +369,8 @@ def run(operation: str, request: Request) -> Report:
         where = (f"[tool.vllm-patch] in {config.source}" if config and not
                  request.command_line_selection else "the command line")
         notes.append(f"{where} selects no patch for what it serves")
+    elif not patches and not loose and config is not None:
+        notes.append(f"[tool.vllm-patch] in {config.source} selects no patch for what it serves")
 
     if operation in {"verify", "status"}:
         notes += _guard_disabled_notes(os.environ)
@@ -372,6 +379,8 @@ def run(operation: str, request: Request) -> Report:
     session = _Session(operation, request, catalog, config, env, tuple(patches), why)
     session.origin, session.converge, session.carriers = origin, converge, carriers
     session.loose, session.revert_all = tuple(loose), revert_all
+    if not patches and not request.command_line_selection and operation in {"verify", "apply"}:
+        session.nothing_selected = True
     if revert_all and selection.patches:  # the others are reported where they have a block
         session.only_where_present = frozenset(p.id for p in patches) - {
             p.id for p in selection.patches}
@@ -379,6 +388,13 @@ def run(operation: str, request: Request) -> Report:
         session.carriers[pid] = (*session.carriers.get(pid, ()), selector)
     outcomes, errors = session.carry_out()
     notes += session.notes
+    left = [o.patch_id for o in outcomes if o.next_step == session.leftover_step(o.patch_id)]
+    if left:
+        notes.append(
+            f"nothing is selected, but blocks of hatch-vllm-patch remain in {env.purelib}: "
+            f"{', '.join(left)}; `vllm-patch revert` removes them (every block of ours here; "
+            "--patch ID one); uninstalling hatch-vllm-patch? revert first "
+            "(docs/how-to/uninstall.md)")
     if not patches:
         removed = any(o.verdict is Verdict.REMOVED for o in outcomes)
         tail = "what it selected before is removed" if removed else "nothing to do"
@@ -420,6 +436,9 @@ class _Session:
         self.loose: tuple[str, ...] = ()  # revert --patch of ids no catalog here knows
         self.revert_all = False  # revert without --patch: every block of ours
         self.only_where_present: frozenset[str] = frozenset()  # planned only where a block is
+        # verify / apply with nothing selected (no table, a table selecting nothing): a block
+        # that no other selector claims is left behind (verify: drift)
+        self.nothing_selected = False
 
     # --- where ------------------------------------------------------------------------------
 
@@ -893,12 +912,30 @@ class _Session:
                 entry = recorded.get(pid)
                 who = (f"applied for {'; '.join(entry.selected_by)}" if entry and
                        entry.selected_by else "no record says who applied it")
+                left = self.nothing_selected and self._left_behind(entry)
+                fails = strict or (left and self.operation == "verify")
+                tail = ("left behind: revert removes it" if left else
+                        "apply from a project does not remove it")
                 outcomes.append(PatchOutcome(
                     pid, Verdict.NOT_SELECTED,
-                    f"present but not selected by {self._selector()}: {who}; apply from a "
-                    "project does not remove it", not strict, Path(name),
-                    next_step=self._owner_step(pid, entry) if strict else None))
+                    f"present but not selected by {self._selector()}: {who}; {tail}",
+                    not fails, Path(name),
+                    next_step=(self.leftover_step(pid) if left else
+                               self._owner_step(pid, entry) if strict else None)))
         return outcomes
+
+    def _left_behind(self, entry: SelectedPatch | None) -> bool:
+        """Whether a block no selection here names is this place's leftover: no other project
+        or installed wheel claims it (its selectors are this project, the command line, or
+        none)."""
+        mine = {self.origin, COMMAND_LINE}
+        if self.request.project_dir is not None:
+            mine.add(str(self.request.project_dir / "pyproject.toml"))
+        return all(s in mine for s in (entry.selected_by if entry else ()))
+
+    def leftover_step(self, pid: str) -> str:
+        """The next step for a block left behind with nothing selected."""
+        return f"vllm-patch revert --python {self.env.python} --patch {pid} (nothing selects it)"
 
     def recorded_elsewhere(self) -> dict[str, SelectedPatch]:
         """The record's entries of patches this catalog does not know that are a project's
@@ -927,6 +964,8 @@ class _Session:
         return f"select it, or remove it: {one}"
 
     def _selector(self) -> str:
+        if self.origin == COMMAND_LINE and not self.request.command_line_selection:
+            return "anything here (no [tool.vllm-patch], no --patch)"
         if self.origin == COMMAND_LINE:
             return "the command line"
         if self.config is not None and self.origin == str(self.config.source):

@@ -377,7 +377,7 @@ def test_edit_create_cycle(session: tuple[Path, Path, Path]) -> None:
     behaviour = run([str(python), "-c", "import demo_pkg.core as m; "
                      "print(m.compute([]), m.Child().greet())"])
     assert behaviour.stdout.split() == ["0", "patched", "child", "of", "base"]
-    status = vp("status", "--python", str(python), cwd=project)
+    status = vp("status", "-v", "--python", str(python), cwd=project)
     assert "summary: Zero for nothing" in status.stdout
 
     reverted = vp("revert", "--python", str(python), cwd=project)

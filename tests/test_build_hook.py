@@ -16,12 +16,14 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from conftest import write_demo_catalog
+from conftest import cli, write_demo_catalog
 from venvs import UV, create_venv, run, site_packages
 
 import hatch_vllm_patch
+from hatch_vllm_patch.build_hook import _headline
 
 REPO = Path(__file__).resolve().parent.parent
 PATCH = "kv-cache-page-unification"
@@ -228,6 +230,31 @@ def test_missing_tool_vllm_patch_table_fails_the_build(tmp_path: Path) -> None:
     code, output = hatchling_build(project, "editable")
     assert code != 0
     assert "no [tool.vllm-patch] table" in output
+    assert "uninstalling hatch-vllm-patch? `vllm-patch revert` first" in output, output
+
+
+def test_editable_build_selecting_nothing_names_the_blocks_left(
+        demo_project: tuple[Path, dict[str, str]]) -> None:
+    """A table that selects nothing while a block of ours remains (an `apply --patch` of the
+    past, which the build does not remove): the build succeeds and says so, naming
+    `vllm-patch revert`, also in the one line a terminal shows."""
+    project, env = demo_project
+    module = site_packages(project / ".venv") / "demo_pkg" / "core.py"
+    applied = cli("apply", "--patch", "demo-fix", cwd=project,
+                  catalog=Path(env["HATCH_VLLM_PATCH_CATALOG"]))
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    (project / "pyproject.toml").write_text(PYPROJECT.format(
+        hook="", vllm_patch="[tool.vllm-patch.architectures.LlamaForCausalLM]\n",
+        repo=REPO.as_posix()))
+    code, output = hatchling_build(project, "editable", env=env)
+    assert code == 0, output
+    assert "note: nothing is selected, but blocks of hatch-vllm-patch remain" in output, output
+    assert "`vllm-patch revert` removes them" in output, output
+    assert "# >>> hatch-vllm-patch: demo-fix" in module.read_text()
+    left = SimpleNamespace(patch_id="demo-fix")  # the outcome, as _headline reads it
+    line = _headline([], [], [], "/env", [left])
+    assert line.startswith("vllm-patch: demo-fix left behind (nothing selects it: "
+                           "`vllm-patch revert` removes it) in /env;"), line
 
 
 def test_invalid_hook_options_fail_the_build(tmp_path: Path) -> None:

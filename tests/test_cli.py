@@ -315,10 +315,11 @@ def test_neuron_probes_say_when_the_neuron_sdk_is_absent(tmp_path: Path, patch_i
 
 
 def test_status_prints_each_patchs_account(demo_venv: Path, demo_catalog: Path) -> None:
-    """status shows each patch's summary, why, links and removal condition."""
-    proc = cli("status", "--python", str(demo_venv), catalog=demo_catalog)
+    """status -v shows each patch's file, summary, why, links and removal condition."""
+    proc = cli("status", "-v", "--python", str(demo_venv), catalog=demo_catalog)
     assert proc.returncode == 0
-    for expected in ("summary: Make demo_pkg.core.compute return 0 for an empty list",
+    for expected in ("file: ", "selected for: all catalog patches",
+                     "summary: Make demo_pkg.core.compute return 0 for an empty list",
                      "why:", "Test patch.", "link: https://example.invalid/demo/1",
                      "remove when: When demo-pkg fixes compute()."):
         assert expected in proc.stdout, proc.stdout

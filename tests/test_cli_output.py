@@ -119,7 +119,8 @@ def test_json_is_off_without_the_option(tmp_path: Path, demo_catalog: Path) -> N
 
 
 def test_status_short_is_one_line_per_patch(tmp_path: Path, demo_venv: Path) -> None:
-    """status --short: id, verdict and file, one line per patch; the long form is unchanged."""
+    """status --short: id, verdict and file, one line per patch; status: one line per patch
+    with its reason, and the option that adds the accounts; status -v: the accounts."""
     catalog = write_demo_catalog(tmp_path / "catalog")
     second = catalog / "demo-two"
     second.mkdir()
@@ -134,8 +135,16 @@ def test_status_short_is_one_line_per_patch(tmp_path: Path, demo_venv: Path) -> 
     core = site_packages(demo_venv.parent.parent) / "demo_pkg" / "core.py"
     assert proc.stdout.splitlines() == [f"demo-fix  applied  {core}",
                                         f"demo-two  missing  {core}"]
-    long = cli("status", "--python", str(demo_venv), catalog=catalog).stdout
+    default = cli("status", "--python", str(demo_venv), catalog=catalog).stdout.splitlines()
+    assert default[-4].split()[:2] == ["applied", "demo-fix:"], default
+    assert default[-4].endswith(" in place") and default[-3].startswith("  missing   demo-two: ")
+    assert default[-2:] == ["each patch's file, selectors and account: vllm-patch status -v",
+                            "vllm-patch status: 1 applied, 1 missing \u2014 OK"], default
+    assert len(default) == 6 and "file:" not in str(default), default
+    long = cli("status", "-v", "--python", str(demo_venv), catalog=catalog).stdout
     assert "summary: Make demo_pkg.core.compute" in long and len(long.splitlines()) > 10
+    usage = cli("status", "-v", "--short", "--python", str(demo_venv), catalog=catalog)
+    assert usage.returncode == 2 and "not allowed with" in usage.stderr, usage.stderr
 
 
 def test_project_is_found_upward_and_named(tmp_path: Path, demo_venv: Path,
@@ -179,6 +188,50 @@ def test_revert_needs_no_valid_configuration(tmp_path: Path, demo_venv: Path,
     assert "reverted" in proc.stdout and "not a usable configuration" in proc.stdout
     core = site_packages(demo_venv.parent.parent) / "demo_pkg" / "core.py"
     assert "hatch-vllm-patch" not in core.read_text()
+
+
+def test_verify_with_nothing_selected_names_the_blocks_left(tmp_path: Path, demo_venv: Path,
+                                                             demo_catalog: Path) -> None:
+    """Nothing selected but blocks of ours left (the table removed, as in an uninstall; a
+    table selecting nothing; an `apply --patch` of the past): verify fails (exit 1, drift) and
+    names each block and `vllm-patch revert`; a block another project selects is not this
+    one's drift; with no block left, nothing selected is the usage error it was (exit 2)."""
+    python = str(demo_venv)
+    project = tmp_path / "serve"
+    project.mkdir()
+    pyproject = project / "pyproject.toml"
+    pyproject.write_text('[tool.vllm-patch]\npatches = ["demo-fix"]\n')
+
+    def vp(*args: str, where: Path = project) -> Any:
+        return cli(*args, "--python", python, cwd=where, catalog=demo_catalog)
+
+    assert vp("apply").returncode == 0
+    pyproject.write_text("[project]\nname = 'serve'\n")  # the table removed
+    proc = vp("verify")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "! not-selected  demo-fix: present but not selected" in proc.stdout, proc.stdout
+    assert f"next: vllm-patch revert --python {python} --patch demo-fix" in proc.stdout
+    assert "note: nothing is selected, but blocks of hatch-vllm-patch remain" in proc.stdout
+    assert "`vllm-patch revert` removes them" in proc.stdout, proc.stdout
+    # From elsewhere the block is that project's: named with it, not this place's drift.
+    proc = vp("verify", where=tmp_path)
+    assert proc.returncode == 0 and f"applied for {pyproject}" in proc.stdout, proc.stdout
+    pyproject.write_text("[tool.vllm-patch]\npatches = []\n")  # a table selecting nothing
+    proc = vp("verify")
+    assert proc.returncode == 1 and "`vllm-patch revert` removes them" in proc.stdout, proc.stdout
+    # Another project's block (selected there) is not this project's leftover.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "pyproject.toml").write_text('[tool.vllm-patch]\npatches = ["demo-fix"]\n')
+    assert vp("apply", where=other).returncode == 0
+    proc = vp("verify")
+    assert proc.returncode == 0 and "  not-selected  demo-fix" in proc.stdout, proc.stdout
+    assert "remain" not in proc.stdout, proc.stdout
+    proc = vp("revert")
+    assert proc.returncode == 0 and "reverted" in proc.stdout, proc.stdout
+    pyproject.write_text("[project]\nname = 'serve'\n")
+    proc = vp("verify")
+    assert proc.returncode == 2 and "no patches selected" in proc.stderr, proc.stderr
 
 
 def test_configuration_error_headline_is_the_first_real_error(tmp_path: Path, demo_venv: Path,
@@ -284,7 +337,7 @@ def test_removal_text_is_never_wrapped_inside_a_word(tmp_path: Path, demo_venv: 
     assert proc.returncode == 0, proc.stdout + proc.stderr
     manifest = (project / "vllm-patches" / "touch" / "patch.toml").read_text()
     assert "vllm-\n" not in manifest and "hatch-\n" not in manifest, manifest
-    status = cli("status", "--python", python, "--patch", "touch", cwd=project,
+    status = cli("status", "-v", "--python", python, "--patch", "touch", cwd=project,
                  catalog=demo_catalog)
     assert f"remove when: {removal}" in status.stdout, status.stdout
 

@@ -26,6 +26,7 @@ from hatch_vllm_patch.doctor import (
     compatible,
     concerns,
     config_lines,
+    inspection_cause,
     judge,
     native_copy,
     parse_memory,
@@ -172,11 +173,12 @@ def test_judge_a_patch_that_changes_what_vllm_allocates() -> None:
 
 def test_judge_a_patch_that_only_lays_pages_out_differently() -> None:
     """Starts, and a patch changes only pages and padding: nothing needed, the patch named
-    as optional."""
+    with the table (whose tokens per GiB, not an "optional", weigh it)."""
     runs = [_run(INSTALLED, ()), _run("p", ("p",), cost=_cost(2048))]
     needed, verdict = judge(runs, ["p"])
     assert needed == ()
-    assert verdict.startswith("starts as installed: nothing needed (p would only lay out")
+    assert verdict == ("starts as installed: nothing needed (p lays out the same state in "
+                       "other pages: see the table)")
 
 
 def test_judge_the_patch_that_fixes_it() -> None:
@@ -464,8 +466,10 @@ def test_memory_advice_recommends_a_patch_that_holds_more() -> None:
     regrouped = memory_advice([*runs, more_groups], ["promote", "same", "regroup"],
                               QWEN36_FACTS, "cuda")
     assert regrouped is not None and regrouped.recommended == ("promote", "regroup")
-    assert (f"regroup: +100% tokens per GiB ({tokens // 2:,} \u2192 {tokens:,}, 41 KV cache "
-            "groups instead of 1)") in regrouped.line
+    assert (f"regroup: +100% tokens per GiB ({tokens // 2:,} \u2192 {tokens:,}), at a cost: 41 "
+            "KV cache groups instead of 1: vLLM works per group every step, generate time "
+            "1.03x at 4 \u2192 41 groups") in regrouped.line
+    assert "; worth it" not in regrouped.line and "((" not in regrouped.line
     # a patch of the planning that was not tried is named only where nothing tried reaches
     # the minimum
     short = memory_advice(runs[:1] + runs[2:], ["same"], QWEN36_FACTS, "cuda",
@@ -478,3 +482,104 @@ def test_memory_advice_recommends_a_patch_that_holds_more() -> None:
     assert quiet is not None and quiet.recommended == ()
     assert quiet.line.startswith("same changes nothing here:")
     assert memory_advice([_run(INSTALLED, (), fails="grouping")], [], None, "cuda") is None
+
+
+def test_relative_model_from_a_subfolder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """doctor names `../models/x` for `--model models/x` typed in a subfolder, never a download."""
+    (tmp_path / ".git").mkdir()
+    (tmp_path / "models" / "x").mkdir(parents=True)
+    (tmp_path / "models" / "x" / "config.json").write_text("{}")
+    (tmp_path / "service").mkdir()
+    monkeypatch.chdir(tmp_path / "service")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(UsageError, match=r"\.\./models/x is a model directory") as info:
+        resolve_model("models/x")
+    assert "hf download" not in str(info.value)
+
+
+def test_inspection_cause_names_the_failing_import(tmp_path: Path) -> None:
+    """A Qwen3.5 class vLLM could not inspect: the note names `import torchvision`, the error
+    and the fix (a stand-in torchvision that fails to import plays the broken one)."""
+    import subprocess
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")],
+                   check=True)
+    python = tmp_path / "venv" / "bin" / "python"
+    site = next((tmp_path / "venv" / "lib").glob("python3*/site-packages"))
+    (site / "torchvision").mkdir()
+    (site / "torchvision" / "__init__.py").write_text(
+        "raise RuntimeError('operator torchvision::nms does not exist')\n")
+    note = inspection_cause(python, "Qwen3_5MoeForConditionalGeneration", None, 60)
+    assert note.startswith("vLLM could not inspect Qwen3_5MoeForConditionalGeneration: "
+                           "`import torchvision` fails")
+    assert "torchvision::nms does not exist" in note
+    assert "docs/how-to/cpu-build.md" in note
+    other = inspection_cause(python, "JambaForCausalLM", "vllm.model_executor.models.jamba", 60)
+    assert "import vllm.model_executor.models.jamba" in other
+
+
+def test_memory_verdict_is_one_with_its_cost_and_tries_the_planning_patches(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --all, the patches of vLLM's KV planning that name no architecture (exact
+    groups) are tried alone, never in the together run; where one holds more tokens the
+    verdict says so with its group count and step-time cost beside the gain (no "optional"),
+    and the table shows the memory line's figure for each state, not a second one."""
+    from hatch_vllm_patch import doctor
+    from hatch_vllm_patch._cli import _print_doctor
+    from hatch_vllm_patch.catalog import load_catalog
+    from hatch_vllm_patch.doctor import DoctorRequest, diagnose
+    from hatch_vllm_patch.engine import Verdict
+    from hatch_vllm_patch.environment import TargetEnvironment
+
+    arch = "Qwen3_5MoeForConditionalGeneration"
+    model = tmp_path / "qwen"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": [arch],
+                                                   "model_type": "qwen3_5_moe"}))
+    catalog = load_catalog()
+    ids = ("kv-cache-uneven-groups", "kv-cache-exact-groups")
+    jobs: list[dict[str, object]] = []
+    best = 100 * 1081344  # minimum_plan(QWEN36_FACTS, 16, 4096): 40,672 tokens per GiB
+    per_request = {"installed": 2 * best, "kv-cache-uneven-groups": 2 * best,
+                   "kv-cache-exact-groups": best}
+    groups = {"kv-cache-exact-groups": 41}
+
+    def child(python: Path, job: dict[str, object], **_: object) -> dict[str, object]:
+        jobs.append(job)
+        variants = {}
+        for v in job["variants"]:  # type: ignore[attr-defined]
+            name = v["name"]
+            variants[name] = {
+                "steps": [{"step": "config", "ok": True, "detail": {"max_model_len": 4096}}],
+                "kv": {"pages": [1081344], "num_blocks_per_gib": 99, "tokens_per_gib": 62686,
+                       "bytes_per_request": per_request[name],
+                       "groups": [{"type": "FullAttentionSpec", "layers": 1,
+                                   "block_size": 16}] * groups.get(name, 4)},
+                "facts": {**QWEN36_FACTS, "state_bytes": 1073152}}
+        return {"vllm": "0.33.0", "cases": [{"variants": variants}]}
+
+    monkeypatch.setattr(doctor, "run_child", child)
+    env = TargetEnvironment(Path("/venv/bin/python"), "given with --python",
+                            "/venv/bin/python", "/venv", "3.11.7",
+                            Path("/venv/lib/python3.11/site-packages"))
+    report = diagnose(DoctorRequest(model=str(model)), env, catalog,
+                      {pid: Verdict.MISSING for pid in ids}, [arch])
+    [job] = jobs
+    tried = [v["name"] for v in job["variants"]]  # type: ignore[index]
+    assert tried == ["installed", "kv-cache-uneven-groups", "kv-cache-exact-groups"], tried
+    assert report.memory is not None and report.memory.recommended == ("kv-cache-exact-groups",)
+    assert report.verdict.startswith(
+        "starts as installed: nothing needed to start; for memory, recommended: "
+        "kv-cache-exact-groups: +100% tokens per GiB (20,336 \u2192 40,672), at a cost: 41 KV "
+        "cache groups instead of 4: vLLM works per group every step"), report.verdict
+    assert "optional" not in report.verdict and "not tried" not in report.memory.line
+    out = io.StringIO()
+    _print_doctor(report, out)
+    text = out.getvalue()
+    assert "62,686" not in text and "62686" not in text, text
+    rows = [line.split() for line in text.splitlines() if line.startswith("  as installed")
+            or line.startswith("  with kv-cache-exact-groups")]
+    assert [(row[-3], row[-1]) for row in rows] == [("4", "20,336"), ("41", "40,672")], text
+    assert text.count("at a cost: 41 KV cache groups") == 1, text  # said once: the verdict
+    assert "as installed 20,336; with kv-cache-uneven-groups 20,336; with " \
+        "kv-cache-exact-groups 40,672; minimum 40,672" in text, text

@@ -269,3 +269,39 @@ def test_a_symbol_known_elsewhere_is_not_applicable_here(patch: Patch) -> None:
     nowhere = plan_together([("pkg.a", gone, True), ("pkg.b", without, True)])
     assert {p.verdict for p in nowhere} == {Verdict.UNKNOWN_SHAPE}
     assert "no target of this patch holds it" in nowhere[0].reason
+
+
+def test_a_target_vllm_removed_is_not_applicable_from_that_release(tmp_path: Path) -> None:
+    """applies.removed-in: where the module is gone from that release on, not-applicable with
+    the release in the reason; before it (or with the file there) the usual verdicts; a
+    removed-in that is no release is a catalog error naming the key."""
+    from hatch_vllm_patch.errors import CatalogError
+
+    root = write_demo_catalog(tmp_path / "c")
+    manifest = root / "demo-fix" / "patch.toml"
+    manifest.write_text(manifest.read_text().replace("[applies]\n",
+                                                     '[applies]\nremoved-in = "2.0.0"\n'))
+    patch = load_catalog(root)["demo-fix"]
+    assert patch.removed_in == "2.0.0"
+    gone = plan_apply(patch, facts(None, version="2.1.0"))
+    assert gone.verdict is Verdict.NOT_APPLICABLE and gone.new_content is None
+    assert gone.reason.startswith("demo-pkg 2.1.0 >= 2.0.0: demo_pkg.core is gone (removed in "
+                                  "2.0.0), nothing to patch"), gone.reason
+    assert plan_verify(patch, facts(None, version="2.0.0")).verdict is Verdict.NOT_APPLICABLE
+    assert plan_apply(patch, facts(None, version="1.9.0")).verdict is Verdict.UNKNOWN_SHAPE
+    assert plan_apply(patch, facts(ORIGINAL, version="2.0.0")).verdict is Verdict.APPLIED
+    broken = write_demo_catalog(tmp_path / "broken") / "demo-fix" / "patch.toml"
+    broken.write_text(broken.read_text().replace("[applies]\n",
+                                                 '[applies]\nremoved-in = "after 2.0"\n'))
+    with pytest.raises(CatalogError, match=r"applies\.removed-in 'after 2\.0' is not a release"):
+        load_catalog(broken.parents[1])
+
+
+def test_bamba_is_not_applicable_from_vllm_0_24() -> None:
+    """bamba-spec-conv-state declares the release that removed Bamba (bamba.py is absent from
+    the 0.24.0 wheel on: test_vllm_releases' absent releases), so 0.33 says not-applicable."""
+    patch = load_catalog()["bamba-spec-conv-state"]
+    assert patch.removed_in == "0.24.0"
+    plan = plan_verify(patch, FileFacts("vllm/model_executor/models/bamba.py", None, "0.33.0",
+                                        None))
+    assert plan.verdict is Verdict.NOT_APPLICABLE and "removed in 0.24.0" in plan.reason

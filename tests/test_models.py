@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hatch_vllm_patch.errors import UsageError
-from hatch_vllm_patch.models import hub_cache_dir, is_hub_id, resolve_model_dir
+from hatch_vllm_patch.models import hub_cache_dir, is_hub_id, model_above, resolve_model_dir
 
 
 def snapshot(hub: Path, repo: str, commit: str, ref: str | None = None) -> Path:
@@ -64,3 +64,22 @@ def test_resolve_model_dir_paths_and_misses(tmp_path: Path) -> None:
         resolve_model_dir("Acme/Gone", tmp_path, where="--model Acme/Gone",
                           environ={"HF_HUB_CACHE": str(tmp_path / "hub")})
     assert str(info.value).startswith("--model Acme/Gone: 'Acme/Gone' is not a directory")
+
+
+def test_relative_model_path_from_a_subfolder(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`models/x` typed in a subfolder of the project is named as the path it is (`../models/x`),
+    not sent to the hub cache with an `hf download` hint."""
+    (tmp_path / ".git").mkdir()
+    (tmp_path / "models" / "x").mkdir(parents=True)
+    (tmp_path / "models" / "x" / "config.json").write_text("{}")
+    sub = tmp_path / "service"
+    sub.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(UsageError) as info:
+        resolve_model_dir("models/x", sub, where="--model models/x")
+    assert "../models/x is a model directory" in str(info.value)
+    assert "hf download" not in str(info.value)
+    assert model_above("models/x", sub) == "../models/x"
+    assert model_above("models/y", sub) is None
+    assert resolve_model_dir("models/x", tmp_path) == (tmp_path / "models" / "x").resolve()

@@ -165,7 +165,8 @@ SPEC_PATCHES = {  # patch id -> its module file
 SPEC_PATCHED = [*PATCHED, "0.29.0", "0.30.0", "0.31.0"]
 SPEC_FIXED = ["0.32.0", "0.33.0", "0.34.0"]
 BAMBA_PATCHES = {"bamba-spec-conv-state": "vllm/model_executor/models/bamba.py"}
-# Bamba is in vLLM 0.16.0-0.23.0 only (0.24.0 removed bamba.py): no fixed release, unknown-shape.
+# Bamba is in vLLM 0.16.0-0.23.0 only (0.24.0 removed bamba.py): no fixed release; removed-in
+# 0.24.0 makes it not-applicable there.
 BAMBA_PATCHED = PATCHED[:PATCHED.index("0.23.0") + 1]
 SPLIT_PATCHES = {"mamba-split-external-kv": "vllm/v1/core/sched/scheduler.py"}
 # Scheduler._mamba_block_aligned_split asserts no external tokens through 0.22.1 (0.34.0's method
@@ -223,14 +224,14 @@ def patched_round_trip(python: Path, sp: Path, tmp_path: Path, patches: dict[str
 
 
 def absent_refused(python: Path, sp: Path, patches: dict[str, str]) -> None:
-    """The module is gone (and no fix is known): unknown-shape for apply and verify, nothing
-    created; revert has nothing to do."""
+    """The module is gone, from the release the patch names as removing it (removed-in):
+    not-applicable for apply and verify, nothing created; revert has nothing to do."""
     for rel in patches.values():
         assert not (sp / rel).exists(), rel
     for op in ("apply", "verify"):
         code, out = group_step(python, op, patches)
-        assert (code, verdicts(out)) == (1, {"unknown-shape"}), out
-        assert all("does not exist" in str(o["reason"]) for o in out.values()), out
+        assert (code, verdicts(out)) == (0, {"not-applicable"}), out
+        assert all("is gone (removed in 0.24.0)" in str(o["reason"]) for o in out.values()), out
     code, out = group_step(python, "revert", patches)
     assert (code, verdicts(out)) == (0, {"not-applied"}), out
     for rel in patches.values():
@@ -263,7 +264,7 @@ def test_hybrid_patches_on_every_release(release: tuple[Path, Path], tmp_path: P
     """Each release's real files: the *-spec-conv-state patches (0.16.0-0.31.0; Bamba's
     0.16.0-0.23.0) and mamba-split-external-kv (0.16.0-0.22.1) apply, re-apply, verify and
     revert to the RECORD bytes where the bug is; elsewhere they are not-needed by a known fixed
-    shape (Bamba: unknown-shape, its module is gone)."""
+    shape (Bamba: not-applicable, its module is gone from 0.24.0)."""
     python, sp = release
     [dist_info] = sp.glob("vllm-*.dist-info")
     released = dist_info.name.removeprefix("vllm-").removesuffix(".dist-info")

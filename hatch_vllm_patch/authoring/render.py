@@ -134,7 +134,7 @@ class ManifestTarget(NamedTuple):
 def render_manifest(patch_id: str, *, targets: Sequence[ManifestTarget], summary: str,
                     why: str, removal: str, fixed_in: str | None, made_by: str,
                     links: Sequence[str] = (), architectures: Sequence[str] = (),
-                    fixed_shapes: Sequence[str] = ()) -> str:
+                    fixed_shapes: Sequence[str] = (), removed_in: str | None = None) -> str:
     """``patch.toml``: ``[target]`` for one target, ``[[targets]]`` for several."""
     made_on = ", ".join(dict.fromkeys(f"{t.distribution} {t.version}" for t in targets))
     lines = [f"# Made by `vllm-patch {made_by}` on {made_on}."]
@@ -160,6 +160,8 @@ def render_manifest(patch_id: str, *, targets: Sequence[ManifestTarget], summary
                        "not-needed there")
     if fixed_shapes:
         applies.append("fixed-shapes = [" + ", ".join(map(_toml_string, fixed_shapes)) + "]")
+    if removed_in:
+        applies.append(f"removed-in = {_toml_string(removed_in)}")
     for target in targets:
         symbols = list(target.shapes)
         lines += ["", "[[targets]]" if several else "[target]",
@@ -254,4 +256,5 @@ def render_manifest_of(patch: Patch, *, fixed_in: str | None) -> str:
             m.block_name if several else None) for m in patch.parts],
         summary=patch.summary, why=patch.description, removal=patch.removal,
         fixed_in=fixed_in, made_by="update", links=patch.links,
-        architectures=patch.architectures, fixed_shapes=sorted(patch.fixed_shapes))
+        architectures=patch.architectures, fixed_shapes=sorted(patch.fixed_shapes),
+        removed_in=patch.removed_in)
