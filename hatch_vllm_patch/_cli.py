@@ -216,7 +216,12 @@ def _print_report(report: Report, out: TextIO) -> None:
             out.write(o.diff)
         mark = " " if o.ok else "!"
         print(f"{mark} {o.verdict.value:<{width}}  {o.patch_id}: {o.reason}", file=out)
-        if o.file:
+        if len(o.targets) > 1:  # what each target found: details of the one verdict
+            for t in o.targets:
+                print(f"{pad}target {t.module}: {t.verdict.value}: {t.reason}", file=out)
+                if t.file:
+                    print(f"{pad}  file: {t.file}", file=out)
+        elif o.file:
             print(f"{pad}file: {o.file}", file=out)
         if o.selected_because:
             print(f"{pad}selected for: {'; '.join(o.selected_because)}", file=out)
@@ -230,7 +235,7 @@ def _print_report(report: Report, out: TextIO) -> None:
         print(f"warning: {warning}", file=out)
     for error in report.errors:
         print(f"error: {error}", file=out)
-    counts = Counter(o.verdict.value for o in report.outcomes)
+    counts = Counter(o.verdict.value for o in report.outcomes)  # patches, not targets
     summary = ", ".join(f"{n} {v}" for v, n in counts.items()) or "no patch"
     verdict = "OK" if report.ok else "FAILED"
     print(f"vllm-patch {report.operation}: {summary} {_dash(out)} {verdict}", file=out)
