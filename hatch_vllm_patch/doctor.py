@@ -858,11 +858,13 @@ def _catalog_root(patches: Mapping[str, Patch]) -> Path | None:
 
 def patch_verdicts(outcomes: Iterable[Any]) -> dict[str, Verdict]:
     """One verdict per patch from ``status``'s outcomes, which are one per patch already (the
-    engine decides a patch over several targets once: ``engine.decide_patch``); the first
-    outcome of an id wins."""
+    engine decides a patch over several targets once: ``engine.decide_patch``). Where an id
+    comes twice (a patch that ``replaces`` another is asked in a status of its own), the
+    status that selected it speaks, not the other's ``not-selected`` of its block."""
     verdicts: dict[str, Verdict] = {}
     for outcome in outcomes:
-        verdicts.setdefault(outcome.patch_id, outcome.verdict)
+        if verdicts.get(outcome.patch_id, Verdict.NOT_SELECTED) is Verdict.NOT_SELECTED:
+            verdicts[outcome.patch_id] = outcome.verdict
     return verdicts
 
 

@@ -631,14 +631,14 @@ def decide_patch(parts: list[tuple[str, Plan, bool]], refusing: int | None = Non
     speakers = tuple(i for i in spoken if parts[i][1].verdict is verdict)
     if len(parts) == 1:
         return parts[0][1]._replace(new_content=None), speakers
-    said = "; ".join(f"{verdict} in {parts[i][0]} ({parts[i][1].reason})" for i in speakers)
-    others = [parts[i][0] for i in range(len(parts)) if i not in speakers]
+    said = f"{verdict} in {' and '.join(parts[i][0] for i in speakers)}"
+    if len(speakers) == 1:  # its reason too (the details below say each target's)
+        said += f" ({parts[speakers[0]][1].reason})"
+    rest = [f"{parts[i][1].verdict} in {parts[i][0]}" for i in range(len(parts))
+            if i not in speakers and not is_elsewhere(parts[i][1])]
     away = [parts[i][0] for i in range(len(parts)) if is_elsewhere(parts[i][1])]
     if away:
-        said += (f"; {' and '.join(away)}: not in this release (another target carries "
-                 "the symbol)")
-    rest = [m for m in others if m not in away]
-    if rest:
-        said += "; " + "; ".join(f"{parts[i][1].verdict} in {parts[i][0]}"
-                                 for i in range(len(parts)) if parts[i][0] in rest)
+        rest.append(f"{' and '.join(away)}: not in this release (another target carries "
+                    "the symbol)")
+    said += "".join(f"; {r}" for r in rest)
     return Plan(verdict, said), speakers

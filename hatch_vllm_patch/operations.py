@@ -637,6 +637,7 @@ class _Session:
                 verdict, reason = found.verdict, found.reason
             elif refusing is not None and not fine[i]:
                 verdict, reason = own[i].verdict, own[i].reason
+            reason = reason.removeprefix("would apply: ")  # the verdict says it
             targets.append(TargetOutcome(m.target.module, verdict, reason,
                                          self.fine(m, verdict), o.file, o.diff))
         diffs = "".join(o.diff for o in outcomes if o.diff)
