@@ -24,7 +24,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import pytest
 from conftest import cli
@@ -280,9 +280,9 @@ def _commands(release: Release, kind: Kind, cwd: Path, ids: set[str],
     assert "patches in place (" in message and all(message.count(pid) == 1 for pid in ids), \
         message
     _hook_says_one_line_per_patch(release, kind, cwd, ids)
-    _, verdicts = catalog_status(Request(project_dir=cwd if kind.table else None,
-                                         python=str(release.python)), catalog)
-    assert {pid: verdicts[pid].value for pid in ids} == applied, verdicts
+    _, doctor = catalog_status(Request(project_dir=cwd if kind.table else None,
+                                       python=str(release.python)), catalog)
+    assert {pid: doctor[pid].value for pid in ids} == applied, doctor
 
     code, lines, stdout = text(release, kind, cwd, "revert")
     reverted = one_line_each([(v, i) for v, i in lines if i in ids], ids, stdout)
@@ -309,8 +309,8 @@ def _hook_says_one_line_per_patch(release: Release, kind: Kind, cwd: Path,
                else Request(python=str(release.python), patches=tuple(sorted(ids))))
     report = run("apply", request)
     app = _App()
-    hook = VllmPatchBuildHook(str(cwd), {}, None, None, str(cwd), "wheel",  # type: ignore[arg-type]
-                              app)
+    hook = VllmPatchBuildHook(str(cwd), {}, None, None, str(cwd),  # type: ignore[arg-type]
+                              "wheel", cast(Any, app))
     selection = resolve(request).selection
     hook._tell(report, cwd, selection, strict=False)
     [line] = [x for x in app.lines if "already-applied" in x or "not-needed" in x]
