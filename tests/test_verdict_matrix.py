@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
+import jsonschema
 import pytest
 from conftest import cli
 from venvs import release_venv, site_packages
@@ -44,6 +45,9 @@ ZAMBA2 = "vllm/model_executor/models/zamba2.py"
 OWN_MODULES = ("vllm.v1.core.kv_cache_utils", "vllm.v1.core.encoder_cache_manager")
 # A verdict line of the text report: "  applied   ID: reason" (a target beneath it is indented)
 LINE = re.compile(r"^[ !] (\S+)\s+(\S+): ", re.MULTILINE)
+_SCHEMA = json.loads((Path(__file__).resolve().parents[1] / "hatch_vllm_patch" / "schema"
+                      / "output.schema.json").read_text())
+SCHEMA = jsonschema.validators.validator_for(_SCHEMA)(_SCHEMA)
 
 
 class Kind(NamedTuple):
@@ -159,6 +163,8 @@ def vp(release: Release, kind: Kind, cwd: Path, *args: str
     proc = cli(*args, "--python", str(release.python), *kind.args, "--json", cwd=cwd)
     assert "Traceback" not in proc.stderr, proc.stderr
     doc = json.loads(proc.stdout)
+    errors = sorted(SCHEMA.iter_errors(doc), key=str)
+    assert not errors, [e.message for e in errors]
     ids = [p["id"] for p in doc["patches"]]
     assert len(ids) == len(set(ids)), f"one entry per patch: {ids}"
     assert doc["exit_code"] == proc.returncode
