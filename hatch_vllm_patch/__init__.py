@@ -29,7 +29,7 @@ if TYPE_CHECKING:
         VllmPatchError,
     )
     from .operations import Request, apply, revert, run, status, verify
-    from .report import PatchOutcome, Report
+    from .report import PatchOutcome, Report, TargetOutcome
 
 _LAZY = {
     "Verdict": "engine",
@@ -47,12 +47,13 @@ _LAZY = {
     "verify": "operations",
     "PatchOutcome": "report",
     "Report": "report",
+    "TargetOutcome": "report",
 }
 
 __all__ = [
     "CatalogError", "ConfigurationError", "InterpreterNotFoundError", "PatchOutcome", "Report",
-    "Request", "TargetEnvironmentError", "UsageError", "Verdict", "VllmPatchError", "__version__",
-    "apply", "revert", "run", "status", "verify",
+    "Request", "TargetEnvironmentError", "TargetOutcome", "UsageError", "Verdict", "VllmPatchError",
+    "__version__", "apply", "revert", "run", "status", "verify",
 ]
 
 

@@ -225,7 +225,12 @@ def _print_report(report: Report, out: TextIO, verbose: bool = True) -> None:
             out.write(o.diff)
         mark = " " if o.ok else "!"
         print(f"{mark} {o.verdict.value:<{width}}  {o.patch_id}: {o.reason}", file=out)
-        if o.file and verbose:
+        if len(o.targets) > 1:  # what each target found: details of the one verdict
+            for t in o.targets:
+                print(f"{pad}target {t.module}: {t.verdict.value}: {t.reason}", file=out)
+                if t.file and verbose:
+                    print(f"{pad}  file: {t.file}", file=out)
+        elif o.file and verbose:
             print(f"{pad}file: {o.file}", file=out)
         if o.selected_because and verbose:
             print(f"{pad}selected for: {'; '.join(o.selected_because)}", file=out)
@@ -242,7 +247,7 @@ def _print_report(report: Report, out: TextIO, verbose: bool = True) -> None:
     if not verbose and report.outcomes:
         print(f"each patch's file, selectors and account: vllm-patch {report.operation} -v",
               file=out)
-    counts = Counter(o.verdict.value for o in report.outcomes)
+    counts = Counter(o.verdict.value for o in report.outcomes)  # patches, not targets
     summary = ", ".join(f"{n} {v}" for v, n in counts.items()) or "no patch"
     verdict = "OK" if report.ok else "FAILED"
     print(f"vllm-patch {report.operation}: {summary} {_dash(out)} {verdict}", file=out)

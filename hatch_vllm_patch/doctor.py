@@ -968,16 +968,14 @@ def _catalog_root(patches: Mapping[str, Patch]) -> Path | None:
 
 
 def patch_verdicts(outcomes: Iterable[Any]) -> dict[str, Verdict]:
-    """One verdict per patch from ``status``'s outcomes (one per target): a target that is
-    not-applicable (a module this release lacks, a function that moved to another target) does
-    not speak for the patch when another target does; missing anywhere is missing."""
-    by_patch: dict[str, list[Verdict]] = {}
+    """One verdict per patch from ``status``'s outcomes, which are one per patch already (the
+    engine decides a patch over several targets once: ``engine.decide_patch``). Where an id
+    comes twice (a patch that ``replaces`` another is asked in a status of its own), the
+    status that selected it speaks, not the other's ``not-selected`` of its block."""
+    verdicts: dict[str, Verdict] = {}
     for outcome in outcomes:
-        by_patch.setdefault(outcome.patch_id, []).append(outcome.verdict)
-    verdicts = {}
-    for pid, found in by_patch.items():
-        spoken = [v for v in found if v is not Verdict.NOT_APPLICABLE] or found
-        verdicts[pid] = Verdict.MISSING if Verdict.MISSING in spoken else spoken[0]
+        if verdicts.get(outcome.patch_id, Verdict.NOT_SELECTED) is Verdict.NOT_SELECTED:
+            verdicts[outcome.patch_id] = outcome.verdict
     return verdicts
 
 

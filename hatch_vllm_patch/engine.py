@@ -43,9 +43,11 @@ __all__ = [
     "Plan",
     "Verdict",
     "classify_shape",
+    "decide_patch",
     "find_symbol",
     "fixed_shape_note",
     "inspect",
+    "is_elsewhere",
     "locate_function",
     "locate_in",
     "module_names",
@@ -57,6 +59,7 @@ __all__ = [
     "plan_revert",
     "plan_together",
     "plan_verify",
+    "refusing_part",
     "render_block",
     "scope_classes",
     "scope_defs",
@@ -572,21 +575,50 @@ def plan_verify(patch: Patch, facts: FileFacts) -> Plan:
     return Plan(state.verdict, state.reason)
 
 
+# Which refusing target speaks for a patch over several modules: what no apply can mend before
+# what an apply mends (a target missing beside one of unknown shape is refused, not missing).
+_CAUSE_ORDER = (Verdict.ERROR, Verdict.MODIFIED, Verdict.EDITING, Verdict.OUTSIDE,
+                Verdict.BLOCKED, Verdict.UNKNOWN_PATCH, Verdict.UNKNOWN_SHAPE,
+                Verdict.NOT_INSTALLED, Verdict.STALE, Verdict.MISSING)
+# Among fine targets: the verdict that says most of what happened to the patch.
+_SPEAKS_ORDER = (Verdict.WOULD_APPLY, Verdict.APPLIED, Verdict.REVERTED, Verdict.REMOVED,
+                 Verdict.ALREADY_APPLIED, Verdict.NOT_APPLIED, Verdict.NOT_NEEDED,
+                 Verdict.NOT_SELECTED, Verdict.NOT_INSTALLED, Verdict.NOT_APPLICABLE)
+
+
+def _rank(verdict: Verdict, order: tuple[Verdict, ...]) -> int:
+    return order.index(verdict) if verdict in order else len(order)
+
+
+def is_elsewhere(plan: Plan) -> bool:
+    """A target that says "the symbol lives in another target's module in this release": a
+    detail of its patch, never a verdict of its own."""
+    return plan.verdict is Verdict.NOT_APPLICABLE and plan.reason.startswith(ELSEWHERE_NOTE)
+
+
+def refusing_part(parts: list[tuple[str, Plan, bool]]) -> int | None:
+    """The index of the target that refuses the patch (the most severe part that is not
+    fine; the first of equals), or None when every part is fine."""
+    bad = [i for i, (_, _, fine) in enumerate(parts) if not fine]
+    if not bad:
+        return None
+    return min(bad, key=lambda i: _rank(parts[i][1].verdict, _CAUSE_ORDER))
+
+
 def plan_together(parts: list[tuple[str, Plan, bool]]) -> list[Plan]:
     """One verdict for a patch over several modules, from each module's (module, plan, fine):
     when one part is not fine (``unknown-shape``, ``modified``, ...), no part writes, and every
-    fine part reports that part's verdict, naming its module."""
-    if parts and all(plan.verdict is Verdict.NOT_APPLICABLE
-                     and plan.reason.startswith(ELSEWHERE_NOTE) for _, plan, _ in parts):
+    fine part reports the refusing part's verdict, naming its module."""
+    if parts and all(is_elsewhere(plan) for _, plan, _ in parts):
         # every target (the only one, too) says "the symbol lives in another target": it is in
         # none of them
         return [Plan(Verdict.UNKNOWN_SHAPE, f"{plan.reason}; but no target of this patch holds "
                      "it: a release this patch does not know; refusing to patch")
                 for _, plan, _ in parts]
-    bad = [(module, plan) for module, plan, fine in parts if not fine]
-    if not bad:
+    index = refusing_part(parts)
+    if index is None:
         return [plan for _, plan, _ in parts]
-    module, cause = bad[0]
+    module, cause, _ = parts[index]
     shared = []
     for _, plan, fine in parts:
         if not fine:
@@ -597,3 +629,47 @@ def plan_together(parts: list[tuple[str, Plan, bool]]) -> list[Plan]:
         shared.append(Plan(cause.verdict, f"{cause.verdict} in {module}, another target of "
                                           f"this patch ({cause.reason}); {what}"))
     return shared
+
+
+def decide_patch(parts: list[tuple[str, Plan, bool]], refusing: int | None = None,
+                 would_write: bool = False) -> tuple[Plan, tuple[int, ...]]:
+    """The one verdict of a patch over its targets, from each target's (module, plan, fine)
+    as they ended (after :func:`plan_together` and any write), and the indices of the targets
+    that speak for it. ``refusing``: the target that refused the patch when its targets were
+    planned (:func:`refusing_part` of the plans before :func:`plan_together`);
+    ``would_write``: some target planned a write (that the refusal stopped).
+
+    The all-or-nothing rule, said once: a refused patch has the refusing target's verdict
+    ("unknown-shape in vllm.platforms.interface (...)"); a patch whose every target is fine
+    has the verdict that says most of what happened ("applied" over "already-applied" over
+    "not-applicable"), named with the modules that have it; a target whose symbol lives in
+    another target (``"elsewhere"``) is named as a detail, never as the verdict."""
+    if refusing is None or parts[refusing][2]:
+        refusing = refusing_part(parts)
+    if refusing is not None:
+        module, cause, _ = parts[refusing]
+        if len(parts) == 1:
+            return cause._replace(new_content=None), (refusing,)
+        reason = f"{cause.verdict} in {module} ({cause.reason})"
+        if would_write:
+            reason += "; nothing written to any of its modules"
+        return Plan(cause.verdict, reason), (refusing,)
+    spoken = [i for i, (_, plan, _) in enumerate(parts) if not is_elsewhere(plan)]
+    if not spoken:
+        spoken = list(range(len(parts)))
+    verdict = min((parts[i][1].verdict for i in spoken),
+                  key=lambda v: _rank(v, _SPEAKS_ORDER))
+    speakers = tuple(i for i in spoken if parts[i][1].verdict is verdict)
+    if len(parts) == 1:
+        return parts[0][1]._replace(new_content=None), speakers
+    said = f"{verdict} in {' and '.join(parts[i][0] for i in speakers)}"
+    if len(speakers) == 1:  # its reason too (the details below say each target's)
+        said += f" ({parts[speakers[0]][1].reason})"
+    rest = [f"{parts[i][1].verdict} in {parts[i][0]}" for i in range(len(parts))
+            if i not in speakers and not is_elsewhere(parts[i][1])]
+    away = [parts[i][0] for i in range(len(parts)) if is_elsewhere(parts[i][1])]
+    if away:
+        rest.append(f"{' and '.join(away)}: not in this release (another target carries "
+                    "the symbol)")
+    said += "".join(f"; {r}" for r in rest)
+    return Plan(verdict, said), speakers

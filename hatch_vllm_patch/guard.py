@@ -358,14 +358,14 @@ def _full_check(logger: logging.Logger, mode: str, started: float, why: str,
     assert catalog is not None
     editing = live_edit_files(verified.environment)
     report = _without_edits(verified, editing)
-    unchecked = [(o.patch_id, str(o.file)) for o in verified.outcomes if str(o.file) in editing]
+    unchecked = [(o.patch_id, str(f)) for o in verified.outcomes for f in o.files
+                 if str(f) in editing]
     if report.ok:
         logger.info("hatch-vllm-patch: patches in place (%s) [guard %s, full check: %s, "
                     "%.1f ms]%s", _ids(report), mode, why,
                     (time.perf_counter() - started) * 1000, _editing(unchecked))
         return
-    failing = list(dict.fromkeys(  # a patch over several modules: one outcome per target
-        o.patch_id for o in report.outcomes if not o.ok and o.patch_id in catalog))
+    failing = [o.patch_id for o in report.outcomes if not o.ok and o.patch_id in catalog]
     changed = {pid: blocks.get(pid) for pid in failing if blocks is not None
                and blocks.get(pid) != catalog[pid].blocks_digest}
     if mode == "apply":
@@ -393,7 +393,7 @@ def _without_edits(report: Report, editing: set[str]) -> Report:
     """The report without the patches of files open for editing (``vllm-patch edit``)."""
     if not editing:
         return report
-    kept = tuple(o for o in report.outcomes if str(o.file) not in editing)
+    kept = tuple(o for o in report.outcomes if not any(str(f) in editing for f in o.files))
     return report._replace(outcomes=kept)
 
 
@@ -425,6 +425,10 @@ def _message(report: Report, mode: str, why: str, changed: Mapping[str, str | No
                 f"apply --python {sys.executable}")
             continue
         fix = o.next_step or f"vllm-patch apply --python {sys.executable}"
+        if len(o.targets) > 1:  # one verdict; the targets are its details
+            lines.append(f"  {o.patch_id}: {o.verdict.value}: {o.reason}; fix: {fix}")
+            lines += [f"    target {t.module}: {t.verdict.value}" for t in o.targets]
+            continue
         lines.append(f"  {o.patch_id}: {o.verdict.value} in {o.file or 'its target'}: "
                      f"{o.reason}; fix: {fix}")
     lines += [f"  {e}" for e in report.errors]
@@ -447,15 +451,14 @@ def _reload_in_memory(report: Report, catalog: Catalog, logger: logging.Logger) 
         found = catalog.get(outcome.patch_id)
         if outcome.verdict is not Verdict.APPLIED or found is None:
             continue
-        # The target written (a patch over several modules has one outcome per module).
-        patch = next((m for m in found.parts if len(found.parts) == 1 or str(outcome.file)
-                      == getattr(sys.modules.get(m.target.module), "__file__", None)), None)
-        if patch is None:
-            continue
-        module = sys.modules.get(patch.target.module)
-        if module is None:
-            continue  # imported later, from the healed file
-        code = compile(patch.block, str(outcome.file or patch.target.module), "exec")
-        exec(code, module.__dict__)
-        logger.info("hatch-vllm-patch: %s re-run in the already imported %s", patch.id,
-                    patch.target.module)
+        written = {t.module: t.file for t in outcome.targets if t.verdict is Verdict.APPLIED}
+        for patch in found.parts:  # each target written (a patch may have several)
+            if patch.target.module not in written:
+                continue
+            module = sys.modules.get(patch.target.module)
+            if module is None:
+                continue  # imported later, from the healed file
+            where = written[patch.target.module] or patch.target.module
+            exec(compile(patch.block, str(where), "exec"), module.__dict__)
+            logger.info("hatch-vllm-patch: %s re-run in the already imported %s", patch.id,
+                        patch.target.module)

@@ -26,11 +26,13 @@ from .engine import (
     FileFacts,
     Plan,
     Verdict,
+    decide_patch,
     plan_apply,
     plan_remove_blocks,
     plan_revert,
     plan_together,
     plan_verify,
+    refusing_part,
     shape_key,
 )
 from .environment import (
@@ -71,7 +73,7 @@ from .record import (
     save_record,
 )
 from .record import Selection as SelectionRecord
-from .report import PatchOutcome, Report
+from .report import PatchOutcome, Report, TargetOutcome, one_per_patch
 from .selection import (
     Selection,
     overlaps,
@@ -105,6 +107,9 @@ _FINE = {
              Verdict.NOT_APPLICABLE},
     "status": set(Verdict),  # informational
 }
+# Verdicts of a target that let its patch stand (the all-or-nothing rule over a patch's
+# targets): status, informational, judges a patch as verify does.
+_DECIDES = {**_FINE, "status": _FINE["verify"]}
 
 
 class Request(NamedTuple):
@@ -600,9 +605,9 @@ class _Session:
         self.identities.pop(str(path), None)
 
     def one(self, patch: Patch) -> list[PatchOutcome]:
-        """The outcomes of ``patch``, one per target module, with one verdict: a patch over
-        several modules is planned in all of them first, and written to all or to none. When
-        an installer replaces a file between our read and our write, once more on what it left."""
+        """The one outcome of ``patch``, its targets beneath it: a patch over several modules
+        is planned in all of them first, and written to all or to none. When an installer
+        replaces a file between our read and our write, once more on what it left."""
         try:
             return self.one_attempt(patch)
         except TargetChanged:  # an installer replaced a file between our read and write
@@ -613,31 +618,66 @@ class _Session:
         except TargetChanged as exc:
             for m in patch.parts:
                 self.forget(self.target_path(m))
-            outcomes = [self.outcome(m, Plan(Verdict.ERROR, f"{exc} (twice; retried once)"),
-                                     self.member_facts(m)) for m in patch.parts]
+            plans = [Plan(Verdict.ERROR, f"{exc} (twice; retried once)") for _ in patch.parts]
+            facts = [self.member_facts(m) for m in patch.parts]
+            outcomes = [self.outcome(m, plan, f)
+                        for m, plan, f in zip(patch.parts, plans, facts, strict=True)]
             for m, outcome in zip(patch.parts, outcomes, strict=True):
                 self.outcomes[(patch.id, m.target.module)] = outcome
-            return outcomes
+            return [self.combine(patch, plans, [False] * len(plans), outcomes, facts)]
 
     def one_attempt(self, patch: Patch) -> list[PatchOutcome]:
         members = patch.parts
         facts = [self.member_facts(m) for m in members]
-        plans = [self.plan(m, f) for m, f in zip(members, facts, strict=True)]
-        fine = [self.fine(m, plan) for m, plan in zip(members, plans, strict=True)]
+        own = [self.plan(m, f) for m, f in zip(members, facts, strict=True)]
+        fine = [self.decides(m, plan) for m, plan in zip(members, own, strict=True)]
+        plans = own
         if patch.members:  # [[targets]], also with one target (all "elsewhere": unknown)
             plans = plan_together([(m.target.module, plan, ok) for m, plan, ok
-                                   in zip(members, plans, fine, strict=True)])
+                                   in zip(members, own, fine, strict=True)])
         if self.operation in _WRITES:
             plans = self.write_all(members, plans, facts)
         outcomes = [self.finish(m, plan, f)
                     for m, plan, f in zip(members, plans, facts, strict=True)]
-        cause = next((o for o, ok in zip(outcomes, fine, strict=True) if not ok), None)
-        if cause is not None:  # the next step is the one of the target that decided
-            outcomes = [o._replace(next_step=cause.next_step) if not o.ok else o
-                        for o in outcomes]
         for m, outcome in zip(members, outcomes, strict=True):
             self.outcomes[(patch.id, m.target.module)] = outcome
-        return outcomes
+        return [self.combine(patch, own, fine, outcomes, facts)]
+
+    def decides(self, patch: Patch, plan: Plan) -> bool:
+        """Whether this target lets its patch stand (``_DECIDES``; an optional target's
+        distribution may be absent)."""
+        return plan.verdict in _DECIDES[self.operation] or (
+            plan.verdict is Verdict.NOT_INSTALLED and patch.target.optional)
+
+    def combine(self, patch: Patch, own: list[Plan], fine: list[bool],
+                outcomes: list[PatchOutcome], facts: list[FileFacts]) -> PatchOutcome:
+        """The patch's one outcome from its targets' (``engine.decide_patch``): the verdict
+        decided once, each target's own finding beneath it, the diffs of every module."""
+        members = patch.parts
+        modules = [m.target.module for m in members]
+        refusing = refusing_part([(mod, plan, ok) for mod, plan, ok
+                                  in zip(modules, own, fine, strict=True)])
+        ended = [(mod, Plan(o.verdict, o.reason), self.decides(m, Plan(o.verdict, o.reason)))
+                 for mod, m, o in zip(modules, members, outcomes, strict=True)]
+        would_write = any(p.new_content is not None for p in own)
+        decided, speakers = decide_patch(ended, refusing, would_write)
+        speaker = outcomes[speakers[0]]
+        targets = []
+        for i, (m, o) in enumerate(zip(members, outcomes, strict=True)):
+            verdict, reason = o.verdict, o.reason
+            if refusing is not None and fine[i] and len(members) > 1:
+                # refused by another target: what this one found on its own (its state)
+                found = plan_verify(m, facts[i])
+                verdict, reason = found.verdict, found.reason
+            elif refusing is not None and not fine[i]:
+                verdict, reason = own[i].verdict, own[i].reason
+            reason = reason.removeprefix("would apply: ")  # the verdict says it
+            targets.append(TargetOutcome(m.target.module, verdict, reason,
+                                         self.fine(m, verdict), o.file, o.diff))
+        diffs = "".join(o.diff for o in outcomes if o.diff)
+        return speaker._replace(verdict=decided.verdict, reason=decided.reason,
+                                ok=all(o.ok for o in outcomes), diff=diffs or None,
+                                targets=tuple(targets))
 
     def present(self, patch: Patch) -> bool:
         """Whether to plan ``patch``: always, unless it is one of ``only_where_present`` and
@@ -683,13 +723,20 @@ class _Session:
                                          "edit MODULE --discard`")
         if op == "revert":
             return plan_revert(patch, facts)
-        if op in {"apply", "diff"}:
+        if op == "diff":  # what apply would write: would-apply, the new text kept for the diff
+            planned = plan_apply(patch, facts)
+            if planned.verdict is Verdict.APPLIED and planned.new_content is not None:
+                return planned._replace(verdict=Verdict.WOULD_APPLY,
+                                        reason=f"would apply: {planned.reason}")
+            return planned
+        if op == "apply":
             return plan_apply(patch, facts)
         return plan_verify(patch, facts)
 
-    def fine(self, patch: Patch, plan: Plan) -> bool:
-        return plan.verdict in _FINE[self.operation] or (
-            plan.verdict is Verdict.NOT_INSTALLED and patch.target.optional)
+    def fine(self, patch: Patch, verdict: Verdict) -> bool:
+        """Whether ``verdict`` of this target is fine for the operation."""
+        return verdict in _FINE[self.operation] or (
+            verdict is Verdict.NOT_INSTALLED and patch.target.optional)
 
     def write_all(self, members: tuple[Patch, ...], plans: list[Plan], facts: list[FileFacts]
                   ) -> list[Plan]:
@@ -731,7 +778,6 @@ class _Session:
         diff = None
         if op == "diff" and plan.new_content is not None and facts.content is not None:
             diff = _unified_diff(path, self.env, facts.content, plan.new_content)
-            plan = plan._replace(verdict=Verdict.WOULD_APPLY, reason=f"would apply: {plan.reason}")
         if op == "apply" and plan.verdict in {Verdict.APPLIED, Verdict.ALREADY_APPLIED}:
             content = self.contents.get(str(path))
             if content is not None:  # remember the "known" for verify
@@ -791,8 +837,7 @@ class _Session:
 
     def outcome(self, patch: Patch, plan: Plan, facts: FileFacts, diff: str | None = None
                 ) -> PatchOutcome:
-        optional_absent = plan.verdict is Verdict.NOT_INSTALLED and patch.target.optional
-        ok = plan.verdict in _FINE[self.operation] or optional_absent
+        ok = self.fine(patch, plan.verdict)
         return PatchOutcome(
             patch_id=patch.id,
             verdict=plan.verdict,
@@ -881,7 +926,7 @@ class _Session:
                         "if it is another project's own patch, run apply in that project (the "
                         "record names it again); else remove this block alone: vllm-patch "
                         f"revert --python {self.env.python} --patch {pid}")))
-        return outcomes
+        return one_per_patch(outcomes)
 
     def unselected_blocks(self, files: set[str], reported: set[str]) -> list[PatchOutcome]:
         """The blocks in ``files`` of patches this run does not select, which the catalog knows
@@ -984,7 +1029,14 @@ class _Session:
             return []
         ids = {p.id for p in self.patches}
         _, removed = merge_selection(previous.patches, self.origin, (), True)
-        return [self.remove(entry) for entry in removed if entry.id not in ids]
+        outcomes = []
+        for entry in removed:  # one entry per target: one outcome per patch, its targets beneath
+            if entry.id in ids:
+                continue
+            outcome = self.remove(entry)
+            outcomes.append(outcome._replace(targets=(TargetOutcome(
+                entry.module, outcome.verdict, outcome.reason, outcome.ok, outcome.file),)))
+        return one_per_patch(outcomes)
 
     def remove(self, entry: SelectedPatch) -> PatchOutcome:
         why = f"removed: no longer selected by {self._selector()}"

@@ -1,4 +1,8 @@
-"""What an operation found and did: one :class:`PatchOutcome` per patch, in one :class:`Report`."""
+"""What an operation found and did: one :class:`PatchOutcome` per patch, in one :class:`Report`.
+
+A patch has one verdict, however many modules it targets; what each target found is a
+:class:`TargetOutcome` beneath it (``PatchOutcome.targets``), a detail and never a verdict of
+its own."""
 
 from __future__ import annotations
 
@@ -9,8 +13,34 @@ from .engine import Verdict
 from .environment import TargetEnvironment
 
 
+class TargetOutcome(NamedTuple):
+    """What one target (one module) of a patch found or had done to it: a detail of the
+    patch's one verdict."""
+
+    module: str
+    verdict: Verdict
+    reason: str
+    ok: bool  # this target alone is fine for the operation
+    file: Path | None = None
+    diff: str | None = None
+
+    def to_json(self) -> dict[str, object]:
+        data: dict[str, object] = {
+            "module": self.module,
+            "verdict": self.verdict.value,
+            "ok": self.ok,
+            "reason": self.reason,
+            "file": str(self.file) if self.file else None,
+        }
+        if self.diff is not None:
+            data["diff"] = self.diff
+        return data
+
+
 class PatchOutcome(NamedTuple):
-    """The verdict on one patch, and why."""
+    """The verdict on one patch, and why; ``targets``: what each of its targets found (one
+    entry for a patch of one module; empty where no target was planned, e.g. a block of a
+    patch the catalog does not know)."""
 
     patch_id: str
     verdict: Verdict
@@ -25,6 +55,13 @@ class PatchOutcome(NamedTuple):
     description: str | None = None
     links: tuple[str, ...] = ()
     removal: str | None = None
+    targets: tuple[TargetOutcome, ...] = ()
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        """Every file the patch's verdict speaks of: its own and each target's."""
+        found = [self.file, *(t.file for t in self.targets)]
+        return tuple(dict.fromkeys(f for f in found if f is not None))
 
     def to_json(self) -> dict[str, object]:
         data: dict[str, object] = {
@@ -42,7 +79,28 @@ class PatchOutcome(NamedTuple):
         if self.summary is not None:
             data.update(summary=self.summary, description=self.description,
                         links=list(self.links), removal=self.removal)
+        if self.targets:
+            data["targets"] = [t.to_json() for t in self.targets]
         return data
+
+
+def one_per_patch(outcomes: list[PatchOutcome]) -> list[PatchOutcome]:
+    """Outcomes found file by file (a block removed or found in each file a patch wrote)
+    merged into one per patch, in first-seen order: the first that is not fine speaks for the
+    patch (else the first), each file's outcome a target beneath it."""
+    by_id: dict[str, list[PatchOutcome]] = {}
+    for outcome in outcomes:
+        by_id.setdefault(outcome.patch_id, []).append(outcome)
+    merged = []
+    for found in by_id.values():
+        if len(found) == 1:
+            merged.append(found[0])
+            continue
+        speaker = next((o for o in found if not o.ok), found[0])
+        targets = tuple(t for o in found for t in (o.targets or (
+            TargetOutcome(str(o.file or "-"), o.verdict, o.reason, o.ok, o.file),)))
+        merged.append(speaker._replace(ok=all(o.ok for o in found), targets=targets))
+    return merged
 
 
 class Report(NamedTuple):

@@ -47,6 +47,8 @@ def test_schema_names_every_verdict(validator: Any) -> None:
     """The schema's verdicts are exactly the engine's: a new verdict must be added to it."""
     enum = validator.schema["$defs"]["patch"]["properties"]["verdict"]["enum"]
     assert sorted(enum) == sorted(v.value for v in Verdict)
+    targets = validator.schema["$defs"]["target"]["properties"]["verdict"]["enum"]
+    assert sorted(targets) == sorted(v.value for v in Verdict)
 
 
 def test_every_command_and_outcome_matches_the_schema(tmp_path: Path, demo_venv: Path,
@@ -68,6 +70,9 @@ def test_every_command_and_outcome_matches_the_schema(tmp_path: Path, demo_venv:
     [patch] = doc["patches"]
     assert (doc["exit_code"], patch["verdict"]) == (0, "would-apply"), doc
     assert patch["diff"].startswith("--- a/demo_pkg/core.py")
+    [target] = patch["targets"]  # one target: the patch's own verdict, its module beneath it
+    assert (target["module"], target["verdict"]) == ("demo_pkg.core", "would-apply"), patch
+    assert target["diff"] == patch["diff"]
     assert run("status", "--python", python)["exit_code"] == 0
     doc = run("apply", *sel)
     assert doc["patches"][0]["verdict"] == "applied" and doc["errors"] == []

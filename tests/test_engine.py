@@ -233,6 +233,38 @@ def test_a_patch_over_several_modules_has_one_verdict() -> None:
     assert plan_together([("pkg.a", write, True), ("pkg.b", write, True)]) == [write, write]
 
 
+def test_a_patch_over_several_targets_is_decided_once() -> None:
+    """decide_patch: a refused patch takes the most severe target's verdict (unknown-shape over
+    missing), naming its module; a fine patch the verdict that says most (applied over
+    already-applied), never an "elsewhere" target's, which is named as a detail."""
+    from hatch_vllm_patch.engine import Plan, decide_patch, refusing_part
+
+    write = Plan(Verdict.APPLIED, "known shape", b"new")
+    missing = Plan(Verdict.MISSING, "not patched")
+    unknown = Plan(Verdict.UNKNOWN_SHAPE, "g has a shape this patch does not know")
+    away = Plan(Verdict.NOT_APPLICABLE, "not here: f is not in this module")
+    parts = [("pkg.a", missing, False), ("pkg.b", away, True), ("pkg.c", unknown, False)]
+    assert refusing_part(parts) == 2
+    decided, speakers = decide_patch(parts)
+    assert (decided.verdict, speakers) == (Verdict.UNKNOWN_SHAPE, (2,))
+    assert decided.reason == ("unknown-shape in pkg.c (g has a shape this patch does not "
+                              "know)")
+    decided, _ = decide_patch([("pkg.a", write, True), ("pkg.c", unknown, False)],
+                              would_write=True)
+    assert decided.reason.endswith("; nothing written to any of its modules")
+    done = Plan(Verdict.ALREADY_APPLIED, "block in place")
+    decided, speakers = decide_patch([("pkg.a", write, True), ("pkg.b", away, True),
+                                      ("pkg.c", done, True)])
+    assert (decided.verdict, speakers) == (Verdict.APPLIED, (0,))
+    assert decided.new_content is None
+    assert decided.reason == ("applied in pkg.a (known shape); already-applied in pkg.c; "
+                              "pkg.b: not in this release (another target carries the symbol)")
+    decided, speakers = decide_patch([("pkg.a", away, True), ("pkg.b", away, True)])
+    assert decided.verdict is Verdict.NOT_APPLICABLE and speakers == (0, 1)
+    alone, _ = decide_patch([("pkg.a", unknown, False)])
+    assert alone == unknown  # one target: its own verdict and reason, unchanged
+
+
 def test_added_names_must_be_absent_from_the_module(tmp_path: Path) -> None:
     """A patch that adds a module-level name (target.adds) is unknown-shape where the module
     already binds it, known where it does not."""

@@ -827,7 +827,8 @@ def test_a_dropped_patch_over_two_modules_is_removed_from_both(tmp_path: Path,
     removed = cli_in(python, "apply", "--json", catalog=catalog, cwd=app)
     assert removed.returncode == 0, removed.stdout + removed.stderr
     outcomes = json.loads(removed.stdout)["patches"]
-    assert [(o["id"], o["verdict"]) for o in outcomes] == [("duo-fix", "removed")] * 2
+    assert [(o["id"], o["verdict"]) for o in outcomes] == [("duo-fix", "removed")]
+    assert [t["verdict"] for t in outcomes[0]["targets"]] == ["removed"] * 2, outcomes
     assert [f.read_text() for f in files] == [DUO_A, DUO_B]
     record = json.loads((site / RECORD).read_text())
     assert record["selection"]["patches"] == [] and record["files"] == {}

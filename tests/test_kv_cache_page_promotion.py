@@ -64,18 +64,20 @@ def test_block_compiles_and_targets_every_home() -> None:
     assert "vllm#53499" in patch.description.replace("vllm-project/vllm#", "vllm#")
 
 
-def steps(python: Path, op: str) -> tuple[int, dict[str, dict[str, Any]]]:
-    """One CLI operation on the patch: exit code, and its outcome per target module."""
+def steps(python: Path, op: str) -> tuple[int, str, dict[str, str]]:
+    """One CLI operation on the patch: exit code, the patch's one verdict, and what each of
+    its three targets found (by module), listed beneath it."""
     proc = cli(op, "--python", str(python), "--patch", PATCH, "--json")
     assert "Traceback" not in proc.stderr, proc.stderr
     data = json.loads(proc.stdout)
-    outcomes = {str(p["file"] or i): p for i, p in enumerate(data["patches"])}
-    assert len(data["patches"]) == 3, data
-    return proc.returncode, outcomes
+    [entry] = data["patches"]  # one patch, one entry
+    targets = {str(t["module"]): str(t["verdict"]) for t in entry["targets"]}
+    assert len(targets) == 3, entry
+    return proc.returncode, str(entry["verdict"]), targets
 
 
-def verdicts(outcomes: dict[str, dict[str, Any]]) -> list[str]:
-    return sorted(str(o["verdict"]) for o in outcomes.values())
+def verdicts(targets: dict[str, str]) -> list[str]:
+    return sorted(targets.values())
 
 
 @pytest.mark.slow
@@ -93,24 +95,32 @@ def test_release_apply_verify_revert(version: str, tmp_path: Path) -> None:
         m.shapes for m in load_catalog()[PATCH].parts
         if m.target.relative_path == HOME[version].removeprefix("vllm/"))
 
-    code, out = steps(python, "verify")
-    # one verdict per target module; the unify module it would write decides (missing)
-    assert code == 1 and verdicts(out) == ["missing", "missing", "missing"], out
-    code, out = steps(python, "apply")
-    assert code == 0 and verdicts(out) == ["applied", "applied", "not-applicable"], out
+    code, verdict, targets = steps(python, "verify")
+    # one verdict for the patch; beneath it each target's own finding
+    assert (code, verdict) == (1, "missing"), targets
+    assert verdicts(targets) == ["missing", "missing", "not-applicable"], targets
+    code, verdict, targets = steps(python, "diff")
+    assert (code, verdict) == (0, "would-apply"), targets
+    assert verdicts(targets) == ["not-applicable", "would-apply", "would-apply"], targets
+    assert home.read_bytes() == original and platform.read_bytes() == platform_bytes
+    code, verdict, targets = steps(python, "apply")
+    assert (code, verdict) == (0, "applied"), targets
+    assert verdicts(targets) == ["applied", "applied", "not-applicable"], targets
     for path, before, marker in ((home, original, b"# >>> hatch-vllm-patch: kv-cache-page-pro"),
                                  (platform, platform_bytes, b"_hvp_install_platform_promotion()")):
         patched = path.read_bytes()
         assert patched.startswith(before) and patched != before and marker in patched
         compile(patched, str(path), "exec")
     assert (other.read_bytes() if other.exists() else None) == other_bytes
-    code, out = steps(python, "apply")
-    assert code == 0 and verdicts(out) == ["already-applied", "already-applied",
-                                           "not-applicable"], out
-    code, out = steps(python, "verify")
-    assert code == 0 and verdicts(out) == ["applied", "applied", "not-applicable"], out
-    code, out = steps(python, "revert")
-    assert code == 0 and verdicts(out) == ["not-applied", "reverted", "reverted"], out
+    code, verdict, targets = steps(python, "apply")
+    assert (code, verdict) == (0, "already-applied"), targets
+    assert verdicts(targets) == ["already-applied", "already-applied", "not-applicable"]
+    code, verdict, targets = steps(python, "verify")
+    assert (code, verdict) == (0, "applied"), targets
+    assert verdicts(targets) == ["applied", "applied", "not-applicable"], targets
+    code, verdict, targets = steps(python, "revert")
+    assert (code, verdict) == (0, "reverted"), targets
+    assert verdicts(targets) == ["not-applied", "reverted", "reverted"], targets
     for relative in (HOME[version], PLATFORM):
         assert hashlib.sha256((sp / relative).read_bytes()).hexdigest() == record_sha256(
             sp, "vllm", relative)
@@ -124,8 +134,8 @@ def test_release_before_029_is_refused(tmp_path: Path) -> None:
     python = release_venv(tmp_path / "venv", "vllm", "0.28.0")
     target = site_packages(tmp_path / "venv") / UTILS
     before = target.read_bytes()
-    code, out = steps(python, "apply")
-    assert code == 1 and "unknown-shape" in verdicts(out), out
+    code, verdict, targets = steps(python, "apply")
+    assert (code, verdict) == (1, "unknown-shape") and "unknown-shape" in verdicts(targets)
     assert target.read_bytes() == before
 
 

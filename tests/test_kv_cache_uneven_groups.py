@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -216,14 +217,17 @@ def test_exact_split_fills_every_group() -> None:
 
 def step(python: Path, op: str, home: str = "vllm/v1/core/kv_cache_utils.py",
          patch: str = PATCH) -> tuple[int, dict[str, Any], str]:
-    """One CLI operation on the patch: exit code, the outcome of the target whose module
-    defines the function (`home`), and the other target's verdict."""
+    """One CLI operation on the patch: exit code, its one entry (the patch's verdict) checked
+    to speak of the target whose module defines the function (`home`), and what the other
+    target found (a detail beneath it)."""
     proc = cli(op, "--python", str(python), "--patch", patch, "--json")
     assert "Traceback" not in proc.stderr, proc.stderr
-    outcomes = json.loads(proc.stdout)["patches"]
-    assert len(outcomes) == 2, outcomes
-    [outcome] = [o for o in outcomes if str(o["file"] or "").endswith(home)]
-    [other] = [o for o in outcomes if o is not outcome]
+    [outcome] = json.loads(proc.stdout)["patches"]  # one patch, one entry
+    targets = outcome["targets"]
+    assert len(targets) == 2, outcome
+    [mine] = [t for t in targets if str(t["file"] or "").endswith(home)]
+    [other] = [t for t in targets if t is not mine]
+    assert outcome["reason"].startswith(f"{outcome['verdict']} in {mine['module']}"), outcome
     return proc.returncode, outcome, str(other["verdict"])
 
 
@@ -256,7 +260,11 @@ def test_release_is_patched_verified_and_reverted(version: str, patch_id: str,
     assert verdicts[PATCH] == verdicts[EXACT] == Verdict.MISSING, verdicts
     assert not [n for n in status.notes if "replaces" in n], status.notes
     code, out, other = step(python, "verify", rel, patch_id)
-    assert (code, out["verdict"], other) == (1, "missing", "missing"), out
+    assert (code, out["verdict"], other) == (1, "missing", "not-applicable"), out
+    code, out, other = step(python, "diff", rel, patch_id)
+    assert (code, out["verdict"], other) == (0, "would-apply", "not-applicable"), out
+    assert re.findall(r"^\+\+\+ b/(\S+)$", out["diff"], re.MULTILINE) == [f"vllm/{rel}"], out
+    assert target.read_bytes() == original
     code, out, other = step(python, "apply", rel, patch_id)
     assert (code, out["verdict"], other) == (0, "applied", "not-applicable"), out
     patched = target.read_bytes()

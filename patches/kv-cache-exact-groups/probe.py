@@ -42,6 +42,10 @@ def _module() -> Any:
     for name in MODULES:
         try:
             module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if (exc.name or "vllm").split(".")[0] != "vllm":
+                raise  # a dependency the environment lacks (torch in a --no-deps install)
+            continue  # this release has no such module
         except ImportError:
             continue
         if callable(getattr(module, SYMBOL, None)):
