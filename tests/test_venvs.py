@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,6 +64,31 @@ def test_a_clone_writes_never_reach_the_base(env_cache: Path, demo_recipe: Recip
     manifest = (base.parent.parent / venvs.BASE_MANIFEST).stat()
     assert base_environment(demo_recipe) == base
     assert (base.parent.parent / venvs.BASE_MANIFEST).stat().st_mtime_ns == manifest.st_mtime_ns
+
+
+# Two processes (as two xdist workers) asking for one base at once.
+CONCURRENT = """\
+import os, sys, venvs
+recipe = venvs.Recipe("demo-pkg", "1.0.0", "none", venvs._python_version(),
+                      sources=("--no-index", "--find-links", sys.argv[1]))
+base = venvs.base_environment(recipe).parent.parent
+print(os.stat(base / venvs.BASE_MANIFEST).st_ino)
+"""
+
+
+def test_two_processes_share_one_build(tmp_path: Path, demo_wheels: dict[str, Path]) -> None:
+    """Two processes asking for the same base at once get the same one, built once."""
+    env = {**os.environ, "HATCH_VLLM_PATCH_ENV_CACHE": str(tmp_path / "envs"),
+           "PYTHONPATH": str(Path(__file__).parent)}
+    wheels = str(demo_wheels["1.0.0"].parent)
+    procs = [subprocess.Popen([sys.executable, "-c", CONCURRENT, wheels], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    [first], [second] = (out.split() for out, _ in outputs)
+    assert first == second
+    assert len([p for p in (tmp_path / "envs").iterdir() if not p.name.startswith(".")]) == 1
 
 
 def test_a_base_a_test_wrote_to_is_built_again(env_cache: Path, demo_recipe: Recipe,
