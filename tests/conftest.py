@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from venvs import SCRUBBED_ENV, UV, create_venv, run
+from venvs import SCRUBBED_ENV, UV, create_venv, run, vllm_venv
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -203,10 +203,10 @@ def project_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def vllm_with_tool(tmp_path_factory: pytest.TempPathFactory, project_wheel: Path) -> Path:
-    """A full vllm==0.20.2 (hardlinked from uv's cache) with hatch-vllm-patch installed from its
-    wheel, as a downstream project has it; tests that change it leave it as they found it."""
-    return create_venv(tmp_path_factory.mktemp("vllm-tool") / "venv", "vllm==0.20.2",
-                       str(project_wheel))
+    """A full vllm==0.20.2 (a clone of the cached base, venvs.vllm_venv) with hatch-vllm-patch
+    installed from its wheel, as a downstream project has it; tests that change it leave it as
+    they found it."""
+    return vllm_venv(tmp_path_factory.mktemp("vllm-tool") / "venv", "0.20.2", str(project_wheel))
 
 
 @contextlib.contextmanager
