@@ -185,7 +185,7 @@ def _session_root() -> Path:
 
 # --- base environments: built once per machine, shared read-only, cloned to be written ----------
 
-# Full vLLM environments (~3 GB each, mostly hardlinks into uv's cache) kept between runs and
+# Full vLLM environments (3-7 GB each, nearly all hardlinks into uv's cache) kept between runs and
 # shared by the test processes (both xdist workers): `rm -rf` this folder (and `uv cache prune`)
 # reclaims them.
 ENV_CACHE = Path(os.environ.get("HATCH_VLLM_PATCH_ENV_CACHE")
