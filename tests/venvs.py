@@ -392,15 +392,11 @@ def clone_environment(base_python: Path, path: Path) -> Path:
     unlinks stale bytecode, so what a test does in the clone never reaches the base (nor uv's
     cache). Returns the clone's python."""
     base = base_python.parent.parent
-    same_device = os.stat(base).st_dev == os.stat(_existing_parent(path)).st_dev
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # across file systems no hardlink can be made: a full copy, minutes instead of seconds
+    same_device = os.stat(base).st_dev == os.stat(path.parent).st_dev
     run(["cp", "-al" if same_device else "-a", str(base), str(path)])
     return venv_python(path)
-
-
-def _existing_parent(path: Path) -> Path:
-    while not path.exists():
-        path = path.parent
-    return path
 
 
 @contextlib.contextmanager
