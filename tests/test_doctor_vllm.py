@@ -266,11 +266,8 @@ def test_fixed_release(vllm_fixed: Path, tmp_path: Path) -> None:
 @pytest.fixture(scope="session")
 def vllm_neuron(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """vLLM 0.16.0 with the tests' stand-in Neuron plugin (one FullAttentionSpec per layer)."""
-    from venvs import create_venv
-
-    return create_venv(tmp_path_factory.mktemp("doctor-neuron") / "venv", "vllm==0.16.0",
-                       str(REPO / "tests" / "fixtures" / "neuron" / "per_layer"),
-                       link_mode="hardlink")
+    return vllm_venv(tmp_path_factory.mktemp("doctor-neuron") / "venv", "0.16.0",
+                     str(REPO / "tests" / "fixtures" / "neuron" / "per_layer"))
 
 
 def test_neuron_budget(vllm_neuron: Path, tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from venvs import UV, create_venv, run, site_packages, venv_python
+from venvs import UV, run, site_packages, venv_python, vllm_venv
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "example_project"
@@ -198,7 +198,7 @@ def test_pip_install_then_the_post_sync_command(tmp_path: Path) -> None:
     """pip installs the project into a plain venv; `python -m hatch_vllm_patch apply` patches."""
     # vLLM and its ~180 dependencies come from uv's cache (pip would download ~8 GB); pip then
     # installs the project itself, building it in its own isolated build environment.
-    python = create_venv(tmp_path / "venv", "vllm==0.20.2", "pip")
+    python = vllm_venv(tmp_path / "venv", "0.20.2", "pip")
     wheels = tmp_path / "wheels"
     run([UV, "build", "--quiet", "--wheel", "--out-dir", str(wheels), str(REPO)])
     project = copy_example(tmp_path / "example")

