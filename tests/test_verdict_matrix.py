@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import re
+import shutil
 import textwrap
 import time
 from collections.abc import Iterator
@@ -35,6 +36,8 @@ from hatch_vllm_patch.build_hook import VllmPatchBuildHook
 from hatch_vllm_patch.doctor import catalog_status
 from hatch_vllm_patch.guard import _LOGGER, _full_check
 from hatch_vllm_patch.operations import Request, resolve, run
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
 
@@ -156,11 +159,12 @@ def case(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Kind,
     yield kind, work
 
 
-def vp(release: Release, kind: Kind, cwd: Path, *args: str
+def vp(release: Release, kind: Kind, cwd: Path, *args: str, catalog: Path | None = None
        ) -> tuple[int, dict[str, dict[str, Any]], dict[str, Any]]:
     """``vllm-patch ARGS --json`` on the kind's selection: exit code, the entries by patch id
     (exactly one per patch), the document."""
-    proc = cli(*args, "--python", str(release.python), *kind.args, "--json", cwd=cwd)
+    proc = cli(*args, "--python", str(release.python), *kind.args, "--json", cwd=cwd,
+               catalog=catalog)
     assert "Traceback" not in proc.stderr, proc.stderr
     doc = json.loads(proc.stdout)
     errors = sorted(SCHEMA.iter_errors(doc), key=str)
@@ -171,10 +175,10 @@ def vp(release: Release, kind: Kind, cwd: Path, *args: str
     return proc.returncode, {p["id"]: p for p in doc["patches"]}, doc
 
 
-def text(release: Release, kind: Kind, cwd: Path, *args: str
+def text(release: Release, kind: Kind, cwd: Path, *args: str, catalog: Path | None = None
          ) -> tuple[int, list[tuple[str, str]], str]:
     """``vllm-patch ARGS`` as text: exit code, the (verdict, id) lines, stdout."""
-    proc = cli(*args, "--python", str(release.python), *kind.args, cwd=cwd)
+    proc = cli(*args, "--python", str(release.python), *kind.args, cwd=cwd, catalog=catalog)
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc.returncode, LINE.findall(proc.stdout), proc.stdout
 
@@ -325,15 +329,28 @@ def _hook_says_one_line_per_patch(release: Release, kind: Kind, cwd: Path,
     assert line.count("already-applied") == sum(bool(f) for f in kind.writes.values()), line
 
 
+# The shape of 0.34.0's Platform._align_hybrid_block_size (patches/kv-cache-page-promotion).
+PLATFORM_034 = "4fd581582eac9520d4db2f6e923360fdf3f6b49797193512c2142322cbafc91d"
+
+
 def test_a_refused_patch_names_the_target_that_refuses_it(vllm_034: Release,
                                                          tmp_path: Path) -> None:
-    """vLLM 0.34.0: the platform step has a shape kv-cache-page-promotion does not know, so the
-    whole patch is refused, said once (diff, status --short, apply: one line, the refusing
-    target named, nothing written); the grouping patch's known shape diffs as would-apply."""
+    """vLLM 0.34.0 with a catalog that predates 0.34.0's platform step (the shipped one's copy
+    without that shape, as the catalog was before it learned 0.34.0): the platform step has a
+    shape kv-cache-page-promotion does not know, so the whole patch is refused, said once (diff,
+    status --short, apply: one line, the refusing target named, nothing written); the grouping
+    patch's known shape diffs as would-apply."""
     release = vllm_034
+    catalog = tmp_path / "catalog"
+    shutil.copytree(REPO / "patches", catalog)
+    manifest = catalog / "kv-cache-page-promotion" / "patch.toml"
+    lines = manifest.read_text().splitlines(keepends=True)
+    known = [line for line in lines if PLATFORM_034 in line]
+    assert len(known) == 1, "the shipped catalog knows 0.34.0's platform step"
+    manifest.write_text("".join(line for line in lines if PLATFORM_034 not in line))
     kind = Kind(("--patch", "kv-cache-page-promotion", "--patch", "kv-cache-uneven-groups"),
                 None, {})
-    code, out, _ = vp(release, kind, tmp_path, "diff")
+    code, out, _ = vp(release, kind, tmp_path, "diff", catalog=catalog)
     assert code == 1, out
     refused = out["kv-cache-page-promotion"]
     assert refused["verdict"] == "unknown-shape" and not refused["ok"], refused
@@ -344,13 +361,13 @@ def test_a_refused_patch_names_the_target_that_refuses_it(vllm_034: Release,
     grouping = out["kv-cache-uneven-groups"]
     assert grouping["verdict"] == "would-apply" and grouping["ok"], grouping
     assert re.findall(r"^\+\+\+ b/(\S+)$", grouping["diff"], re.MULTILINE) == [PLANNING]
-    code, lines, stdout = text(release, kind, tmp_path, "status", "--short")
+    code, _, stdout = text(release, kind, tmp_path, "status", "--short", catalog=catalog)
     rows = {line.split()[0]: line.split()[1] for line in stdout.splitlines()}
     assert code == 0 and rows == {"kv-cache-page-promotion": "unknown-shape",
                                   "kv-cache-uneven-groups": "missing"}, stdout
     page = Kind(("--patch", "kv-cache-page-promotion"), None, {})
-    code, lines, stdout = text(release, page, tmp_path, "apply")
-    assert code == 1 and lines == [("unknown-shape", "kv-cache-page-promotion")], stdout
+    code, found, stdout = text(release, page, tmp_path, "apply", catalog=catalog)
+    assert code == 1 and found == [("unknown-shape", "kv-cache-page-promotion")], stdout
     assert "nothing written to any of its modules" in stdout, stdout
     assert summary(stdout).endswith("1 unknown-shape \u2014 FAILED"), stdout
     assert _hashes(release.site) == release.pristine
