@@ -80,7 +80,8 @@ PATCH_KEYS = {
                 "with its own `shapes` and `block`; applied, verified and reverted together"),
     "applies": ("table", "which code the patch knows (see `[applies]`)"),
     "replaces": ("array of patch ids", "patches of the same symbol this one supersedes: "
-                 "selected together, this one is used, with a note"),
+                 "selected together, this one is used, with a note; naming a patch that shares "
+                 "no symbol with this one is an error when the catalog is loaded"),
     "opt-in": ("boolean", "true: the architectures tell doctor which models it concerns, but "
                "select nothing by default; a project lists the id"),
 }
