@@ -8,6 +8,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -463,13 +464,16 @@ def test_deep_probe_in_a_no_deps_vllm_passes_naming_torch(nodeps_vllm: Path,
 
 
 def _launcher_interrupted(err: str) -> bool:
-    """Is ``err`` CPython's traceback of a Ctrl-C in the console script's own import of our
-    entry point, before any line of ours could catch it?"""
+    """Is ``err`` CPython's own traceback of a Ctrl-C before our code could catch it: while the
+    interpreter started (``site``) or the console script imported our entry point (importlib
+    and our modules' top level), never inside a function of ours?"""
     lines = err.strip().splitlines()
-    return (len(lines) == 4 and lines[0] == "Traceback (most recent call last):"
-            and "/vllm-patch\", line" in lines[1]
-            and lines[2].strip() == "from hatch_vllm_patch.__main__ import entry"
-            and lines[3] == "KeyboardInterrupt")
+    if len(lines) < 3 or lines[0] != "Traceback (most recent call last):" \
+            or lines[-1] != "KeyboardInterrupt":
+        return False
+    frames = re.findall(r'^\s*File "([^"]+)", line \d+, in (\S+)$', err, re.MULTILINE)
+    return bool(frames) and all("hatch_vllm_patch" not in path or name == "<module>"
+                                for path, name in frames)
 
 
 def as_from_a_shell() -> None:
