@@ -209,6 +209,23 @@ def vllm_with_tool(tmp_path_factory: pytest.TempPathFactory, project_wheel: Path
     return vllm_venv(tmp_path_factory.mktemp("vllm-tool") / "venv", "0.20.2", str(project_wheel))
 
 
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A root-owned 0755 folder holding ``shared``, a directory everyone can write to (1777, as
+    /tmp): pytest's own temporary folders are 0700, where uid 65534 can plant nothing."""
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="hvp-trust-", dir="/tmp"))
+    base.chmod(0o755)
+    (base / "shared").mkdir()
+    (base / "shared").chmod(0o1777)
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def mounted_tmpfs(path: Path, size: str) -> Iterator[Path]:
     """A tmpfs of ``size`` (e.g. "2m") mounted at ``path`` (root only: the test is skipped

@@ -13,9 +13,7 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -153,19 +151,6 @@ def evil_folder(folder: Path, marker: Path, patch_id: str = "demo-fix") -> Path:
     text = manifest.read_text().replace('"demo-fix"', f'"{patch_id}"')
     manifest.write_text(text[:text.index("shapes = ")] + 'classifier = "classify.py"\n')
     return folder
-
-
-@pytest.fixture
-def shared(tmp_path: Path) -> Iterator[Path]:
-    """A directory everyone can write to (1777, as /tmp), in a root-owned 0755 folder."""
-    base = Path(tempfile.mkdtemp(prefix="hvp-trust-", dir="/tmp"))
-    base.chmod(0o755)
-    (base / "shared").mkdir()
-    (base / "shared").chmod(0o1777)
-    try:
-        yield base
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture

@@ -8,9 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import tempfile
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,19 +23,6 @@ from hatch_vllm_patch.trust import chosen
 
 RECORD = ".hatch-vllm-patch.json"
 
-
-@pytest.fixture
-def shared_tmp() -> Iterator[Path]:
-    """A root-owned 0755 folder holding ``shared``, a 1777 folder (as /tmp): pytest's own
-    temporary folders are 0700, where uid 65534 can plant nothing."""
-    base = Path(tempfile.mkdtemp(prefix="hvp-trust-", dir="/tmp"))
-    base.chmod(0o755)
-    (base / "shared").mkdir()
-    (base / "shared").chmod(0o1777)
-    try:
-        yield base
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
 
 OTHER_BLOCK = textwrap.dedent('''\
     def other():
@@ -424,7 +409,6 @@ def test_a_package_planted_in_the_working_directory_does_not_stop_vllm(
     that package planted in a vLLM process's working directory (uid 65534's, when run as root)
     is not taken for the installed package: the guard says the patches are in place."""
     import os
-    import shutil
 
     python = create_venv(tmp_path / "venv", str(demo_wheels["1.0.0"]), str(project_wheel))
     catalog = write_demo_catalog(tmp_path / "catalog")
@@ -574,16 +558,14 @@ def test_a_block_that_is_no_utf8_file_is_a_catalog_error(tmp_path: Path, demo_ve
 # --- 13. check never runs another user's code ----------------------------------------------------
 
 @pytest.mark.skipif(__import__("os").geteuid() != 0, reason="another user's files need root")
-def test_check_of_another_users_folder_runs_none_of_its_code(shared_tmp: Path,
+def test_check_of_another_users_folder_runs_none_of_its_code(shared: Path,
                                                              demo_venv: Path) -> None:
     """`check /shared/contrib/x-fix` as root, the folder planted by uid 65534 in a 1777
     folder: its classify.py and probe.py are parsed, never run (a warning says why); the same
     folder of root's own is run as before."""
-    import shutil
 
     from test_trust import plant
 
-    shared = shared_tmp
     marker = shared / "ran"
     marker.write_text("")
     staged = shared / "staged" / "x-fix"
