@@ -32,18 +32,25 @@ def read_regular(path: Path, max_bytes: int) -> bytes:
     under the expected name is refused at once instead of hanging or reading without end."""
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(path, flags)
+    # One owner of the descriptor, closed once: handing it to a file object mid-way left a
+    # window where a Ctrl-C made both close it (EBADF, reported as an unreadable file).
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise BoundExceeded(f"not a regular file ({_kind(info.st_mode)})")
         if info.st_size > max_bytes:
             raise BoundExceeded(f"larger than {_size(max_bytes)} ({info.st_size} bytes)")
-        with os.fdopen(fd, "rb") as f:
-            fd = -1
-            data = f.read(max_bytes + 1)
+        chunks: list[bytes] = []
+        left = max_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
     finally:
-        if fd >= 0:
-            os.close(fd)
+        os.close(fd)
     if len(data) > max_bytes:
         raise BoundExceeded(f"larger than {_size(max_bytes)}")
     return data

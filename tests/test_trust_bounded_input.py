@@ -104,3 +104,31 @@ def test_escape_sequences_in_architectures_are_printed_escaped(tmp_path: Path,
     assert "\x1b" not in out and "\r" not in out, out
     assert "Evil\\x1b[2J\\x1b[31mForCausalLM\\r" in out, out
     assert escape_controls("é\tok\n") == "é\tok\n"
+
+
+def test_a_ctrl_c_while_reading_stays_a_ctrl_c(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C that lands while a bounded read holds its descriptor reaches the caller as the
+    Ctrl-C (never an OSError from closing the descriptor twice, which the catalog reported as an
+    unreadable block), and the descriptor is closed once."""
+    import os
+
+    from hatch_vllm_patch import bounded
+
+    target = tmp_path / "block.py"
+    target.write_text("x = 1\n")
+    closed: list[int] = []
+    real_close = os.close
+
+    def interrupted_read(fd: int, n: int) -> bytes:
+        raise KeyboardInterrupt
+
+    def counted_close(fd: int) -> None:
+        closed.append(fd)
+        real_close(fd)
+
+    monkeypatch.setattr(bounded.os, "read", interrupted_read)
+    monkeypatch.setattr(bounded.os, "close", counted_close)
+    with pytest.raises(KeyboardInterrupt):
+        bounded.read_regular(target, 1 << 20)
+    assert len(closed) == 1
