@@ -389,9 +389,12 @@ class _DurationRecorder:
             "tests": {k: round(v, 2) for k, v in
                       sorted(self.tests.items(), key=lambda kv: -kv[1]) if v >= 1.0},
         }
-        scratch = DURATIONS.with_name(f".{DURATIONS.name}.tmp")
-        scratch.write_text(json.dumps(doc, indent=1) + "\n")
-        scratch.replace(DURATIONS)
+        import tempfile
+
+        fd, scratch = tempfile.mkstemp(prefix=f".{DURATIONS.name}.", dir=DURATIONS.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(json.dumps(doc, indent=1) + "\n")
+        os.replace(scratch, DURATIONS)
 
 
 def _remove_run_dir(folder: str) -> None:

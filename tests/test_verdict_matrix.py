@@ -29,15 +29,13 @@ from typing import Any, NamedTuple, cast
 
 import jsonschema
 import pytest
-from conftest import cli
+from conftest import REPO, cli
 from venvs import release_venv, site_packages
 
 from hatch_vllm_patch.build_hook import VllmPatchBuildHook
 from hatch_vllm_patch.doctor import catalog_status
 from hatch_vllm_patch.guard import _LOGGER, _full_check
 from hatch_vllm_patch.operations import Request, resolve, run
-
-REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
 
