@@ -731,6 +731,14 @@ def _doctor_parser(sub: argparse._SubParsersAction[_Parser],
                    help="whose block-size rules: cuda (vLLM's hybrid alignment with "
                         "FlashAttention's block sizes, the default) or cpu (vLLM's CPU "
                         "platform and attention backend)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="prefix caching on or off (default: vLLM's default, on): doctor then "
+                        "says whether a hit reuses the right Mamba state")
+    p.add_argument("--mamba-cache-mode", choices=("all", "align", "none"), default=None,
+                   help="as vLLM takes it (default: vLLM's choice; \"all\" exists before 0.33)")
+    p.add_argument("--mamba-block-size", type=int, default=None, metavar="TOKENS",
+                   help="as vLLM takes it (with prefix caching)")
     p.add_argument("--all", action="store_true", dest="all_patches",
                    help="try every patch that applies to this vLLM, also those declared for "
                         "other architectures (default: only the patches for this model)")
@@ -745,7 +753,7 @@ def _doctor(args: argparse.Namespace, project: Path, finish: Callable[..., int],
 
     try:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "block_size",
-                     "max_model_len"):
+                     "max_model_len", "mamba_block_size"):
             value = getattr(args, name)
             if value is not None and value < 1:
                 raise UsageError(f"--{name.replace('_', '-')} {value}: must be 1 or more")
@@ -766,6 +774,9 @@ def _doctor(args: argparse.Namespace, project: Path, finish: Callable[..., int],
             hf_overrides=(parse_json_object("--hf-overrides", args.hf_overrides)
                           if args.hf_overrides else None),
             trust_remote_code=args.trust_remote_code,
+            enable_prefix_caching=args.enable_prefix_caching,
+            mamba_cache_mode=args.mamba_cache_mode,
+            mamba_block_size=args.mamba_block_size,
         )
         report = run_doctor(request, project_dir=project, python=args.python,
                             project_rule=project_rule,
@@ -883,11 +894,25 @@ def _print_doctor(report: DoctorReport, out: TextIO) -> None:
                   f"max concurrency {budget.max_concurrency}", file=out)
     for note in report.notes:
         print(f"note: {note}", file=out)
+    _print_prefix(report, out)
     print(f"verdict: {report.verdict}", file=out)
     if report.config_lines:
         print("select it in pyproject.toml:", file=out)
         for line in report.config_lines:
             print(f"  {line}", file=out)
+
+
+def _print_prefix(report: DoctorReport, out: TextIO) -> None:
+    """doctor's prefix-caching verdict: its line, the blocks vLLM's start-up set, and the
+    lines that select the patch that fixes it."""
+    prefix = report.prefix
+    if prefix is None:
+        return
+    print(prefix.line, file=out)
+    if prefix.patch:
+        print("  select it in pyproject.toml:", file=out)
+        print(f"    [tool.vllm-patch.architectures.{report.architecture}]", file=out)
+        print(f"    patches = [{json.dumps(prefix.patch)}]", file=out)
 
 
 def _clip(text: str | None, limit: int = 220) -> str:

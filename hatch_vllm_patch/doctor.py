@@ -62,6 +62,10 @@ class DoctorRequest(NamedTuple):
     hf_overrides: Mapping[str, Any] | None = None
     trust_remote_code: bool = False
     dtype: str = "auto"  # the model's dtype (weights, activations, the state by default)
+    # prefix caching, as `vllm serve` takes it (None: vLLM's default)
+    enable_prefix_caching: bool | None = None
+    mamba_cache_mode: str | None = None  # all (releases before 0.33), align, none
+    mamba_block_size: int | None = None
 
 
 class Step(NamedTuple):
@@ -173,6 +177,7 @@ class DoctorReport(NamedTuple):
     neuron: tuple[NeuronBudget, ...] = ()
     neuron_note: str | None = None
     memory: MemoryAdvice | None = None
+    prefix: PrefixVerdict | None = None
 
     @property
     def installed(self) -> Run:
@@ -214,7 +219,10 @@ class DoctorReport(NamedTuple):
                         "kv_cache_dtype": r.kv_cache_dtype, "block_size": r.block_size,
                         "max_model_len": r.max_model_len,
                         "speculative_config": dict(r.speculative_config or {}) or None,
-                        "kv_cache_memory": r.kv_cache_memory},
+                        "kv_cache_memory": r.kv_cache_memory,
+                        "enable_prefix_caching": r.enable_prefix_caching,
+                        "mamba_cache_mode": r.mamba_cache_mode,
+                        "mamba_block_size": r.mamba_block_size},
             "runs": [run.to_json() for run in self.runs],
             "candidates": list(self.candidates),
             "in_place": list(self.in_place),
@@ -223,6 +231,7 @@ class DoctorReport(NamedTuple):
             "neuron": [b._asdict() for b in self.neuron],
             "neuron_note": self.neuron_note,
             "memory": self.memory.to_json() if self.memory else None,
+            "prefix_caching": self.prefix.to_json() if self.prefix else None,
             "notes": list(self.notes),
             "errors": [],
         }
@@ -393,6 +402,7 @@ def case_of(request: DoctorRequest, model_dir: Path, hf_overrides: Mapping[str, 
         "speculative_config": dict(request.speculative_config or {}) or None,
         "kv_cache_memory": request.kv_cache_memory,
         "platform": request.platform,
+        **prefix_options(request),
     }
 
 
@@ -682,6 +692,173 @@ def memory_advice(runs: Sequence[Run], memory: Sequence[str], facts: Mapping[str
     return MemoryAdvice(max_len, before, patches, minimum, tuple(p for p, _ in gaining), line)
 
 
+# --- prefix caching: will a hit reuse the right state? ----------------------------------------
+
+
+class PrefixBug(NamedTuple):
+    """A known hybrid prefix-caching bug: the catalog patch that fixes it and where upstream
+    tracks it."""
+
+    number: int
+    patch: str
+    upstream: str
+    what: str
+
+
+PREFIX_BUGS = {
+    1: PrefixBug(1, "hybrid-prefix-mamba-block",
+                 "https://github.com/vllm-project/vllm/issues/53142 (also #55600)",
+                 "the engine lowers cache_config.block_size to a smaller group's block, and the "
+                 "scheduler splits prefills on it instead of the Mamba block"),
+    2: PrefixBug(2, "hybrid-prefix-drafter-window",
+                 "https://github.com/vllm-project/vllm/pull/52804",
+                 "a sliding-window drafter's block, scaled by page unification, inflates the "
+                 "scheduler's block (the lcm of the groups' blocks)"),
+    3: PrefixBug(3, "mamba-all-mode-chunk-align",
+                 "https://github.com/vllm-project/vllm/issues/57266 (PR #57278)",
+                 '"all" mode takes --mamba-block-size instead of the Mamba chunk size as the '
+                 "base of its alignment"),
+}
+# The outcomes, worst first: what a second request that shares a prefix gets.
+PREFIX_OUTCOMES = ("wrong-state", "all-mode-misaligned", "no-hits", "loses-reuse", "correct",
+                   "off", "not-hybrid", "unknown")
+
+
+class PrefixVerdict(NamedTuple):
+    """What vLLM's start-up sets for prefix caching (from its own code, in the child), and what
+    that means for a request that shares a prefix with an earlier one."""
+
+    outcome: str  # one of PREFIX_OUTCOMES
+    line: str
+    facts: Mapping[str, Any]
+    bug: PrefixBug | None = None
+    patch: str | None = None  # the catalog patch to select (it applies here, not in place)
+    patch_status: str | None = None  # its status here; None: not in the catalog
+
+    def to_json(self) -> dict[str, object]:
+        keys = ("enable_prefix_caching", "mamba_cache_mode", "requested_mamba_block_size",
+                "mamba_block_size", "mamba_chunk_size", "block_size_before_engine",
+                "engine_block_size", "scheduler_block_size", "hash_block_size",
+                "hit_alignment", "seeding", "error")
+        return {"outcome": self.outcome, "line": self.line,
+                "bug": self.bug.number if self.bug else None,
+                "bug_patch": self.bug.patch if self.bug else None,
+                "upstream": self.bug.upstream if self.bug else None,
+                "patch": self.patch, "patch_status": self.patch_status,
+                **{k: self.facts.get(k) for k in keys},
+                "groups": group_blocks(self.facts.get("groups") or ())}
+
+
+def prefix_options(request: DoctorRequest) -> dict[str, Any]:
+    """The request's prefix-caching options for the child's case (only those given)."""
+    options = {"enable_prefix_caching": request.enable_prefix_caching,
+               "mamba_cache_mode": request.mamba_cache_mode,
+               "mamba_block_size": request.mamba_block_size}
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def group_blocks(groups: Iterable[Mapping[str, Any]]) -> list[dict[str, object]]:
+    """The KV cache groups by kind and block size, with their number of groups and layers."""
+    merged: dict[tuple[str, int, object], dict[str, object]] = {}
+    for g in groups:
+        key = (str(g["type"]), int(g["block_size"]), g.get("sliding_window"))
+        entry = merged.setdefault(key, {"type": key[0], "block_size": key[1],
+                                        "sliding_window": key[2], "groups": 0, "layers": 0})
+        entry["groups"] = int(str(entry["groups"])) + 1
+        entry["layers"] = int(str(entry["layers"])) + int(g.get("layers") or 0)
+    return list(merged.values())
+
+
+def _fix(bug: PrefixBug, patches: Mapping[str, Patch], verdicts: Mapping[str, Verdict]
+         ) -> tuple[str | None, str | None, str]:
+    """(the patch to select, its status here, the sentence that says what fixes it)."""
+    status = verdicts.get(bug.patch) if bug.patch in patches else None
+    if status is Verdict.MISSING:
+        return bug.patch, status.value, f"{bug.patch} fixes it: select it"
+    if status is Verdict.APPLIED:
+        return None, status.value, f"{bug.patch} is in place, which fixes it"
+    if status is not None:
+        return None, status.value, (f"the catalog's {bug.patch} does not apply to this "
+                                    f"release ({status.value}); upstream: {bug.upstream}")
+    return None, None, (f"the catalog has no patch for it (bug {bug.number}); upstream: "
+                        f"{bug.upstream}")
+
+
+def judge_prefix(facts: Mapping[str, Any] | None, patches: Mapping[str, Patch],
+                 verdicts: Mapping[str, Verdict], platform: str) -> PrefixVerdict | None:
+    """Will a request that shares a prefix with an earlier one reuse the right Mamba state?
+
+    From what vLLM's own start-up set in the child (``facts``): the Mamba block ``M`` (states
+    are cached every ``M`` tokens), the engine's ``cache_config.block_size`` ``B`` (the grid
+    the scheduler splits prefills on in align mode), the hit alignment ``A`` (hits land on
+    multiples of it) and the runner's seeding of a resumed request. Align mode is right when
+    ``B == M`` and ``A`` is a multiple of ``M`` no larger than the largest group block; "all"
+    mode when ``M`` is a multiple of the Mamba chunk size. None when the child computed nothing
+    (the start-up failed earlier)."""
+    if not facts:
+        return None
+    if facts.get("error"):
+        return PrefixVerdict("unknown", "prefix caching: vLLM's start-up could not be followed "
+                             f"to the scheduler ({_err(facts['error'])})", facts)
+    if not facts.get("enable_prefix_caching"):
+        return PrefixVerdict("off", "prefix caching is off: nothing is reused", facts)
+    groups = facts.get("groups") or []
+    mamba = [g for g in groups if g["type"] == "MambaSpec"]
+    align = facts.get("hit_alignment")
+    if not mamba:
+        return PrefixVerdict("not-hybrid", "prefix caching: no Mamba state here (attention "
+                             "only): vLLM's block hashing, nothing of this check applies",
+                             facts)
+    m = int(facts.get("mamba_block_size") or mamba[0]["block_size"])
+    b, a = int(facts["engine_block_size"]), int(align or 0)
+    blocks = (f"Mamba block {m}, the engine's block {b}, the scheduler's block "
+              f"{facts.get('scheduler_block_size')}, hits every {a} tokens")
+    mode = facts.get("mamba_cache_mode")
+    chunk = facts.get("mamba_chunk_size")
+
+    def bugged(outcome: str, number: int, what: str) -> PrefixVerdict:
+        bug = PREFIX_BUGS[number]
+        patch, status, fix = _fix(bug, patches, verdicts)
+        return PrefixVerdict(outcome, f"prefix caching {what} ({blocks}): bug {number}, "
+                             f"{bug.what}; {fix}", facts, bug, patch, status)
+
+    if mode == "all":
+        if chunk and m % int(chunk):
+            asked = facts.get("requested_mamba_block_size")
+            return bugged("all-mode-misaligned", 3,
+                          f'in "all" mode caches states every {m} tokens, not a multiple of '
+                          f"the Mamba chunk size {chunk}"
+                          + (f" (--mamba-block-size {asked} became {m})" if asked else ""))
+        return PrefixVerdict("correct", f'prefix caching reuses state correctly ("all" mode, '
+                             f"{blocks})", facts)
+    if b != m:
+        seeding = facts.get("seeding") or {}
+        if "cache_config.block_size" in str(seeding.get("divisor") or ""):
+            col = m // b if b else 0
+            return bugged("wrong-state", 1,
+                          f"REUSES THE WRONG STATE: prefills are split every {b} tokens, off "
+                          f"the Mamba grid of {m}, and Model Runner V2 seeds a resumed "
+                          f"request's state column from cache_config.block_size "
+                          f"({seeding.get('where')}: column (hit - 1) // {b}, where the state "
+                          f"is in column (hit - 1) // {m}, up to {col}x too far)")
+        return bugged("loses-reuse", 1,
+                      f"loses reuse: prefills are split every {b} tokens, off the Mamba grid of "
+                      f"{m}, so the states a later request would resume from are not cached")
+    largest = max(int(g["block_size"]) for g in groups)
+    if a > largest:
+        return bugged("no-hits", 2, f"gets no hits below {a} tokens: hits land only on "
+                      f"multiples of {a}, the lcm of the groups' blocks "
+                      f"({', '.join(str(g['block_size']) for g in group_blocks(groups))}), "
+                      "larger than any group's block; a prompt shorter than that never hits")
+    if a % m:
+        return PrefixVerdict("loses-reuse", f"prefix caching loses reuse ({blocks}): hits land "
+                             f"on multiples of {a}, off the Mamba grid of {m}; no catalog "
+                             "patch is known for this", facts)
+    coarse = f"; a hit reuses whole runs of {a // m} Mamba blocks" if a > m else ""
+    return PrefixVerdict("correct", f"prefix caching reuses state correctly ({blocks}{coarse})",
+                         facts)
+
+
 # --- the whole ---------------------------------------------------------------------------------
 
 
@@ -837,9 +1014,11 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
         verdict = f"{verdict}; for memory, recommended: {memory.line}"
     lines = config_lines(needed or memory.recommended if memory else needed, architecture,
                          request.model, model_is_dir)
+    prefix = judge_prefix(answer["cases"][0]["variants"][INSTALLED].get("prefix"),
+                          patches, verdicts, request.platform)
     return DoctorReport(env, answer["vllm"], request, model_dir, architecture, runs,
                         tuple(p.id for p in candidates), in_place, needed, lines, verdict,
-                        tuple(notes), neuron, neuron_line(env), memory)
+                        tuple(notes), neuron, neuron_line(env), memory, prefix)
 
 
 def _recommend(job: dict[str, Any], answer: dict[str, Any], job_variants: list[dict[str, Any]],
