@@ -908,7 +908,10 @@ def _print_prefix(report: DoctorReport, out: TextIO) -> None:
     prefix = report.prefix
     if prefix is None:
         return
-    print(prefix.line, file=out)
+    print(prefix.what, file=out)
+    for part in (prefix.blocks, prefix.fix):
+        if part:
+            print(f"  {part}", file=out)
     if prefix.patch:
         print("  select it in pyproject.toml:", file=out)
         print(f"    [tool.vllm-patch.architectures.{report.architecture}]", file=out)

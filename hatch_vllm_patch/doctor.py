@@ -729,18 +729,26 @@ class PrefixVerdict(NamedTuple):
     that means for a request that shares a prefix with an earlier one."""
 
     outcome: str  # one of PREFIX_OUTCOMES
-    line: str
+    what: str  # "prefix caching ...": what a request that shares a prefix gets
     facts: Mapping[str, Any]
     bug: PrefixBug | None = None
     patch: str | None = None  # the catalog patch to select (it applies here, not in place)
     patch_status: str | None = None  # its status here; None: not in the catalog
+    blocks: str = ""  # the blocks vLLM set, in words
+    fix: str = ""  # the bug and what fixes it, in words
+
+    @property
+    def line(self) -> str:
+        """The verdict in one line: what, the blocks, the bug and its fix."""
+        return "; ".join(part for part in (self.what, self.blocks, self.fix) if part)
 
     def to_json(self) -> dict[str, object]:
         keys = ("enable_prefix_caching", "mamba_cache_mode", "requested_mamba_block_size",
                 "mamba_block_size", "mamba_chunk_size", "block_size_before_engine",
                 "engine_block_size", "scheduler_block_size", "hash_block_size",
                 "hit_alignment", "seeding", "error")
-        return {"outcome": self.outcome, "line": self.line,
+        return {"outcome": self.outcome, "line": self.line, "what": self.what,
+                "blocks": self.blocks, "fix": self.fix,
                 "bug": self.bug.number if self.bug else None,
                 "bug_patch": self.bug.patch if self.bug else None,
                 "upstream": self.bug.upstream if self.bug else None,
@@ -780,8 +788,7 @@ def _fix(bug: PrefixBug, patches: Mapping[str, Patch], verdicts: Mapping[str, Ve
     if status is not None:
         return None, status.value, (f"the catalog's {bug.patch} does not apply to this "
                                     f"release ({status.value}); upstream: {bug.upstream}")
-    return None, None, (f"the catalog has no patch for it (bug {bug.number}); upstream: "
-                        f"{bug.upstream}")
+    return None, None, f"the catalog has no patch for it; upstream: {bug.upstream}"
 
 
 def judge_prefix(facts: Mapping[str, Any] | None, patches: Mapping[str, Patch],
@@ -801,7 +808,7 @@ def judge_prefix(facts: Mapping[str, Any] | None, patches: Mapping[str, Patch],
         return PrefixVerdict("unknown", "prefix caching: vLLM's start-up could not be followed "
                              f"to the scheduler ({_err(facts['error'])})", facts)
     if not facts.get("enable_prefix_caching"):
-        return PrefixVerdict("off", "prefix caching is off: nothing is reused", facts)
+        return PrefixVerdict("off", "prefix caching: off, nothing is reused", facts)
     groups = facts.get("groups") or []
     mamba = [g for g in groups if g["type"] == "MambaSpec"]
     align = facts.get("hit_alignment")
@@ -812,15 +819,15 @@ def judge_prefix(facts: Mapping[str, Any] | None, patches: Mapping[str, Patch],
     m = int(facts.get("mamba_block_size") or mamba[0]["block_size"])
     b, a = int(facts["engine_block_size"]), int(align or 0)
     blocks = (f"Mamba block {m}, the engine's block {b}, the scheduler's block "
-              f"{facts.get('scheduler_block_size')}, hits every {a} tokens")
+              f"{facts.get('scheduler_block_size')}, hits on multiples of {a} tokens")
     mode = facts.get("mamba_cache_mode")
     chunk = facts.get("mamba_chunk_size")
 
     def bugged(outcome: str, number: int, what: str) -> PrefixVerdict:
         bug = PREFIX_BUGS[number]
         patch, status, fix = _fix(bug, patches, verdicts)
-        return PrefixVerdict(outcome, f"prefix caching {what} ({blocks}): bug {number}, "
-                             f"{bug.what}; {fix}", facts, bug, patch, status)
+        return PrefixVerdict(outcome, f"prefix caching: {what}", facts, bug, patch, status,
+                             blocks, f"bug {number}: {bug.what}; {fix}")
 
     if mode == "all":
         if chunk and m % int(chunk):
@@ -829,34 +836,33 @@ def judge_prefix(facts: Mapping[str, Any] | None, patches: Mapping[str, Patch],
                           f'in "all" mode caches states every {m} tokens, not a multiple of '
                           f"the Mamba chunk size {chunk}"
                           + (f" (--mamba-block-size {asked} became {m})" if asked else ""))
-        return PrefixVerdict("correct", f'prefix caching reuses state correctly ("all" mode, '
-                             f"{blocks})", facts)
+        return PrefixVerdict("correct", 'prefix caching: reuses state correctly ("all" mode)',
+                             facts, blocks=blocks)
     if b != m:
         seeding = facts.get("seeding") or {}
         if "cache_config.block_size" in str(seeding.get("divisor") or ""):
-            col = m // b if b else 0
             return bugged("wrong-state", 1,
                           f"REUSES THE WRONG STATE: prefills are split every {b} tokens, off "
                           f"the Mamba grid of {m}, and Model Runner V2 seeds a resumed "
                           f"request's state column from cache_config.block_size "
                           f"({seeding.get('where')}: column (hit - 1) // {b}, where the state "
-                          f"is in column (hit - 1) // {m}, up to {col}x too far)")
+                          f"is in column (hit - 1) // {m})")
         return bugged("loses-reuse", 1,
                       f"loses reuse: prefills are split every {b} tokens, off the Mamba grid of "
                       f"{m}, so the states a later request would resume from are not cached")
     largest = max(int(g["block_size"]) for g in groups)
     if a > largest:
+        sizes = ", ".join(str(x) for x in sorted({int(g["block_size"]) for g in groups}))
         return bugged("no-hits", 2, f"gets no hits below {a} tokens: hits land only on "
-                      f"multiples of {a}, the lcm of the groups' blocks "
-                      f"({', '.join(str(g['block_size']) for g in group_blocks(groups))}), "
+                      f"multiples of {a}, the lcm of the groups' blocks ({sizes}), "
                       "larger than any group's block; a prompt shorter than that never hits")
     if a % m:
-        return PrefixVerdict("loses-reuse", f"prefix caching loses reuse ({blocks}): hits land "
-                             f"on multiples of {a}, off the Mamba grid of {m}; no catalog "
-                             "patch is known for this", facts)
-    coarse = f"; a hit reuses whole runs of {a // m} Mamba blocks" if a > m else ""
-    return PrefixVerdict("correct", f"prefix caching reuses state correctly ({blocks}{coarse})",
-                         facts)
+        return PrefixVerdict("loses-reuse", f"prefix caching: loses reuse: hits land on "
+                             f"multiples of {a}, off the Mamba grid of {m}", facts,
+                             blocks=blocks, fix="no catalog patch is known for this")
+    coarse = f" (a hit covers whole runs of {a // m} Mamba blocks)" if a > m else ""
+    return PrefixVerdict("correct", f"prefix caching: reuses state correctly{coarse}", facts,
+                         blocks=blocks)
 
 
 # --- the whole ---------------------------------------------------------------------------------

@@ -271,7 +271,9 @@ def test_doctor_text_and_json(tmp_path: Path) -> None:
     assert prefix["bug_patch"] == "hybrid-prefix-mamba-block"
     assert result["options"]["enable_prefix_caching"] is None
     text = documents[1]
-    assert prefix["line"] in text.splitlines()
+    lines = text.splitlines()
+    assert prefix["what"] in lines and f"  {prefix['blocks']}" in lines
+    assert f"  {prefix['fix']}" in lines
     assert "REUSES THE WRONG STATE" in text
     if prefix["patch"]:  # the catalog carries the patch for 0.29 (once it lands)
         assert f'patches = ["{prefix["patch"]}"]' in text
