@@ -105,3 +105,18 @@ def test_boundaries_are_the_wheels() -> None:
         every = {(shapes[r][pid].verdict, shapes[r][pid].shape) for r in RELEASES}
         kept = {(shapes[r][pid].verdict, shapes[r][pid].shape) for r in BOUNDARIES[pid]}
         assert kept == every and len(every) > 1, pid
+
+
+def test_other_round_trips_on_boundaries_of_every_shape() -> None:
+    """The memory patches' round trips (their own modules) run on boundary releases only, and
+    on a release of every shape where they apply."""
+    from test_kv_cache_page_promotion import HOME
+    from test_kv_cache_uneven_groups import MODULE_OF
+
+    shapes = {r: release_shapes(r) for r in RELEASES}
+    for pid, tried in (("kv-cache-page-promotion", HOME), ("kv-cache-uneven-groups", MODULE_OF),
+                       ("kv-cache-exact-groups", MODULE_OF)):
+        assert set(tried) <= set(BOUNDARIES[pid]), pid
+        applies = {shapes[r][pid].shape for r in RELEASES
+                   if shapes[r][pid].verdict is Verdict.MISSING}
+        assert {shapes[r][pid].shape for r in tried} == applies, pid
