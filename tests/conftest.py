@@ -315,10 +315,10 @@ def measured_modules() -> dict[str, float]:
 # per catalog patch on one release of the patch's newest shape, and doctor on a full vLLM. Each
 # entry names tests of the complete check (marked `smoke` here); one that names no test fails.
 SMOKE = (
-    "test_vllm_releases.py::test_buggy_release_is_patched_verified_and_reverted[0.28.0]",
-    "test_vllm_releases.py::test_hybrid_patches_on_every_release[0.31.0]",
-    "test_kv_cache_uneven_groups.py::test_release_is_patched_verified_and_reverted[0.33.0-",
-    "test_kv_cache_page_promotion.py::test_release_apply_verify_revert[0.33.0]",
+    "test_vllm_releases.py::test_release_round_trip[0.28.0]",
+    "test_vllm_releases.py::test_release_round_trip[0.31.0]",
+    "test_kv_cache_uneven_groups.py::test_release_is_patched_verified_and_reverted[0.33.0]",
+    "test_vllm_releases.py::test_release_round_trip[0.33.0]",
     "test_neuron_patches.py::test_deep_verify_runs_both_probes",
     "test_doctor_vllm.py::test_non_hybrid_model_needs_nothing",
 )

@@ -1,11 +1,12 @@
 """The kv-cache-page-promotion patch, judged on the real files and the real code of vLLM 0.29+.
 
-Release tests install each release's real wheel without dependencies and drive the CLI: diff,
-apply, apply again, verify, revert (byte-exact to RECORD). Scenario tests run
-tests/kv_scenarios/promotion.py in a full vLLM (venvs.full_vllm_planning_env, shared and
-read-only): one child process per release imports vLLM once, executes the patch's block in
-the target module's namespace and runs every scenario through vLLM's original function, the
-patched one and get_kv_cache_groups.
+The release round trip (diff, apply, apply again, verify, revert byte-exact to RECORD) on each
+release's real wheel installed without dependencies is defined here and run by
+tests/test_vllm_releases.py, on the one install per release that every catalog patch shares.
+Scenario tests run tests/kv_scenarios/promotion.py in a full vLLM
+(venvs.full_vllm_planning_env, shared and read-only): one child process per release imports vLLM
+once, executes the patch's block in the target module's namespace and runs every scenario
+through vLLM's original function, the patched one and get_kv_cache_groups.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 from conftest import cli
-from venvs import record_sha256, release_venv, site_packages
+from venvs import record_sha256
 
 from hatch_vllm_patch.catalog import ELSEWHERE, load_catalog
 from hatch_vllm_patch.engine import symbol_digest
@@ -80,12 +81,10 @@ def verdicts(targets: dict[str, str]) -> list[str]:
     return sorted(targets.values())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("version", list(HOME))
-def test_release_apply_verify_revert(version: str, tmp_path: Path) -> None:
-    """Real files: diff, apply, re-apply, verify, revert byte-exact; one module written."""
-    python = release_venv(tmp_path / "venv", "vllm", version)
-    sp = site_packages(tmp_path / "venv")
+def release_round_trip(python: Path, sp: Path, version: str) -> None:
+    """Real files: diff, apply, re-apply, verify, revert byte-exact; one module written.
+    (Run by tests/test_vllm_releases.py on the install of each release 0.29.0+ it round-trips:
+    one install per release for every catalog patch.)"""
     home = sp / HOME[version]
     other = sp / (PLANNING if HOME[version] == UTILS else UTILS)
     platform = sp / PLATFORM
@@ -128,11 +127,10 @@ def test_release_apply_verify_revert(version: str, tmp_path: Path) -> None:
     assert (other.read_bytes() if other.exists() else None) == other_bytes
 
 
-@pytest.mark.slow
-def test_release_before_029_is_refused(tmp_path: Path) -> None:
-    """0.28.0 (the last release of kv-cache-page-unification): unknown-shape, nothing written."""
-    python = release_venv(tmp_path / "venv", "vllm", "0.28.0")
-    target = site_packages(tmp_path / "venv") / UTILS
+def refused_before_029(python: Path, sp: Path) -> None:
+    """Releases before 0.29.0 (0.28.0: the last of kv-cache-page-unification): unknown-shape,
+    nothing written (run by tests/test_vllm_releases.py on its installs)."""
+    target = sp / UTILS
     before = target.read_bytes()
     code, verdict, targets = steps(python, "apply")
     assert (code, verdict) == (1, "unknown-shape") and "unknown-shape" in verdicts(targets)

@@ -1,9 +1,13 @@
-"""Catalog patches against the real files of every vLLM release 0.16.0 … 0.34.0
+"""Catalog patches against the real files of vLLM releases 0.16.0 … 0.34.0
 (kv-cache-page-unification, the four *-spec-conv-state patches, mamba-split-external-kv).
 
-Each release's real wheel (kept in a wheel cache between runs) is installed with
+A release's real wheel (kept in a wheel cache between runs) is installed with
 ``uv pip install --no-deps`` (real RECORD, real files) and driven through the CLI as a user
-would: verify, diff, apply, apply again, verify, revert, verify.
+would: verify, diff, apply, apply again, verify, revert, verify. That round trip runs on the
+releases where one of these patches starts or ends a shape (release_shapes.BOUNDARIES), each
+patch on its own boundaries; every release's wheel is checked without installing it
+(tests/test_release_shapes.py), and ``HATCH_VLLM_PATCH_EXHAUSTIVE=1`` round-trips every patch on
+every release.
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import cli, registry_by_ast
+from conftest import cli
+from release_shapes import RELEASES, at_boundary, round_trip_releases
+from test_kv_cache_page_promotion import HOME, refused_before_029, release_round_trip
 from venvs import record_sha256, release_venv, site_packages
 
 from hatch_vllm_patch.catalog import load_catalog
 from hatch_vllm_patch.engine import symbol_digest
-from hatch_vllm_patch.selection import registered_architectures
 
 PATCH = "kv-cache-page-unification"
 MODULE = "vllm/v1/core/kv_cache_utils.py"
@@ -54,18 +59,13 @@ def release(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Path]
     return python, site_packages(tmp_path / "venv")
 
 
-@pytest.mark.parametrize("release", PATCHED, indirect=True)
-def test_buggy_release_is_patched_verified_and_reverted(release: tuple[Path, Path],
-                                                        tmp_path: Path) -> None:
+def buggy_round_trip(python: Path, sp: Path, tmp_path: Path) -> None:
     """Buggy releases: apply, idempotent re-apply, verify, and revert to the RECORD bytes."""
-    python, sp = release
     target = sp / MODULE
     original = target.read_bytes()
     assert hashlib.sha256(original).hexdigest() == record_sha256(sp, "vllm", MODULE)
     assert symbol_digest(original.decode(), "unify_kv_cache_spec_page_size") in \
         load_catalog()[PATCH].shapes
-    registry = sp / "vllm" / "model_executor" / "models" / "registry.py"
-    assert registered_architectures(registry) == registry_by_ast(registry.read_text())
     twin = tmp_path / "twin.py"
     os.link(target, twin)  # another link to the installed inode, as uv's cache holds one
 
@@ -94,10 +94,8 @@ def test_buggy_release_is_patched_verified_and_reverted(release: tuple[Path, Pat
     assert (code, out["verdict"]) == (1, "missing")
 
 
-@pytest.mark.parametrize("release", NOT_NEEDED, indirect=True)
-def test_fixed_release_is_not_needed(release: tuple[Path, Path]) -> None:
+def fixed_not_needed(python: Path, sp: Path) -> None:
     """Releases with the upstream fix: not-needed for apply and verify, nothing written."""
-    python, sp = release
     files = {p: p.read_bytes() for p in (sp / "vllm/v1/core").glob("*.py")}
     for op in ("apply", "verify", "revert"):
         code, out = step(python, op)
@@ -259,18 +257,47 @@ HYBRID_GROUPS = (  # (patches, the releases they patch, what the other releases 
 )
 
 
-@pytest.mark.parametrize("release", [*PATCHED, *NOT_NEEDED], indirect=True)
-def test_hybrid_patches_on_every_release(release: tuple[Path, Path], tmp_path: Path) -> None:
-    """Each release's real files: the *-spec-conv-state patches (0.16.0-0.31.0; Bamba's
-    0.16.0-0.23.0) and mamba-split-external-kv (0.16.0-0.22.1) apply, re-apply, verify and
-    revert to the RECORD bytes where the bug is; elsewhere they are not-needed by a known fixed
-    shape (Bamba: not-applicable, its module is gone from 0.24.0)."""
+SPEC_GROUPS = [patches for patches, _, _ in HYBRID_GROUPS]
+
+
+PROMOTION = "kv-cache-page-promotion"  # its checks: tests/test_kv_cache_page_promotion.py
+
+
+@pytest.mark.parametrize("release", round_trip_releases(
+    [PATCH, PROMOTION, *(p for group in SPEC_GROUPS for p in group)], RELEASES), indirect=True)
+def test_release_round_trip(release: tuple[Path, Path], tmp_path: Path) -> None:
+    """One release's real files, each patch where its shape starts or ends: the page
+    unification applies, re-applies, verifies and reverts to the RECORD bytes where the bug is
+    (0.16.0-0.28.0) and is not-needed by a known fixed shape after; the *-spec-conv-state
+    patches (0.16.0-0.31.0; Bamba's 0.16.0-0.23.0) and mamba-split-external-kv (0.16.0-0.22.1)
+    likewise, together, and are not-needed elsewhere (Bamba: not-applicable, its module is
+    gone from 0.24.0); kv-cache-page-promotion applies, verifies and reverts byte-exactly on
+    0.29.0+ and is refused (unknown-shape) before."""
     python, sp = release
     [dist_info] = sp.glob("vllm-*.dist-info")
     released = dist_info.name.removeprefix("vllm-").removesuffix(".dist-info")
-    assert released in SPEC_PATCHED + SPEC_FIXED, released
-    for patches, affected, elsewhere in HYBRID_GROUPS:
-        if released in affected:
-            patched_round_trip(python, sp, tmp_path, patches)
+    assert released in PATCHED + NOT_NEEDED, released
+    assert PATCHED + NOT_NEEDED == list(RELEASES) == SPEC_PATCHED + SPEC_FIXED
+    done = []
+    if at_boundary(PATCH, released):
+        if released in PATCHED:
+            buggy_round_trip(python, sp, tmp_path)
         else:
-            elsewhere(python, sp, patches)
+            fixed_not_needed(python, sp)
+        done.append(PATCH)
+    for patches, affected, elsewhere in HYBRID_GROUPS:
+        here = {p: rel for p, rel in patches.items() if at_boundary(p, released)}
+        if not here:
+            continue
+        if released in affected:
+            patched_round_trip(python, sp, tmp_path, here)
+        else:
+            elsewhere(python, sp, here)
+        done += list(here)
+    if at_boundary(PROMOTION, released):
+        if released in HOME:
+            release_round_trip(python, sp, released)
+        else:
+            refused_before_029(python, sp)
+        done.append(PROMOTION)
+    assert done, "a release with no boundary of these patches is not round-tripped"
