@@ -13,9 +13,7 @@ Order of work, for every operation:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -406,8 +404,13 @@ def run(operation: str, request: Request) -> Report:
         notes = [f"{n}: {tail}" if n.endswith("selects no patch for what it serves") else n
                  for n in notes]
     if operation == "verify" and request.deep:
-        deep: dict[str, tuple[bool | None, str]] = {}  # one probe per patch, for all its targets
-        outcomes = [_deep(o, catalog, env, deep) for o in outcomes]
+        from .deep import run_probes
+
+        # one probe per patch, for all its targets; all of them in one child (one vLLM import)
+        applied = [catalog[pid] for pid in dict.fromkeys(
+            o.patch_id for o in outcomes if o.verdict is Verdict.APPLIED and o.patch_id in catalog)]
+        probes = run_probes(applied, env) if applied else {}
+        outcomes = [_deep(o, catalog, probes) for o in outcomes]
     warnings = shared_environment_warnings(env) if operation in {"apply", "verify"} else []
     return Report(operation, env, tuple(outcomes), tuple(notes), request.project_dir,
                   config.source if config else None, tuple(errors), tuple(warnings))
@@ -1348,19 +1351,15 @@ def _blocking_ids(facts: FileFacts) -> list[str]:
         return []
 
 
-def _deep(outcome: PatchOutcome, catalog: Catalog, env: TargetEnvironment,
-          done: dict[str, tuple[bool | None, str]]) -> PatchOutcome:
-    """Run the patch's deep probe for an applied patch — its ``probe.py``, or without one the
-    check that the patched modules import and that each target symbol is the block's; a probe
-    that cannot run on this machine says why and does not fail the patch; a probe that ran and
+def _deep(outcome: PatchOutcome, catalog: Catalog,
+          probes: Mapping[str, tuple[bool | None, str]]) -> PatchOutcome:
+    """An applied patch's outcome with its deep probe's verdict (:mod:`.deep`): a probe that
+    cannot run on this machine says why and does not fail the patch; a probe that ran and
     failed does."""
-    if outcome.verdict is not Verdict.APPLIED or outcome.patch_id not in catalog:
+    if outcome.verdict is not Verdict.APPLIED or outcome.patch_id not in probes:
         return outcome
     patch = catalog[outcome.patch_id]
-    if patch.id not in done:
-        done[patch.id] = (run_probe(patch, env) if patch.probe_path is not None
-                          else run_binding_probe(patch, env))
-    passed, detail = done[patch.id]
+    passed, detail = probes[patch.id]
     if passed is None:
         return outcome._replace(reason=f"{outcome.reason}; deep probe could not run {detail}")
     if passed:
@@ -1370,136 +1369,6 @@ def _deep(outcome: PatchOutcome, catalog: Catalog, env: TargetEnvironment,
                    next_step=f"the patched code does not behave as {patch.id} expects here; "
                              f"remove it (`vllm-patch revert --patch {patch.id}`) and report "
                              "it")
-
-
-# Run in the target: import each patched module and find where each target symbol's code was
-# defined (through staticmethod/classmethod/property and decorators' ``__wrapped__``).
-_BINDING_PROBE = """\
-import importlib, json, os, sys
-found = []
-for module_name, symbols in json.loads(sys.argv[1]):
-    module = importlib.import_module(module_name)
-    for symbol in symbols:
-        *owners, name = symbol.split(".")
-        scope = module
-        for owner in owners:
-            scope = getattr(scope, owner)
-        value = vars(scope).get(name)
-        places = []
-        for _ in range(16):
-            if value is None:
-                break
-            inner = getattr(value, "__func__", None) or getattr(value, "fget", None)
-            if inner is not None:
-                value = inner
-                continue
-            code = getattr(value, "__code__", None)
-            if code is not None:
-                places.append([os.path.realpath(code.co_filename), code.co_firstlineno])
-            value = getattr(value, "__wrapped__", None)
-        found.append([module_name, symbol, os.path.realpath(module.__file__ or ""), places])
-print(json.dumps(found))
-"""
-
-
-def run_binding_probe(patch: Patch, env: TargetEnvironment) -> tuple[bool | None, str]:
-    """Without a ``probe.py``: import the patched modules in the target and confirm that each
-    target symbol is defined by the patch's block (its code lies between the block's markers
-    in the module's file), not the original nor anything else."""
-    from .markers import BEGIN, END
-
-    begin, end_marker = BEGIN.decode().strip() + " ", END.decode().strip() + " "
-    spans: dict[str, tuple[str, int, int]] = {}
-    for member in patch.parts:
-        location = env.modules.get(member.target.module)
-        if location is None or location.file is None:
-            continue
-        lines = location.file.read_bytes().decode("utf-8", "replace").splitlines()
-        head = f"{begin}{patch.id} "
-        start = next((i + 1 for i, line in enumerate(lines) if line.startswith(head)), None)
-        if start is None:
-            return False, f"no block of {patch.id} in {location.file}"
-        end = next((i + 1 for i in range(start, len(lines))
-                    if lines[i].startswith(end_marker)), len(lines))
-        spans[member.target.module] = (os.path.realpath(location.file), start, end)
-    query = [[m.target.module, list(m.target.symbols)] for m in patch.parts
-             if m.target.module in spans]
-    try:
-        proc = run_target_python(env.python, ["-c", _BINDING_PROBE, json.dumps(query)],
-                                 timeout=PROBE_TIMEOUT, what="the binding probe",
-                                 bytecode=False)
-    except TargetEnvironmentError as exc:
-        return False, f"the patched modules did not import: {exc}"
-    try:
-        found = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return False, f"the patched modules did not import: {tail}"
-    wrong = []
-    for module, symbol, _, places in found:
-        path, start, end = spans[module]
-        if not any(p == path and start <= line <= end for p, line in places):
-            wrong.append(f"{module}.{symbol}")
-    if wrong:
-        return False, (f"{', '.join(wrong)} is not the block's after import (rebound by "
-                       "someone else, or captured before the block ran)")
-    count = sum(len(m.target.symbols) for m in patch.parts)
-    return True, (f"imported {', '.join(spans)}; {count} symbol(s) are the block's "
-                  "(no probe.py: the binding check)")
-
-
-PROBE_TIMEOUT = 900.0
-
-
-def run_probe(patch: Patch, env: TargetEnvironment) -> tuple[bool | None, str]:
-    """Run the patch's deep probe in the target interpreter: (passed, detail); passed is None
-    when the probe says it cannot run on this machine (``{"skipped": reason}``), or stopped
-    on a module the target lacks that is not the patched distribution's (torch in a
-    ``--no-deps`` vLLM): the probe cannot tell anything there, which is no failure of the
-    patch. The detail then says where it could not run ("on this machine: ...")."""
-    assert patch.probe_path is not None
-    try:
-        proc = run_target_python(env.python, [os.path.abspath(patch.probe_path)],
-                                 timeout=PROBE_TIMEOUT, what=f"{patch.id}'s probe.py",
-                                 bytecode=False)
-    except TargetEnvironmentError as exc:
-        return False, f"probe did not run: {exc}"
-    for line in reversed(proc.stdout.strip().splitlines()):
-        try:
-            data = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(data, dict) and isinstance(data.get("skipped"), str):
-            return None, f"on this machine: {data['skipped']}"
-        if isinstance(data, dict) and "ok" in data:
-            passed = bool(data["ok"]) and proc.returncode == 0
-            detail = str(data.get("detail", ""))
-            missing = None if passed else _missing_module(detail, patch, env)
-            return (None, missing) if missing else (passed, detail)
-    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    missing = _missing_module(tail, patch, env)
-    if missing:
-        return None, missing
-    return False, f"probe exited {proc.returncode} without a verdict: {tail}"
-
-
-_MISSING_MODULE = re.compile(r"^(?:ModuleNotFoundError|ImportError): (No module named "
-                             r"'([\w.]+)')")
-
-
-def _missing_module(text: str, patch: Patch, env: TargetEnvironment) -> str | None:
-    """Where a probe stopped on a module the target lacks, outside the patched distribution's
-    own packages (torch in a ``--no-deps`` vLLM): why it could not run, else None."""
-    missing = _MISSING_MODULE.match(text.strip())
-    if missing is None:
-        return None
-    name = missing.group(2).split(".")[0]
-    own = {patch.target.module.split(".")[0], *(m.split(".")[0] for m in patch.fixed_modules)}
-    if name in own:
-        return None
-    return (f"in this environment: {missing.group(1)} ({name} is not installed in "
-            f"{env.python}, e.g. a --no-deps install; install it to run the probe); the "
-            "markers and digests were checked")
 
 
 def _unified_diff(path: Path, env: TargetEnvironment, old: bytes, new: bytes) -> str:

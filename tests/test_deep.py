@@ -1,0 +1,131 @@
+"""verify --deep's probes, all of one environment in one child of the target (``deep.py`` and
+``_deep_runner.py``): each patch keeps the verdict its probe would give alone, a probe that
+ends its child fails only its own patch, and the probes after it still run.
+
+Real subprocesses of a real venv (demo-pkg); the probes are small scripts that do what a probe
+can do wrong: fail, skip, raise, change the process's state, crash, exit, hang.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+from conftest import cli, write_demo_catalog
+
+from hatch_vllm_patch.catalog import load_catalog
+from hatch_vllm_patch.deep import run_probes
+from hatch_vllm_patch.environment import InterpreterChoice, ModuleQuery, inspect_environment
+
+PASS = 'import json, os\nprint(json.dumps({"ok": True, "detail": f"pid {os.getpid()}"}))\n'
+PROBES = {
+    "a-pass": PASS,
+    # what a probe may leave behind for the next one in the same process
+    "b-state": textwrap.dedent("""\
+        import json, logging, os, sys
+        logging.disable(logging.CRITICAL)
+        logging.getLogger().setLevel(logging.CRITICAL)
+        logging.getLogger().addHandler(logging.StreamHandler(sys.stdout))
+        os.environ["HVP_PROBE_LEFT"] = "1"
+        sys.path.insert(0, "/nonexistent")
+        sys.argv.append("--left")
+        os.chdir("/")
+        print(json.dumps({"ok": True, "detail": f"pid {os.getpid()}"}))
+        """),
+    "c-clean": textwrap.dedent("""\
+        import json, logging, os, sys
+        left = [what for what, there in [
+            ("logging.disable", logging.root.manager.disable != 0),
+            ("root logger", logging.getLogger().level != logging.WARNING
+             or logging.getLogger().handlers),
+            ("environ", "HVP_PROBE_LEFT" in os.environ),
+            ("sys.path", "/nonexistent" in sys.path),
+            ("argv", sys.argv[1:] != []), ("cwd", os.getcwd() == "/")] if there]
+        print(json.dumps({"ok": not left, "detail": f"pid {os.getpid()} left: {left}"}))
+        """),
+    "d-fail": ('import json, sys\nprint(json.dumps({"ok": False, "detail": "wrapped twice"}))\n'
+               "sys.exit(1)\n"),
+    "e-skip": 'import json\nprint(json.dumps({"skipped": "needs the Neuron SDK"}))\n',
+    "f-raise": "raise ValueError('boom')\n",
+    "g-crash": ("import os, signal, sys\nprint('not json')\nsys.stdout.flush()\n"
+                "os.kill(os.getpid(), signal.SIGSEGV)\n"),
+    "h-after": PASS,
+    # a verdict printed before the process ends is kept, as a lone `python probe.py` gives it
+    "i-exit": ('import json, os\nprint(json.dumps({"ok": True, "detail": "printed, then '
+               'os._exit"}))\nos._exit(0)\n'),
+    "j-last": PASS,
+    "k-hang": "import time\ntime.sleep(120)\n",
+    "l-final": PASS,
+}
+
+
+def catalog_of(root: Path, probes: dict[str, str]) -> Path:
+    """Copies of demo-fix under other ids, each with its own probe.py (never applied)."""
+    write_demo_catalog(root / "template")
+    for pid, probe in probes.items():
+        folder = root / "catalog" / pid
+        folder.mkdir(parents=True)
+        toml = (root / "template" / "demo-fix" / "patch.toml").read_text()
+        (folder / "patch.toml").write_text(toml.replace('id = "demo-fix"', f'id = "{pid}"'))
+        (folder / "block.py").write_text((root / "template" / "demo-fix" / "block.py")
+                                         .read_text())
+        (folder / "probe.py").write_text(probe)
+    return root / "catalog"
+
+
+def pid_of(detail: str) -> int:
+    return int(re.match(r"pid (\d+)", detail).group(1))  # type: ignore[union-attr]
+
+
+def test_probes_share_a_child_and_keep_their_own_verdicts(tmp_path: Path,
+                                                           demo_venv: Path) -> None:
+    """Twelve probes in one verify --deep: the passing ones before a crash ran in one process,
+    each failing, skipped, raising, crashing or hanging probe gets its own verdict, named as it
+    would alone, state one probe changes is put back for the next, and the probes after a
+    crash, an os._exit and a timeout each run in a new child."""
+    catalog = load_catalog(catalog_of(tmp_path, PROBES))
+    env = inspect_environment(InterpreterChoice(demo_venv, "given with --python"),
+                              [ModuleQuery("demo-pkg", "demo_pkg.core", "core.py")],
+                              in_process=False)
+    verdicts = run_probes([catalog[pid] for pid in PROBES], env, timeout=5.0)
+    assert list(verdicts) == list(PROBES)
+    assert all(verdicts[p].passed is True for p in ("a-pass", "b-state", "c-clean", "h-after",
+                                                    "i-exit", "j-last", "l-final")), verdicts
+    first = {pid_of(verdicts[p].detail) for p in ("a-pass", "b-state", "c-clean")}
+    assert len(first) == 1, verdicts  # one child up to the crash
+    assert verdicts["c-clean"].detail.endswith("left: []")
+    assert verdicts["d-fail"] == (False, "wrapped twice")
+    assert verdicts["e-skip"] == (None, "on this machine: needs the Neuron SDK")
+    assert verdicts["f-raise"] == (False, "probe exited 1 without a verdict: ValueError: boom")
+    assert verdicts["g-crash"].passed is False
+    assert verdicts["g-crash"].detail.startswith("probe exited -11 without a verdict: ")
+    assert verdicts["i-exit"].detail == "printed, then os._exit"
+    assert verdicts["k-hang"] == (False, f"probe did not run: {demo_venv} did not answer "
+                                         "within 5 s (k-hang's probe.py)")
+    pids = [pid_of(verdicts[p].detail) for p in ("a-pass", "h-after", "j-last", "l-final")]
+    assert len(set(pids)) == 4, pids  # a new child after the crash, the exit, the timeout
+
+
+def test_the_binding_check_and_a_probe_in_one_child(tmp_path: Path, demo_venv: Path) -> None:
+    """An applied patch without probe.py (the binding check: the patched module imports and
+    compute is the block's) and a probe that fails: the first passes, the second alone fails,
+    with its own detail; the probe ran after the binding check in the same process (it finds
+    demo_pkg.core imported)."""
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    assert cli("apply", "--python", str(demo_venv), "--patch", "demo-fix",
+               catalog=catalog).returncode == 0
+    probes = catalog_of(tmp_path / "more", {"demo-probe": textwrap.dedent("""\
+        import json, sys
+        seen = "demo_pkg.core" in sys.modules
+        print(json.dumps({"ok": False, "detail": f"demo_pkg.core imported before: {seen}"}))
+        sys.exit(1)
+        """)})
+    env = inspect_environment(InterpreterChoice(demo_venv, "given with --python"),
+                              [ModuleQuery("demo-pkg", "demo_pkg.core", "core.py")],
+                              in_process=False)
+    verdicts = run_probes([load_catalog(catalog)["demo-fix"],
+                           load_catalog(probes)["demo-probe"]], env)
+    assert verdicts["demo-fix"] == (True, "imported demo_pkg.core; 1 symbol(s) are the block's "
+                                          "(no probe.py: the binding check)")
+    assert verdicts["demo-probe"] == (False, "demo_pkg.core imported before: True")
