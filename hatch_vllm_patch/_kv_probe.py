@@ -35,8 +35,10 @@ The first step that raises ends the case, with vLLM's exception and message.
 
 Every case runs once as installed and once per *variant*: a list of patch blocks (source text
 and target module) executed into the already imported target modules, in this process only —
-nothing is written. After each variant the modules' namespaces and the attributes of the classes
-they define are put back as they were.
+nothing is written. The variants are the case's own (``case["variants"]``: doctor's cases of
+several models, each with the patches that concern it) or else the job's (``job["variants"]``).
+After each variant the modules' namespaces and the attributes of the classes they define are
+put back as they were.
 """
 
 from __future__ import annotations
@@ -1040,7 +1042,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         entry: dict[str, Any] = {"case": case.get("name"), "variants": {}}
         if case.get("native_config"):
             entry["native_config"] = register_native_config(case["model"])
-        for variant in variants:
+        for variant in case.get("variants") or variants:  # a case's own, else the job's
             start = time.perf_counter()
             try:
                 snapshot = activate(variant["blocks"])

@@ -912,6 +912,21 @@ def neuron_line(env: TargetEnvironment) -> str | None:
     return None
 
 
+class _Prepared(NamedTuple):
+    """One request, checked and ready for the child: its case, its variants, and what judging
+    its answer needs."""
+
+    request: DoctorRequest  # with the draft model's path resolved
+    model_dir: Path
+    model_is_dir: bool
+    architecture: str
+    case: dict[str, Any]  # the child's case, with its own "variants"
+    candidates: tuple[Patch, ...]
+    missing: tuple[Patch, ...]
+    in_place: tuple[str, ...]
+    notes: tuple[str, ...]
+
+
 def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[str, Patch],
              verdicts: Mapping[str, Verdict], registered: Sequence[str] | None,
              *, timeout: float = PROBE_TIMEOUT, modules: Mapping[str, str] | None = None,
@@ -922,6 +937,46 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
     module. Only patches that concern the model are tried (``concerns``), every one with
     ``everything``; those in ``prefer`` (the project's selection) come first, then the
     catalog's, when two of them replace one symbol."""
+    [report] = diagnose_many([request], env, patches, verdicts, registered, timeout=timeout,
+                             modules=modules, everything=everything, prefer=prefer,
+                             on_import=on_import)
+    return report
+
+
+def diagnose_many(requests: Sequence[DoctorRequest], env: TargetEnvironment,
+                  patches: Mapping[str, Patch], verdicts: Mapping[str, Verdict],
+                  registered: Sequence[str] | None, *, timeout: float = PROBE_TIMEOUT,
+                  modules: Mapping[str, str] | None = None, everything: bool = False,
+                  prefer: Collection[str] = (),
+                  on_import: Callable[[], None] | None = None) -> list[DoctorReport]:
+    """:func:`diagnose` for each of ``requests``, all in one child of the target (one import
+    of vLLM), each case with its own variants; one report per request, in order, each what
+    :func:`diagnose` gives for it alone. Every request is checked before the child starts (a
+    UsageError names the first bad one); ``timeout`` is per request."""
+    if not requests:
+        return []
+    with tempfile.TemporaryDirectory(prefix="hvp-doctor-model-") as scratch:
+        prepared = []
+        for index, request in enumerate(requests):
+            folder = Path(scratch) / str(index)
+            folder.mkdir()
+            prepared.append(_prepare(request, env, patches, verdicts, registered, modules,
+                                     everything, prefer, folder))
+        neuron = env.version_of("vllm-neuron") is not None
+        job = {"cases": [p.case for p in prepared], "neuron": neuron}
+        if on_import is not None:  # every input is checked: now the slow part starts
+            on_import()
+        answer = run_child(env.python, job, timeout=timeout * len(prepared))
+        return [_conclude(p, answer["vllm"], answer["cases"][i], env, patches, neuron,
+                          verdicts, modules, timeout) for i, p in enumerate(prepared)]
+
+
+def _prepare(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[str, Patch],
+             verdicts: Mapping[str, Verdict], registered: Sequence[str] | None,
+             modules: Mapping[str, str] | None, everything: bool, prefer: Collection[str],
+             scratch: Path) -> _Prepared:
+    """Check ``request`` and build its case: the model (a native copy in ``scratch`` where
+    vLLM registers a remote-code architecture itself), the patches to try, the variants."""
     if request.platform not in PLATFORMS:
         raise UsageError(f"--platform {request.platform}: expected one of {', '.join(PLATFORMS)}")
     model_is_dir = Path(request.model).expanduser().is_dir()
@@ -972,34 +1027,40 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
     job_variants = variants(candidates) + [
         {"name": p.id, "patches": [p.id], "blocks": blocks_of(p)} for p in planning_only]
     candidates += planning_only
-    with tempfile.TemporaryDirectory(prefix="hvp-doctor-model-") as scratch:
-        loaded_from = model_dir
-        if not request.trust_remote_code and remote_code_of(model_dir) and registered \
-                and architecture in registered:
-            loaded_from = native_copy(model_dir, Path(scratch))
-            notes.append(f"{model_dir}/config.json names remote code (auto_map), but vLLM "
-                         f"registers {architecture} itself: doctor loaded it natively, "
-                         "without the model's code (pass --trust-remote-code to run that "
-                         "code instead, as `vllm serve` must where transformers does not "
-                         f"know model_type {info.model_type!r})")
-        case = case_of(request, loaded_from, overrides or None, request.trust_remote_code)
-        case["native_config"] = loaded_from != model_dir
-        job = {"cases": [case], "variants": job_variants,
-               "neuron": env.version_of("vllm-neuron") is not None}
-        if on_import is not None:  # every input is checked: now the slow part starts
-            on_import()
-        answer = run_child(env.python, job, timeout=timeout)
-        needed, verdict, runs, notes = _recommend(
-            job, answer, job_variants, candidates, patches, env, timeout, notes)
-        if INSPECTION_FAILED in json.dumps(answer["cases"][0]["variants"][INSTALLED]):
-            cause = inspection_cause(env.python, architecture, (modules or {}).get(architecture),
-                                     timeout)
-            notes.append(cause)
-            if not needed and cause.startswith("vLLM could not inspect"):
-                verdict += "; the cause is in this environment, not in vLLM (see the note)"
+    loaded_from = model_dir
+    if not request.trust_remote_code and remote_code_of(model_dir) and registered \
+            and architecture in registered:
+        loaded_from = native_copy(model_dir, scratch)
+        notes.append(f"{model_dir}/config.json names remote code (auto_map), but vLLM "
+                     f"registers {architecture} itself: doctor loaded it natively, "
+                     "without the model's code (pass --trust-remote-code to run that "
+                     "code instead, as `vllm serve` must where transformers does not "
+                     f"know model_type {info.model_type!r})")
+    case = case_of(request, loaded_from, overrides or None, request.trust_remote_code)
+    case["native_config"] = loaded_from != model_dir
+    case["variants"] = job_variants
+    return _Prepared(request, model_dir, model_is_dir, architecture, case, tuple(candidates),
+                     tuple(missing), in_place, tuple(notes))
+
+
+def _conclude(prepared: _Prepared, vllm: str, answer: dict[str, Any], env: TargetEnvironment,
+              patches: Mapping[str, Patch], neuron_asked: bool,
+              verdicts: Mapping[str, Verdict], modules: Mapping[str, str] | None,
+              timeout: float) -> DoctorReport:
+    """Judge one case's answer (``answer``: its entry of the child's ``cases``)."""
+    request, architecture = prepared.request, prepared.architecture
+    candidates, notes = prepared.candidates, list(prepared.notes)
+    needed, verdict, runs, notes = _recommend(prepared.case, answer, candidates, patches, env,
+                                              timeout, notes)
+    if INSPECTION_FAILED in json.dumps(answer["variants"][INSTALLED]):
+        cause = inspection_cause(env.python, architecture, (modules or {}).get(architecture),
+                                 timeout)
+        notes.append(cause)
+        if not needed and cause.startswith("vLLM could not inspect"):
+            verdict += "; the cause is in this environment, not in vLLM (see the note)"
     neuron = tuple(NeuronBudget(name, b.get("bytes_per_token"), b.get("max_concurrency"),
                                 b.get("layers"), _err(b.get("error")))
-                   for name, b in (answer["cases"][0].get("neuron") or {}).items())
+                   for name, b in (answer.get("neuron") or {}).items()) if neuron_asked else ()
     neuron_needed, neuron_verdict = judge_neuron(neuron)
     if neuron_needed:
         needed = (*needed, *(p for p in neuron_needed if p not in needed))
@@ -1007,34 +1068,33 @@ def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
     if neuron:
         notes.append("the vllm-neuron plugin is vLLM's platform here: its config hook ran in "
                      "the config step; the block-size step is the one of --platform")
-    planning = [p.id for p in missing if any(m.target.module in PLANNING_MODULES
-                                             for m in p.parts)]
+    planning = [p.id for p in prepared.missing if any(m.target.module in PLANNING_MODULES
+                                                      for m in p.parts)]
     tried = {p.id for p in candidates}
     memory = memory_advice(
         runs, [pid for pid in planning if pid in tried],
-        answer["cases"][0]["variants"][INSTALLED].get("facts"), request.platform,
+        answer["variants"][INSTALLED].get("facts"), request.platform,
         untried=[pid for pid in planning if pid not in tried])
     if memory is not None and memory.recommended:
         if not needed and runs[0].starts:  # the table's layouts are weighed by the memory line
             verdict = "starts as installed: nothing needed to start"
         verdict = f"{verdict}; for memory, recommended: {memory.line}"
     lines = config_lines(needed or memory.recommended if memory else needed, architecture,
-                         request.model, model_is_dir)
-    prefix = judge_prefix(answer["cases"][0]["variants"][INSTALLED].get("prefix"),
-                          patches, verdicts, request.platform)
-    return DoctorReport(env, answer["vllm"], request, model_dir, architecture, runs,
-                        tuple(p.id for p in candidates), in_place, needed, lines, verdict,
-                        tuple(notes), neuron, neuron_line(env), memory, prefix)
+                         request.model, prepared.model_is_dir)
+    prefix = judge_prefix(answer["variants"][INSTALLED].get("prefix"), patches, verdicts,
+                          request.platform)
+    return DoctorReport(env, vllm, request, prepared.model_dir, architecture, runs,
+                        tuple(p.id for p in candidates), prepared.in_place, needed, lines,
+                        verdict, tuple(notes), neuron, neuron_line(env), memory, prefix)
 
 
-def _recommend(job: dict[str, Any], answer: dict[str, Any], job_variants: list[dict[str, Any]],
-               candidates: Sequence[Patch], patches: Mapping[str, Patch],
-               env: TargetEnvironment, timeout: float, notes: list[str]
-               ) -> tuple[tuple[str, ...], str, tuple[Run, ...], list[str]]:
-    """Judge the child's answer; never two patches of one symbol; when the recommended
-    combination was not among the runs, run it (what ``apply`` would write)."""
-    raw = answer["cases"][0]["variants"]
-    runs = tuple(run_of(v, raw[v["name"]]) for v in job_variants)
+def _recommend(case: dict[str, Any], answer: dict[str, Any], candidates: Sequence[Patch],
+               patches: Mapping[str, Patch], env: TargetEnvironment, timeout: float,
+               notes: list[str]) -> tuple[tuple[str, ...], str, tuple[Run, ...], list[str]]:
+    """Judge the child's answer for ``case``; never two patches of one symbol; when the
+    recommended combination was not among the runs, run it (what ``apply`` would write)."""
+    raw = answer["variants"]
+    runs = tuple(run_of(v, raw[v["name"]]) for v in case["variants"])
     needed, verdict = judge(runs, [p.id for p in candidates])
     kept, left_out = compatible([patches[p] for p in needed])
     if len(kept) < len(needed):
@@ -1042,8 +1102,8 @@ def _recommend(job: dict[str, Any], answer: dict[str, Any], job_variants: list[d
         notes = [*notes, *left_out]
     if len(needed) > 1 and not any(set(r.patches) == set(needed) for r in runs):
         extra = combined(RECOMMENDED, kept)
-        again = run_child(env.python, {**job, "variants": [extra], "neuron": False},
-                          timeout=timeout)
+        again = run_child(env.python, {"cases": [{**case, "variants": [extra]}],
+                                       "neuron": False}, timeout=timeout)
         together = run_of(extra, again["cases"][0]["variants"][RECOMMENDED])
         runs = (*runs, together)
         if not together.starts:
@@ -1190,18 +1250,33 @@ def run_doctor(request: DoctorRequest, *, project_dir: Path | None, python: str 
     :func:`diagnose` (``everything``: try every patch, not only those for the model).
     Raises UsageError / ConfigurationError / TargetEnvironmentError; a project that selects
     two patches of one symbol is refused as ``apply`` refuses it."""
+    [report] = run_doctor_many([request], project_dir=project_dir, python=python,
+                               timeout=timeout, project_rule=project_rule,
+                               everything=everything, on_import=on_import)
+    return report
+
+
+def run_doctor_many(requests: Sequence[DoctorRequest], *, project_dir: Path | None,
+                    python: str | None, timeout: float = PROBE_TIMEOUT,
+                    project_rule: Rule = Rule.CHOSEN, everything: bool = False,
+                    on_import: Callable[[], None] | None = None) -> list[DoctorReport]:
+    """:func:`run_doctor` for each of ``requests`` (models, settings) against one project
+    and environment: the status and the registry are read once and vLLM is imported once,
+    in one child for all of them (:func:`diagnose_many`); one report per request, in order."""
     from .environment import inspect_environment
     from .operations import _REGISTRY, Request, resolve
     from .selection import architecture_modules, registered_architectures
 
     # Usage errors first, before the environment is asked: the model directory, and its
     # config.json read (bounded: size, depth) before any process is started with it.
-    try:
-        read_model(resolve_model(request.model), "--model")
-    except ConfigurationError as exc:
-        raise UsageError("; ".join(exc.errors)) from None
-    if request.platform not in PLATFORMS:
-        raise UsageError(f"--platform {request.platform}: expected one of {', '.join(PLATFORMS)}")
+    for request in requests:
+        try:
+            read_model(resolve_model(request.model), "--model")
+        except ConfigurationError as exc:
+            raise UsageError("; ".join(exc.errors)) from None
+        if request.platform not in PLATFORMS:
+            raise UsageError(f"--platform {request.platform}: expected one of "
+                             f"{', '.join(PLATFORMS)}")
     base = Request(project_dir=project_dir, python=python, project_rule=project_rule)
     catalog, config, selection, choice, *_ = resolve(base)
     status, verdicts = catalog_status(base, catalog)
@@ -1211,12 +1286,15 @@ def run_doctor(request: DoctorRequest, *, project_dir: Path | None, python: str 
             "runs the installed vLLM's own code; pass --python for the environment that serves")
     registry = inspect_environment(choice, [_REGISTRY]).modules[_REGISTRY.module].file
     selected = {p.id for p in selection.patches}
-    report = diagnose(request, status.environment, catalog, verdicts,
-                      registered_architectures(registry), timeout=timeout,
-                      modules=architecture_modules(registry), everything=everything,
-                      prefer=selected, on_import=on_import)
-    notes = [*status.notes, *report.notes]
-    if config is not None and report.needed and set(report.needed) <= selected:
-        notes.append(f"[tool.vllm-patch] in {config.source} already selects "
-                     f"{', '.join(report.needed)}: `vllm-patch apply` puts it in place")
-    return report._replace(notes=tuple(notes))
+    reports = diagnose_many(requests, status.environment, catalog, verdicts,
+                            registered_architectures(registry), timeout=timeout,
+                            modules=architecture_modules(registry), everything=everything,
+                            prefer=selected, on_import=on_import)
+    out = []
+    for report in reports:
+        notes = [*status.notes, *report.notes]
+        if config is not None and report.needed and set(report.needed) <= selected:
+            notes.append(f"[tool.vllm-patch] in {config.source} already selects "
+                         f"{', '.join(report.needed)}: `vllm-patch apply` puts it in place")
+        out.append(report._replace(notes=tuple(notes)))
+    return out

@@ -547,7 +547,7 @@ def test_memory_verdict_is_one_with_its_cost_and_tries_the_planning_patches(
     def child(python: Path, job: dict[str, object], **_: object) -> dict[str, object]:
         jobs.append(job)
         variants = {}
-        for v in job["variants"]:  # type: ignore[attr-defined]
+        for v in job["cases"][0]["variants"]:  # type: ignore[index]
             name = v["name"]
             variants[name] = {
                 "steps": [{"step": "config", "ok": True, "detail": {"max_model_len": 4096}}],
@@ -565,7 +565,7 @@ def test_memory_verdict_is_one_with_its_cost_and_tries_the_planning_patches(
     report = diagnose(DoctorRequest(model=str(model)), env, catalog,
                       {pid: Verdict.MISSING for pid in ids}, [arch])
     [job] = jobs
-    tried = [v["name"] for v in job["variants"]]  # type: ignore[index]
+    tried = [v["name"] for v in job["cases"][0]["variants"]]  # type: ignore[index]
     assert tried == ["installed", "kv-cache-uneven-groups", "kv-cache-exact-groups"], tried
     assert report.memory is not None and report.memory.recommended == ("kv-cache-exact-groups",)
     assert report.verdict.startswith(
