@@ -34,7 +34,7 @@ from .report import PatchOutcome, Report
 
 if TYPE_CHECKING:
     from .authoring.update import UpdateResult
-    from .doctor import DoctorReport
+    from .doctor import DoctorReport, DoctorRequest
     from .environment import DistributionInfo
     from .trust import Rule
 
@@ -745,39 +745,44 @@ def _doctor_parser(sub: argparse._SubParsersAction[_Parser],
     p.add_argument("--json", action="store_true", help="print one machine-readable JSON object")
 
 
+def doctor_request(args: argparse.Namespace) -> DoctorRequest:
+    """doctor's options, checked, as one request (UsageError for a bad value)."""
+    from .doctor import DoctorRequest, parse_json_object, parse_memory
+
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "block_size",
+                 "max_model_len", "mamba_block_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} {value}: must be 1 or more")
+    return DoctorRequest(
+        model=args.model,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        kv_cache_dtype=args.kv_cache_dtype,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        speculative_config=(parse_json_object("--speculative-config", args.speculative_config)
+                            if args.speculative_config else None),
+        kv_cache_memory=parse_memory(args.kv_cache_memory) if args.kv_cache_memory else None,
+        platform=args.platform,
+        hf_overrides=(parse_json_object("--hf-overrides", args.hf_overrides)
+                      if args.hf_overrides else None),
+        trust_remote_code=args.trust_remote_code,
+        enable_prefix_caching=args.enable_prefix_caching,
+        mamba_cache_mode=args.mamba_cache_mode,
+        mamba_block_size=args.mamba_block_size,
+    )
+
+
 def _doctor(args: argparse.Namespace, project: Path, finish: Callable[..., int],
             project_rule: Rule) -> int:
     """``doctor``: text through :func:`_print_doctor`; ``--json`` and every error through
     :func:`_finish`, in the schema of the other commands (the diagnosis under ``result``)."""
-    from .doctor import DoctorRequest, parse_json_object, parse_memory, run_doctor
+    from .doctor import run_doctor
 
     try:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "block_size",
-                     "max_model_len", "mamba_block_size"):
-            value = getattr(args, name)
-            if value is not None and value < 1:
-                raise UsageError(f"--{name.replace('_', '-')} {value}: must be 1 or more")
-        request = DoctorRequest(
-            model=args.model,
-            tensor_parallel_size=args.tensor_parallel_size,
-            pipeline_parallel_size=args.pipeline_parallel_size,
-            kv_cache_dtype=args.kv_cache_dtype,
-            dtype=args.dtype,
-            block_size=args.block_size,
-            max_model_len=args.max_model_len,
-            speculative_config=(parse_json_object("--speculative-config",
-                                                  args.speculative_config)
-                                if args.speculative_config else None),
-            kv_cache_memory=parse_memory(args.kv_cache_memory) if args.kv_cache_memory
-            else None,
-            platform=args.platform,
-            hf_overrides=(parse_json_object("--hf-overrides", args.hf_overrides)
-                          if args.hf_overrides else None),
-            trust_remote_code=args.trust_remote_code,
-            enable_prefix_caching=args.enable_prefix_caching,
-            mamba_cache_mode=args.mamba_cache_mode,
-            mamba_block_size=args.mamba_block_size,
-        )
+        request = doctor_request(args)
         report = run_doctor(request, project_dir=project, python=args.python,
                             project_rule=project_rule,
                             everything=args.all_patches, on_import=lambda: _notice(

@@ -13,8 +13,9 @@ import json
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from venvs import SCRUBBED_ENV, UV, create_venv, run, vllm_venv
@@ -273,6 +274,47 @@ def demo_catalog(tmp_path: Path) -> Path:
 def demo_venv(tmp_path: Path, demo_wheels: dict[str, Path]) -> Path:
     """A fresh venv with demo-pkg 1.0.0 installed from its wheel; returns the interpreter."""
     return create_venv(tmp_path / "venv", str(demo_wheels["1.0.0"]))
+
+
+def doctor_batch(python: Path, cases: Mapping[str, Sequence[str]],
+                 project: Path | None = None) -> dict[str, tuple[int, dict[str, Any]]]:
+    """Each case's ``vllm-patch doctor`` options (parsed by the command's own parser), all
+    diagnosed in one child of ``python``: per case, the exit code the command gives for it and
+    its ``--json`` result. As the command run from this checkout: without ``project`` the
+    project is the one found from the checkout, and the variables the tests scrub are unset."""
+    from hatch_vllm_patch._cli import DOCTOR_EXIT, _parser, doctor_request
+    from hatch_vllm_patch.config import find_project_dir
+    from hatch_vllm_patch.doctor import run_doctor_many
+    from hatch_vllm_patch.trust import Rule
+
+    parser = _parser("doctor")
+    requests = [doctor_request(parser.parse_args(["doctor", "--python", str(python), *args]))
+                for args in cases.values()]
+    here = Path(__file__).resolve().parents[1]
+    found = find_project_dir(here)
+    project_dir, rule = ((project.resolve(), Rule.CHOSEN) if project is not None else
+                         (found.path, found.rule) if found is not None else (here, Rule.CHOSEN))
+    with pytest.MonkeyPatch.context() as env:
+        for name in SCRUBBED_ENV:
+            env.delenv(name, raising=False)
+        reports = run_doctor_many(requests, project_dir=project_dir, python=str(python),
+                                  project_rule=rule, timeout=900)
+    return {name: (DOCTOR_EXIT[r.outcome], json.loads(json.dumps(r.to_json())))
+            for name, r in zip(cases, reports, strict=True)}
+
+
+def deep_probes(python: Path, *patch_ids: str) -> dict[str, tuple[bool | None, str]]:
+    """The catalog patches' deep probes in ``python``'s environment, all in one child (as
+    `verify --deep` runs them, but also for patches not applied): per patch (passed, detail)."""
+    from hatch_vllm_patch.catalog import load_catalog
+    from hatch_vllm_patch.deep import run_probes
+    from hatch_vllm_patch.environment import InterpreterChoice, inspect_environment
+
+    catalog = load_catalog()
+    env = inspect_environment(InterpreterChoice(python, "given with --python"), [],
+                              in_process=False)
+    return {pid: tuple(v) for pid, v in  # type: ignore[misc]
+            run_probes([catalog[pid] for pid in patch_ids], env).items()}
 
 
 def cli(*args: str, cwd: Path | None = None, catalog: Path | None = None,

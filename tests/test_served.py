@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
-from conftest import cli
+from conftest import cli, doctor_batch
 from venvs import CUDA_KERNEL_DATA, CUDA_TORCH_COMPANIONS, UV, create_venv, local_wheels, run
 
 from hatch_vllm_patch.catalog import load_catalog
@@ -377,7 +377,7 @@ def test_noop_catalog_differs_only_in_the_installing_call(tmp_path: Path) -> Non
 
 # --- doctor against the engine ----------------------------------------------------------------
 
-# The cases doctor is asked about (one vLLM import each, 1-2 minutes): a hybrid with the n-gram
+# The cases doctor is asked about (all in one child, one vLLM import): a hybrid with the n-gram
 # draft, Granite with the Llama draft (method draft_model) and a hybrid without a draft.
 DOCTOR_CASES = ("granitemoehybrid-ngram", "granitemoehybrid-draft", "falcon-h1")
 # doctor's step for the vLLM function in which the engine's start stopped (the innermost of
@@ -386,30 +386,36 @@ DOCTOR_STEP = {"v1/core/kv_cache_utils.py:unify_kv_cache_spec_page_size": "page 
                "v1/kv_cache_interface.py:page_size_bytes": "layer specs"}
 
 
-def _doctor(python: Path, case: dict[str, Any], work: Path) -> tuple[int, dict[str, Any]]:
-    """`vllm-patch doctor --platform cpu --json` with the engine settings of ``case``."""
+def _doctor_args(case: dict[str, Any]) -> list[str]:
+    """`vllm-patch doctor --platform cpu` options with the engine settings of ``case``."""
     llm = case["llm"]
-    args = ["doctor", "--python", str(python), "--platform", "cpu", "--model", case["model"],
-            "--dtype", llm["dtype"], "--block-size", str(llm["block_size"]),
-            "--max-model-len", str(llm["max_model_len"]), "--json"]
+    args = ["--platform", "cpu", "--model", case["model"], "--dtype", llm["dtype"],
+            "--block-size", str(llm["block_size"]), "--max-model-len", str(llm["max_model_len"])]
     if "speculative_config" in llm:
         args += ["--speculative-config", json.dumps(llm["speculative_config"])]
-    work.mkdir(parents=True, exist_ok=True)
-    proc = cli(*args, cwd=work)
-    assert "Traceback" not in proc.stderr, proc.stderr
-    return proc.returncode, json.loads(proc.stdout)["result"]
+    return args
+
+
+@pytest.fixture(scope="session")
+def doctored(tmp_path_factory: pytest.TempPathFactory, pristine: Path,
+             models: dict[str, Path]) -> dict[str, tuple[int, dict[str, Any]]]:
+    """doctor on the as-installed environment for every case of DOCTOR_CASES, in one child
+    (one vLLM import), from a folder that holds no project: per case the exit code
+    `vllm-patch doctor` gives and its --json result."""
+    work = tmp_path_factory.mktemp("served-doctor")
+    return doctor_batch(pristine, {case["name"]: _doctor_args(case)
+                                   for case in _cases(models, *DOCTOR_CASES)}, project=work)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", DOCTOR_CASES)
-def test_doctor_says_what_the_engine_did(pristine: Path, models: dict[str, Path],
-                                         unpatched: Served, patched: Served, name: str,
-                                         tmp_path: Path) -> None:
+def test_doctor_says_what_the_engine_did(doctored: dict[str, tuple[int, dict[str, Any]]],
+                                         unpatched: Served, patched: Served,
+                                         name: str) -> None:
     """doctor, asked on the as-installed environment with a served case's settings, says what
     the engine did: it starts (exit 0), or it fails at the step the engine stopped in with the
     same exception, and the patches it names (exit 3) are among those the engine started with."""
-    (case,) = _cases(models, name)
-    code, result = _doctor(pristine, case, tmp_path)
+    code, result = doctored[name]
     runs = {r["name"]: r for r in result["runs"]}
     installed, engine = runs["installed"], unpatched.cases[name]
     assert installed["starts"] == engine["started"], (result["verdict"], engine)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli
+from conftest import cli, deep_probes
 from venvs import run, vllm_venv
 
 from hatch_vllm_patch.catalog import load_catalog
@@ -228,16 +228,21 @@ def test_deep_verify_runs_the_probes(spec_runs: dict[str, Any]) -> None:
 
 @pytest.mark.slow
 def test_probe_fails_where_the_patch_is_missing(spec_runs: dict[str, Any]) -> None:
-    """Each probe exits 1 with ok=false once its wrapper is gone (after `revert`)."""
+    """Each probe fails (ok=false, no wrapper) once its wrapper is gone (after `revert`): all
+    four in one child, as `verify --deep` runs them; one of them alone exits 1."""
     python = spec_runs["python"]
     reverted = _verdict("revert", python)
     assert all(reverted[p]["verdict"] == "reverted" for p in PATCHES), reverted
     try:
+        verdicts = deep_probes(python, *PATCHES)
         for patch_id in PATCHES:
-            proc = run([str(python), str(REPO / "patches" / patch_id / "probe.py")],
-                       check=False, timeout=900)
-            result = json.loads(proc.stdout)
-            assert proc.returncode == 1 and result["ok"] is False, (patch_id, result)
-            assert "0 wrappers" in result["detail"], result
+            passed, detail = verdicts[patch_id]
+            assert passed is False and "0 wrappers" in detail, (patch_id, detail)
+        first = next(iter(PATCHES))
+        proc = run([str(python), str(REPO / "patches" / first / "probe.py")],
+                   check=False, timeout=900)
+        result = json.loads(proc.stdout)
+        assert proc.returncode == 1 and result["ok"] is False, (first, result)
+        assert result["detail"] == verdicts[first][1]
     finally:
         _verdict("apply", python)
