@@ -78,6 +78,7 @@ def run_probes(patches: Sequence[Patch], env: TargetEnvironment, *,
         items.append(_Item(patch, {"id": patch.id, "kind": "binding", "query": query}, spans))
     while items:
         ended = _run_child(env, [i.job for i in items], timeout)
+        progressed = bool(ended.results or ended.started)
         for index, item in enumerate(items):
             if index in ended.results:
                 verdicts[item.patch.id] = _judge(item, ended.results[index],
@@ -85,11 +86,11 @@ def run_probes(patches: Sequence[Patch], env: TargetEnvironment, *,
             elif index in ended.started:  # it ended the child
                 verdicts[item.patch.id] = _ended_child(item, ended.outputs.get(index, ""),
                                                        ended, env, timeout)
-            elif not ended.started:  # nothing ran: the child itself could not
+            elif not progressed:  # nothing ran: the child itself could not
                 verdicts[item.patch.id] = _not_run(item, ended, env)
-        items = [] if not ended.started else [
-            item for index, item in enumerate(items)
-            if index not in ended.results and index not in ended.started]
+        # the rest, in a new child (only when this one got somewhere: no endless retries)
+        items = [item for index, item in enumerate(items) if progressed
+                 and index not in ended.results and index not in ended.started]
     return verdicts
 
 

@@ -129,3 +129,22 @@ def test_the_binding_check_and_a_probe_in_one_child(tmp_path: Path, demo_venv: P
     assert verdicts["demo-fix"] == (True, "imported demo_pkg.core; 1 symbol(s) are the block's "
                                           "(no probe.py: the binding check)")
     assert verdicts["demo-probe"] == (False, "demo_pkg.core imported before: True")
+
+
+def test_a_child_that_runs_no_probe_fails_each_patch_once(tmp_path: Path) -> None:
+    """An interpreter that exits before running any probe (here a script that only complains):
+    every patch fails with its exit status and last line, and no second child is started."""
+    from hatch_vllm_patch.environment import TargetEnvironment
+
+    calls = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho started >> {calls}\necho 'cannot start' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    env = TargetEnvironment(fake, "given with --python", str(fake), str(tmp_path), "3.11.7",
+                            tmp_path)
+    catalog = load_catalog(catalog_of(tmp_path / "c", {"a-pass": PASS, "h-after": PASS}))
+    verdicts = run_probes([catalog["a-pass"], catalog["h-after"]], env)
+    expected = (False, "probe did not run: the deep probes' child exited 3 before any probe: "
+                       "cannot start")
+    assert verdicts == {"a-pass": expected, "h-after": expected}
+    assert calls.read_text() == "started\n"
