@@ -60,6 +60,17 @@ class _Tee(io.TextIOBase):
         with contextlib.suppress(Exception):
             self.stream.flush()
 
+    # What code that writes to stderr may ask of it (faulthandler, logging, colour checks).
+    def fileno(self) -> int:
+        return int(self.stream.fileno())
+
+    def isatty(self) -> bool:
+        return bool(self.stream.isatty())
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return str(getattr(self.stream, "encoding", None) or "utf-8")
+
     def last_line(self) -> str:
         return ("".join(self.kept).strip().splitlines() or ["no output"])[-1]
 
