@@ -155,8 +155,14 @@ def test_patched_all_mode_blocks_are_multiples_of_the_chunk(runs: dict[str, Any]
 def test_patched_is_vllms_own_where_vllm_was_right(runs: dict[str, Any], name: str) -> None:
     """Where vLLM already kept the Mamba block on chunk ends (no user value, a multiple of the
     chunk size, a derived block that is aligned anyway) and in "align" mode, the patched start-up
-    and scheduler give exactly what the released ones give."""
-    assert runs["patched"]["cases"][name] == runs["original"]["cases"][name]
+    and scheduler give exactly what the released ones give (for 320 the base handed to the
+    platform step is lcm(320, 256) = 1280 instead of 320; the step's result is the same)."""
+    patched, original = runs["patched"]["cases"][name], runs["original"]["cases"][name]
+    if name == "all-320":
+        assert patched["after_config"]["mamba_block_size"] == 1280
+        patched = {k: v for k, v in patched.items() if k != "after_config"}
+        original = {k: v for k, v in original.items() if k != "after_config"}
+    assert patched == original
 
 
 @pytest.mark.slow

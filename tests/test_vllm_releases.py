@@ -1,5 +1,6 @@
 """Catalog patches against the real files of every vLLM release 0.16.0 … 0.34.0
-(kv-cache-page-unification, the four *-spec-conv-state patches, mamba-split-external-kv).
+(kv-cache-page-unification, the four *-spec-conv-state patches, mamba-split-external-kv,
+mamba-all-mode-chunk-align).
 
 Each release's real wheel (kept in a wheel cache between runs) is installed with
 ``uv pip install --no-deps`` (real RECORD, real files) and driven through the CLI as a user
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import cli, registry_by_ast
+from packaging.version import Version
 from venvs import record_sha256, release_venv, site_packages
 
 from hatch_vllm_patch.catalog import load_catalog
@@ -174,6 +176,12 @@ SPLIT_PATCHES = {"mamba-split-external-kv": "vllm/v1/core/sched/scheduler.py"}
 SPLIT_PATCHED = PATCHED[:PATCHED.index("0.22.1") + 1]
 SPLIT_FIXED = [*PATCHED[PATCHED.index("0.23.0"):], *NOT_NEEDED]
 
+CHUNK_PATCHES = {"mamba-all-mode-chunk-align": "vllm/model_executor/models/config.py"}
+# mamba_cache_mode "all" drops the chunk alignment of a user's --mamba-block-size in every
+# release that has the mode; the patch claims 0.28.0 - 0.31.0 (two shapes of its target) and
+# 0.32.0 removed the mode (not-needed). Older releases carry the target in shapes never checked.
+CHUNK_PATCHED = ["0.28.0", "0.29.0", "0.30.0", "0.31.0"]
+
 
 def group_step(python: Path, op: str, patches: dict[str, str]
                ) -> tuple[int, dict[str, dict[str, object]]]:
@@ -252,23 +260,52 @@ def fixed_untouched(python: Path, sp: Path, patches: dict[str, str]) -> None:
     assert {rel: (sp / rel).read_bytes() for rel in files} == files
 
 
+def unknown_untouched(python: Path, sp: Path, patches: dict[str, str]) -> None:
+    """unknown-shape for apply and verify (a shape never checked), nothing written."""
+    files = {rel: (sp / rel).read_bytes() for rel in patches.values()}
+    for op in ("apply", "verify"):
+        code, out = group_step(python, op, patches)
+        assert (code, verdicts(out)) == (1, {"unknown-shape"}), out
+    assert {rel: (sp / rel).read_bytes() for rel in files} == files
+
+
+def mamba_cache_modes(sp: Path) -> str:
+    """The line of vllm/config/cache.py that lists the Mamba cache modes."""
+    [line] = [line for line in (sp / "vllm/config/cache.py").read_text().splitlines()
+              if line.startswith("MambaCacheMode = ")]
+    return line
+
+
+def chunk_elsewhere(python: Path, sp: Path, patches: dict[str, str]) -> None:
+    """From 0.32.0 "all" mode is gone (not-needed by a fixed shape the patch knows); before
+    0.28.0 the target has shapes the patch was never checked against (unknown-shape)."""
+    if '"all"' in mamba_cache_modes(sp):
+        unknown_untouched(python, sp, patches)
+    else:
+        fixed_untouched(python, sp, patches)
+
+
 HYBRID_GROUPS = (  # (patches, the releases they patch, what the other releases get)
     (SPEC_PATCHES, SPEC_PATCHED, fixed_untouched),
     (BAMBA_PATCHES, BAMBA_PATCHED, absent_refused),
     (SPLIT_PATCHES, SPLIT_PATCHED, fixed_untouched),
+    (CHUNK_PATCHES, CHUNK_PATCHED, chunk_elsewhere),
 )
 
 
 @pytest.mark.parametrize("release", [*PATCHED, *NOT_NEEDED], indirect=True)
 def test_hybrid_patches_on_every_release(release: tuple[Path, Path], tmp_path: Path) -> None:
     """Each release's real files: the *-spec-conv-state patches (0.16.0-0.31.0; Bamba's
-    0.16.0-0.23.0) and mamba-split-external-kv (0.16.0-0.22.1) apply, re-apply, verify and
-    revert to the RECORD bytes where the bug is; elsewhere they are not-needed by a known fixed
-    shape (Bamba: not-applicable, its module is gone from 0.24.0)."""
+    0.16.0-0.23.0), mamba-split-external-kv (0.16.0-0.22.1) and mamba-all-mode-chunk-align
+    (0.28.0-0.31.0) apply, re-apply, verify and revert to the RECORD bytes where the bug is;
+    elsewhere they are not-needed by a known fixed shape (Bamba: not-applicable, its module is
+    gone from 0.24.0; the chunk patch: unknown-shape before 0.28.0, and from 0.32.0 vLLM has no
+    "all" mode)."""
     python, sp = release
     [dist_info] = sp.glob("vllm-*.dist-info")
     released = dist_info.name.removeprefix("vllm-").removesuffix(".dist-info")
     assert released in SPEC_PATCHED + SPEC_FIXED, released
+    assert ('"all"' in mamba_cache_modes(sp)) == (Version(released) < Version("0.32.0"))
     for patches, affected, elsewhere in HYBRID_GROUPS:
         if released in affected:
             patched_round_trip(python, sp, tmp_path, patches)
