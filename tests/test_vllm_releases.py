@@ -1,5 +1,6 @@
 """Catalog patches against the real files of vLLM releases 0.16.0 … 0.34.0
-(kv-cache-page-unification, the four *-spec-conv-state patches, mamba-split-external-kv).
+(kv-cache-page-unification, the four *-spec-conv-state patches, mamba-split-external-kv,
+mamba-all-mode-chunk-align).
 
 A release's real wheel (kept in a wheel cache between runs) is installed with
 ``uv pip install --no-deps`` (real RECORD, real files) and driven through the CLI as a user
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import cli
+from packaging.version import Version
 from release_shapes import RELEASES, at_boundary, round_trip_releases
 from test_kv_cache_page_promotion import HOME, refused_before_029, release_round_trip
 from venvs import record_sha256, release_venv, site_packages
@@ -172,6 +174,12 @@ SPLIT_PATCHES = {"mamba-split-external-kv": "vllm/v1/core/sched/scheduler.py"}
 SPLIT_PATCHED = PATCHED[:PATCHED.index("0.22.1") + 1]
 SPLIT_FIXED = [*PATCHED[PATCHED.index("0.23.0"):], *NOT_NEEDED]
 
+CHUNK_PATCHES = {"mamba-all-mode-chunk-align": "vllm/model_executor/models/config.py"}
+# mamba_cache_mode "all" drops the chunk alignment of a user's --mamba-block-size in every
+# release that has the mode; the patch claims 0.28.0 - 0.31.0 (two shapes of its target) and
+# 0.32.0 removed the mode (not-needed). Older releases carry the target in shapes never checked.
+CHUNK_PATCHED = ["0.28.0", "0.29.0", "0.30.0", "0.31.0"]
+
 
 def group_step(python: Path, op: str, patches: dict[str, str]
                ) -> tuple[int, dict[str, dict[str, object]]]:
@@ -250,10 +258,36 @@ def fixed_untouched(python: Path, sp: Path, patches: dict[str, str]) -> None:
     assert {rel: (sp / rel).read_bytes() for rel in files} == files
 
 
+def unknown_untouched(python: Path, sp: Path, patches: dict[str, str]) -> None:
+    """unknown-shape for apply and verify (a shape never checked), nothing written."""
+    files = {rel: (sp / rel).read_bytes() for rel in patches.values()}
+    for op in ("apply", "verify"):
+        code, out = group_step(python, op, patches)
+        assert (code, verdicts(out)) == (1, {"unknown-shape"}), out
+    assert {rel: (sp / rel).read_bytes() for rel in files} == files
+
+
+def mamba_cache_modes(sp: Path) -> str:
+    """The line of vllm/config/cache.py that lists the Mamba cache modes."""
+    [line] = [line for line in (sp / "vllm/config/cache.py").read_text().splitlines()
+              if line.startswith("MambaCacheMode = ")]
+    return line
+
+
+def chunk_elsewhere(python: Path, sp: Path, patches: dict[str, str]) -> None:
+    """From 0.32.0 "all" mode is gone (not-needed by a fixed shape the patch knows); before
+    0.28.0 the target has shapes the patch was never checked against (unknown-shape)."""
+    if '"all"' in mamba_cache_modes(sp):
+        unknown_untouched(python, sp, patches)
+    else:
+        fixed_untouched(python, sp, patches)
+
+
 HYBRID_GROUPS = (  # (patches, the releases they patch, what the other releases get)
     (SPEC_PATCHES, SPEC_PATCHED, fixed_untouched),
     (BAMBA_PATCHES, BAMBA_PATCHED, absent_refused),
     (SPLIT_PATCHES, SPLIT_PATCHED, fixed_untouched),
+    (CHUNK_PATCHES, CHUNK_PATCHED, chunk_elsewhere),
 )
 
 
@@ -278,6 +312,7 @@ def test_release_round_trip(release: tuple[Path, Path], tmp_path: Path) -> None:
     released = dist_info.name.removeprefix("vllm-").removesuffix(".dist-info")
     assert released in PATCHED + NOT_NEEDED, released
     assert PATCHED + NOT_NEEDED == list(RELEASES) == SPEC_PATCHED + SPEC_FIXED
+    assert ('"all"' in mamba_cache_modes(sp)) == (Version(released) < Version("0.32.0"))
     done = []
     if at_boundary(PATCH, released):
         if released in PATCHED:
