@@ -119,6 +119,21 @@ def create_venv(path: Path, *requirements: str, no_deps: bool = False,
     return venv_python(path)
 
 
+def reinstall_from_cache(python: Path, *requirements: str) -> None:
+    """``uv pip install --reinstall --no-deps`` of ``requirements`` into the environment of
+    ``python`` (a reinstall behind the tool's back: the released files back in place), from
+    uv's cache when it holds them.
+
+    ``--reinstall`` implies ``--refresh``: online, uv downloads and unpacks another copy of
+    each wheel into its cache every time (~550 MB for vLLM 0.20.2, left dangling once the next
+    copy replaces it: 30 of them after a few full runs); ``--offline`` reinstalls from the copy
+    uv has. Online only where the cache lacks one (after ``uv cache clean``)."""
+    cmd = [UV, "pip", "install", "--quiet", "--reinstall", "--no-deps", "--python", str(python),
+           *requirements]
+    if run([*cmd, "--offline"], check=False).returncode != 0:
+        run(cmd)
+
+
 # A CPU build of torch on local disk (pip's find-links on the project's machines) replaces the
 # several-GB CUDA build from PyPI where a vLLM release pins that torch version.
 LOCAL_WHEELS = Path(os.environ.get("HATCH_VLLM_PATCH_LOCAL_WHEELS") or "/opt/wheels")
