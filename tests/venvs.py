@@ -299,9 +299,21 @@ def _python_version() -> str:
     return ".".join(map(str, sys.version_info[:3]))
 
 
+# Releases whose full environments take the local CPU torch of :data:`PLANNING_TORCH` in place
+# of the CUDA torch they pin, when no torch is asked for: vLLM 0.16.0 pins torch 2.9.1, whose
+# CUDA build and CUDA 12 libraries (9.4 GB in uv's cache, measured) no other environment of the
+# suite shares. What the suite runs there (the Neuron plugin's KV specs and vLLM's grouping of
+# them, doctor's budget) imports and plans on 2.13.0+cpu as on the CUDA build: vLLM picks the
+# same (unspecified) platform on this machine with either, and its compiled kernels are never
+# called (measured).
+CPU_TORCH_INSTEAD = {"0.16.0": PLANNING_TORCH}
+
+
 def vllm_recipe(version: str, torch: str | None = None) -> Recipe:
     """``vllm==version`` with its dependencies but :data:`CUDA_KERNEL_DATA`; with the local CPU
-    build of ``torch`` (and without :data:`CUDA_TORCH_COMPANIONS`) when there is one."""
+    build of ``torch`` (:data:`CPU_TORCH_INSTEAD` when None) and without
+    :data:`CUDA_TORCH_COMPANIONS` when there is one."""
+    torch = torch or CPU_TORCH_INSTEAD.get(version)
     excluded = (*CUDA_KERNEL_DATA, *UNSERVED_PINS.get(version, ()))
     wheel = local_cpu_torch(torch) if torch else None
     if wheel is None:
