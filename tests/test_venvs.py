@@ -155,3 +155,53 @@ def test_real_vllm_clone_leaves_the_base(tmp_path: Path) -> None:
     assert base_problem(base) is None
     cli("revert", "--python", str(python), "--patch", patch, check=True)
     assert (site_packages(python.parent.parent) / rel).read_bytes() == original
+
+
+def test_wheel_without_compiled_code_keeps_every_other_member(tmp_path: Path) -> None:
+    """The wheel cache's copy leaves out the ELF members (a shared library, an executable) and
+    keeps every other member byte for byte, in order, RECORD included."""
+    import zipfile
+
+    members = {"pkg/__init__.py": b"x = 1\n", "pkg/_C.abi3.so": b"\x7fELF\x02\x01rest",
+               "pkg/tool": b"\x7fELF\x02\x01binary", "pkg/data.json": b"{}",
+               "pkg-1.0.dist-info/RECORD": b"pkg/__init__.py,sha256=abc,6\n"}
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as out:
+        for name, data in members.items():
+            out.writestr(name, data, compress_type=zipfile.ZIP_DEFLATED)
+    dest = tmp_path / "slim" / wheel.name
+    venvs.write_without_compiled_code(wheel, dest)
+    with zipfile.ZipFile(dest) as slim:
+        kept = {info.filename: slim.read(info) for info in slim.infolist()}
+    assert list(kept) == ["pkg/__init__.py", "pkg/data.json", "pkg-1.0.dist-info/RECORD"]
+    assert all(kept[name] == members[name] for name in kept)
+
+
+@pytest.mark.slow
+def test_cached_release_wheel_installs_the_released_files(tmp_path: Path) -> None:
+    """A release venv of vLLM 0.20.2 made from the wheel cache holds every file of the
+    release's RECORD with its released digest, but the compiled code (ELF files) alone."""
+    import base64
+    import csv
+    import hashlib
+    import zipfile
+
+    wheel = venvs.cached_wheel("vllm", "0.20.2")
+    with zipfile.ZipFile(wheel) as whl:
+        [record] = [n for n in whl.namelist() if n.endswith(".dist-info/RECORD")]
+        lines = whl.read(record).decode().splitlines()
+    sp = site_packages(venvs.release_venv(tmp_path / "venv", "vllm", "0.20.2").parent.parent)
+    missing, checked = [], 0
+    for rel, digest, _ in csv.reader(lines):
+        if not digest:
+            continue  # RECORD itself
+        path = sp / rel
+        if not path.is_file():
+            missing.append(rel)
+            continue
+        actual = base64.urlsafe_b64encode(hashlib.sha256(path.read_bytes()).digest())
+        assert actual.rstrip(b"=").decode() == digest.removeprefix("sha256="), rel
+        checked += 1
+    assert checked > 1700, checked  # 0.20.2's RECORD: 1723 .py files among the rest
+    assert missing and all(rel.endswith(".so") or rel == "vllm/vllm-rs" for rel in missing), \
+        missing

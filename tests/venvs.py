@@ -119,6 +119,21 @@ def create_venv(path: Path, *requirements: str, no_deps: bool = False,
     return venv_python(path)
 
 
+def reinstall_from_cache(python: Path, *requirements: str) -> None:
+    """``uv pip install --reinstall --no-deps`` of ``requirements`` into the environment of
+    ``python`` (a reinstall behind the tool's back: the released files back in place), from
+    uv's cache when it holds them.
+
+    ``--reinstall`` implies ``--refresh``: online, uv downloads and unpacks another copy of
+    each wheel into its cache every time (~550 MB for vLLM 0.20.2, left dangling once the next
+    copy replaces it: 30 of them after a few full runs); ``--offline`` reinstalls from the copy
+    uv has. Online only where the cache lacks one (after ``uv cache clean``)."""
+    cmd = [UV, "pip", "install", "--quiet", "--reinstall", "--no-deps", "--python", str(python),
+           *requirements]
+    if run([*cmd, "--offline"], check=False).returncode != 0:
+        run(cmd)
+
+
 # A CPU build of torch on local disk (pip's find-links on the project's machines) replaces the
 # several-GB CUDA build from PyPI where a vLLM release pins that torch version.
 LOCAL_WHEELS = Path(os.environ.get("HATCH_VLLM_PATCH_LOCAL_WHEELS") or "/opt/wheels")
@@ -284,16 +299,30 @@ def _python_version() -> str:
     return ".".join(map(str, sys.version_info[:3]))
 
 
+# Releases whose full environments take the local CPU torch of :data:`PLANNING_TORCH` in place
+# of the CUDA torch they pin, when no torch is asked for: vLLM 0.16.0 pins torch 2.9.1, whose
+# CUDA build and CUDA 12 libraries (9.4 GB in uv's cache, measured) no other environment of the
+# suite shares. What the suite runs there (the Neuron plugin's KV specs and vLLM's grouping of
+# them, doctor's budget) imports and plans on 2.13.0+cpu as on the CUDA build: vLLM picks the
+# same (unspecified) platform on this machine with either, and its compiled kernels are never
+# called (measured).
+CPU_TORCH_INSTEAD = {"0.16.0": PLANNING_TORCH}
+
+
 def vllm_recipe(version: str, torch: str | None = None) -> Recipe:
     """``vllm==version`` with its dependencies but :data:`CUDA_KERNEL_DATA`; with the local CPU
-    build of ``torch`` (and without :data:`CUDA_TORCH_COMPANIONS`) when there is one."""
+    build of ``torch`` (:data:`CPU_TORCH_INSTEAD` when None) and without
+    :data:`CUDA_TORCH_COMPANIONS` when there is one."""
+    torch = torch or CPU_TORCH_INSTEAD.get(version)
     excluded = (*CUDA_KERNEL_DATA, *UNSERVED_PINS.get(version, ()))
     wheel = local_cpu_torch(torch) if torch else None
     if wheel is None:
         return Recipe("vllm", version, "released", _python_version(), excluded=excluded)
+    # From the local wheels as a find-links source (as vllm_cpu_recipe), not as a direct URL: uv
+    # then keeps one unpacked copy of that torch for both kinds of base (0.7 GB less, measured).
     return Recipe("vllm", version, f"{torch}+cpu", _python_version(), wheels=(wheel.name,),
-                  overrides=(f"torch @ {wheel.resolve().as_uri()}",),
-                  excluded=excluded + CUDA_TORCH_COMPANIONS)
+                  overrides=(f"torch=={torch}+cpu",), excluded=excluded + CUDA_TORCH_COMPANIONS,
+                  sources=("--find-links", str(LOCAL_WHEELS)))
 
 
 def vllm_cpu_recipe(version: str) -> Recipe:
@@ -478,29 +507,58 @@ def _remove(folder: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-# Wheels of vLLM releases whose files the tests only read and patch. Keeping the .whl files (not
-# uv's unpacked copies, ~1.1 GB each) holds 26 releases in ~10 GB between runs.
+# Wheels of vLLM releases whose files the tests only read and patch, never import (the venvs made
+# from them hold no torch). Kept as .whl files (not uv's unpacked copies) and without their
+# compiled code: every ELF file (vLLM's kernels, 230-480 MB a release, and its vllm-rs binary)
+# is left out, every other file is kept byte for byte and the RECORD as released. uv installs
+# such a wheel (the installed RECORD then lists what it installed: the released lines but the
+# ELF files', measured on 0.20.2), so 27 releases take 0.3 GB between runs instead of 9.
 WHEEL_CACHE = Path(os.environ.get("HATCH_VLLM_PATCH_WHEEL_CACHE")
                    or Path.home() / ".cache" / "hatch-vllm-patch" / "wheels")
+# Where those wheels live in :data:`WHEEL_CACHE`. The full wheels an older layout kept directly in
+# it (<name>-<version>/) are read once to make these instead of a download, then never again:
+# `rm -rf` them to reclaim ~9 GB.
+SOURCE_WHEELS = WHEEL_CACHE / "without-compiled-code"
 
 
 def cached_wheel(name: str, version: str) -> Path:
-    """The wheel of ``name==version`` from the wheel cache, downloaded by pip on first use."""
-    folder = WHEEL_CACHE / f"{name}-{version}"
+    """The wheel of ``name==version`` without its compiled code, from the wheel cache; made on
+    first use from the wheel pip downloads (or a full one the cache kept before)."""
+    folder = SOURCE_WHEELS / f"{name}-{version}"
     found = sorted(folder.glob("*.whl"))
     if found:
         return found[0]
-    partial = Path(tempfile.mkdtemp(prefix=f".{name}-{version}.", dir=_ensure(WHEEL_CACHE)))
+    partial = Path(tempfile.mkdtemp(prefix=f".{name}-{version}.", dir=_ensure(SOURCE_WHEELS)))
     try:
-        run([sys.executable if _has_pip(sys.executable) else _system_python(), "-m", "pip",
-             "download", "--quiet", "--no-deps", "--no-cache-dir", "--only-binary=:all:",
-             "--dest", str(partial), f"{name}=={version}"])
-        wheel = next(partial.glob("*.whl"))
+        full = sorted((WHEEL_CACHE / f"{name}-{version}").glob("*.whl"))
+        if not full:
+            run([sys.executable if _has_pip(sys.executable) else _system_python(), "-m",
+                 "pip", "download", "--quiet", "--no-deps", "--no-cache-dir",
+                 "--only-binary=:all:", "--dest", str(partial), f"{name}=={version}"])
+            full = sorted(partial.glob("*.whl"))
+        slim = partial / "slim" / full[0].name
+        write_without_compiled_code(full[0], slim)
         folder.mkdir(exist_ok=True)
-        os.replace(wheel, folder / wheel.name)
+        os.replace(slim, folder / slim.name)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return next(folder.glob("*.whl"))
+
+
+def write_without_compiled_code(wheel: Path, dest: Path) -> None:
+    """Write at ``dest`` the wheel ``wheel`` without its ELF files (shared libraries and
+    executables); every other member as it was, in the same order."""
+    import zipfile
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(dest, "w") as out:
+        for info in source.infolist():
+            with source.open(info) as member:
+                head = member.read(4)
+                if head == b"\x7fELF":
+                    continue  # never decompressed further: most of a wheel's bytes
+                data = head + member.read()
+            out.writestr(info, data, compress_type=info.compress_type)
 
 
 def release_venv(path: Path, name: str, version: str) -> Path:
