@@ -5,12 +5,13 @@ environment:
 
     python mamba_block.py OUT.json WORKDIR [MODULE=BLOCK.py ...]
 
-Each case starts vLLM's EngineCore (engine.py: stub executor, vLLM's planning and Scheduler),
-prefills request "a" (394 tokens; chunks of at most 96 tokens), aborts it, sends "b" (the same
-prompt and 40 more tokens), aborts it, and resends "a"'s prompt as "c". It reports the block
-sizes EngineCore settled on, the chunk ends of "a" and "b", and for "b" and "c" the
-prefix-cache hit, the Mamba column vLLM's worker seeds the request from and the state that
-column holds (tokens), which is right only if it equals the hit. With
+Each case starts vLLM's EngineCore (engine.py: stub executor, vLLM's planning and Scheduler)
+and sends four requests, one after the other, each aborted once its prompt is computed: "a"
+(394 or 360 tokens; chunks of at most 96 tokens), "b" (a's prompt and 40 more tokens), "c" (a's
+prompt again) and "d" (a's first 330 tokens, then 64 others). It reports the block sizes
+EngineCore settled on, the chunk ends of "a" and "b", and for "b", "c" and "d" the prefix-cache
+hit, the Mamba column vLLM's worker seeds the request from and the state that column holds
+(tokens), which is right only if it equals the hit. With
 MODULE=BLOCK.py arguments every case runs again after the blocks are executed in their modules
 (engine.run_cases).
 """
@@ -25,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import engine
 
-PROMPT = 394
 EXTRA = 40
+SHARED = 330
 CHUNK = 96
 # Pages: target attention 64 tokens x 2 (K, V) x 2 heads x 64 x 2 B = 32768 B; the Mamba state
 # (16 x 512 + 8 x 32 x 32, bf16) = 32768 B; the drafter's attention (4 heads) comes from its
@@ -41,14 +42,16 @@ DRAFTER_64 = {"kind": "attention", "block_size": 64, "num_kv_heads": 2, "head_si
 MTP = {"method": "mtp", "num_speculative_tokens": 1}
 CASES: dict[str, dict[str, Any]] = {
     # the bug: the drafter's group has 32-token blocks, Mamba and attention 64
-    "mtp-drafter-block-32": {"drafter": DRAFTER_16},
+    "mtp-drafter-block-32": {"drafter": DRAFTER_16, "prompt": 394},
+    "mtp-drafter-block-32-prompt-360": {"drafter": DRAFTER_16, "prompt": 360},
     # vLLM's own result is right: every group at 64 tokens
-    "mtp-drafter-block-64": {"drafter": DRAFTER_64},
-    "no-drafter": {"drafter": None},
+    "mtp-drafter-block-64": {"drafter": DRAFTER_64, "prompt": 394},
+    "mtp-drafter-block-64-prompt-360": {"drafter": DRAFTER_64, "prompt": 360},
+    "no-drafter": {"drafter": None, "prompt": 394},
 }
 
 
-def _case(workdir: Path, drafter: dict[str, Any] | None) -> dict[str, Any]:
+def _case(workdir: Path, drafter: dict[str, Any] | None, prompt: int) -> dict[str, Any]:
     model = engine.write_model(workdir / "qwen3-next-tiny", engine.QWEN3_NEXT_TINY)
     config = engine.engine_config(
         model, max_model_len=4096, block_size=64, enable_prefix_caching=True,
@@ -61,12 +64,15 @@ def _case(workdir: Path, drafter: dict[str, Any] | None) -> dict[str, Any]:
     specs = {name: engine.layer_spec(**dict(spec)) for name, spec in layers.items()}
     core = engine.start_engine(config, specs, memory_bytes=512 * 32768 * len(specs))
     replay = engine.Replay(core)
-    prompt = [7 + (i * 31) % 1000 for i in range(PROMPT)]
-    replay.prefill(engine.new_request(core, "a", prompt))
+    tokens = [7 + (i * 31) % 1000 for i in range(prompt)]
+    replay.prefill(engine.new_request(core, "a", tokens))
     replay.finish("a")
-    replay.prefill(engine.new_request(core, "b", prompt + list(range(3, 3 + EXTRA))))
+    replay.prefill(engine.new_request(core, "b", tokens + list(range(3, 3 + EXTRA))))
     replay.finish("b")
-    replay.prefill(engine.new_request(core, "c", prompt))  # an identical resend of "a"
+    replay.prefill(engine.new_request(core, "c", tokens))  # an identical resend of "a"
+    replay.finish("c")
+    # shares a's first 330 tokens (five whole Mamba blocks and 10 tokens), then differs
+    replay.prefill(engine.new_request(core, "d", tokens[:SHARED] + list(range(1, 65))))
     cache = core.vllm_config.cache_config
     return {
         "cache_block_size": cache.block_size,
@@ -78,6 +84,7 @@ def _case(workdir: Path, drafter: dict[str, Any] | None) -> dict[str, Any]:
         "chunks_b": replay.chunks["b"],
         "b": replay.seeds["b"],
         "c": replay.seeds["c"],
+        "d": replay.seeds["d"],
     }
 
 
