@@ -153,7 +153,7 @@ def on_mamba_grid(chunks: list[int], prompt: int) -> bool:
     return all(end % MAMBA_BLOCK == 0 or end in (prompt, prompt // 32 * 32) for end in chunks)
 
 
-SCENARIO_RELEASES = ("0.29.0", "0.31.0", "0.33.0")
+SCENARIO_RELEASES = ("0.29.0", "0.31.0", "0.33.0", "0.34.0")
 
 
 @pytest.mark.slow

@@ -9,7 +9,9 @@ vLLM's worker-side seeding of a resumed request's Mamba state
 a case names and a fixed amount of memory, and runs nothing) and the replay of where the
 worker keeps a Mamba state, which follows the invariant vLLM's scheduler and kernels share in
 "align" mode: after a chunk that ends at token `end`, the state is in column
-`(end - 1) // mamba_block_size` of the request's Mamba block table.
+`(end - 1) // mamba_block_size` of the request's Mamba block table; before each forward pass
+the worker zeroes the blocks the scheduler lists as new and applies its copy-on-write copies
+(0.33+: a partial prefix hit gets a private copy of the cached block).
 
 The replay then answers the question a user cares about: when a request resumes from a
 prefix-cache hit, which state does the worker seed it from, and is it the state after exactly
@@ -63,11 +65,32 @@ def write_model(folder: Path, config: dict[str, Any]) -> Path:
 
 
 def use_cpu_platform() -> None:
-    """A CUDA build of vLLM on a machine without a GPU finds no platform: take the CPU one."""
+    """A CUDA build of vLLM on a machine without a GPU finds no platform: take the CPU one.
+
+    vLLM 0.34's CpuPlatform.check_and_update_config refuses an x86 machine without triton-cpu
+    ("vLLM on x86 CPUs requires Triton"), which only its CPU model runner needs; nothing here
+    runs a model. Where that check exists, Triton counts as present while that one method runs
+    (it reads vllm.triton_utils.HAS_TRITON when called) and as it really is everywhere else."""
+    import inspect
+
     import vllm.platforms as platforms
+    import vllm.triton_utils as triton_utils
     from vllm.platforms.cpu import CpuPlatform
 
-    platforms._current_platform = CpuPlatform()
+    checks_triton = "requires Triton" in inspect.getsource(CpuPlatform.check_and_update_config)
+
+    class ScenarioCpuPlatform(CpuPlatform):  # type: ignore[misc]
+        @classmethod
+        def check_and_update_config(cls, vllm_config: Any) -> None:
+            present = triton_utils.HAS_TRITON
+            if checks_triton:
+                triton_utils.HAS_TRITON = True
+            try:
+                super().check_and_update_config(vllm_config)
+            finally:
+                triton_utils.HAS_TRITON = present
+
+    platforms._current_platform = ScenarioCpuPlatform()
 
 
 def engine_config(model_dir: Path, **engine_args: Any) -> Any:
@@ -222,9 +245,19 @@ class Replay:
         return self.state_in_block.get(blocks[column])
 
     def step(self) -> Any:
-        """One schedule(): records chunk ends, new requests' hits and the worker's seed, and
-        the Mamba block each chunk's final state lands in."""
+        """One schedule(): applies the step's block zeroing and copies, records new
+        requests' hits and the worker's seed, the chunk ends, and the Mamba block each chunk's
+        final state lands in."""
         output = self.scheduler.schedule()
+        # Before the forward pass the worker zeroes freshly allocated blocks (0.33+) and applies
+        # the scheduler's copy-on-write copies (a partial prefix hit's private block, 0.33+).
+        for block in getattr(output, "new_block_ids_to_zero", None) or ():
+            self.state_in_block.pop(block, None)
+        for copy in getattr(output, "kv_cache_block_copies", None) or ():
+            if copy.src_block_id in self.state_in_block:
+                self.state_in_block[copy.dst_block_id] = self.state_in_block[copy.src_block_id]
+            else:
+                self.state_in_block.pop(copy.dst_block_id, None)
         for data in output.scheduled_new_reqs:
             blocks = self.mamba_blocks(data.req_id)
             column = worker_seed_column(self.core.vllm_config.cache_config, data)
