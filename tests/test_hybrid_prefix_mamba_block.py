@@ -185,7 +185,8 @@ def test_patched_vllm_cuts_on_the_mamba_block_and_resumes_right(
         version: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Patched, chunks end on the Mamba grid (64, 128, ...) and every resumed request (a longer
     prompt, an identical resend, a prompt diverging mid-block) is seeded from the state after
-    exactly its hit, with the hits vLLM gives the same drafter at 64-token blocks."""
+    exactly its hit, at least as long as the hit vLLM gives the same drafter at 64-token
+    blocks."""
     report = scenarios(version, tmp_path_factory)
     for name, control in BUGS.items():
         case, right = report["patched"][name], report["released"][control]
@@ -197,7 +198,9 @@ def test_patched_vllm_cuts_on_the_mamba_block_and_resumes_right(
             if seed["hit"]:
                 assert seed["seed_column"] == seed["right_column"], (name, resumed, seed)
                 assert seed["state_read"] == seed["hit"], (name, resumed, seed)
-        assert {r: case[r] for r in RESUMED} == {r: right[r] for r in RESUMED}, name
+            # at least the hit vLLM gives the same drafter at 64-token blocks (0.33+ also
+            # register the prompt's last 32-token boundary: a partial hit of 352 of 360)
+            assert seed["hit"] >= right[resumed]["hit"], (name, resumed, seed, right[resumed])
         assert case["b"]["hit"] >= 320, (name, case["b"])
 
 
