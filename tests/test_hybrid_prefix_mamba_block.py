@@ -148,12 +148,13 @@ def scenarios(version: str, tmp_path_factory: pytest.TempPathFactory) -> dict[st
 
 
 def on_mamba_grid(chunks: list[int], prompt: int) -> bool:
-    """Every chunk but the last two ends on the Mamba grid; those two end on the 32-token hash
-    grid or at the prompt's end (vLLM's own tail stops: the prompt's last hash boundary, less
-    one for an EAGLE-like drafter in 0.31, where vLLM registers a fine-grained hit itself)."""
-    body, tail = chunks[:-2], chunks[-2:]
-    return (all(end % MAMBA_BLOCK == 0 for end in body)
-            and all(end % 32 == 0 or end == prompt for end in tail))
+    """Chunks end on the Mamba grid, except in the prompt's last two Mamba blocks, where vLLM's
+    own tail stops may end them on the 32-token hash grid or at the prompt's end (the prompt's
+    last hash boundary, less one for an EAGLE-like drafter in 0.31: fine-grained hits that
+    vLLM registers itself)."""
+    tail = prompt // MAMBA_BLOCK * MAMBA_BLOCK - MAMBA_BLOCK
+    return all(end % MAMBA_BLOCK == 0 if end < tail else end % 32 == 0 or end == prompt
+               for end in chunks)
 
 
 SCENARIO_RELEASES = ("0.29.0", "0.31.0", "0.33.0", "0.34.0")
