@@ -205,7 +205,6 @@ def test_patched_vllm_cuts_on_the_mamba_block_and_resumes_right(
             # at least the hit vLLM gives the same drafter at 64-token blocks (0.33+ also
             # register the prompt's last 32-token boundary: a partial hit of 352 of 360)
             assert seed["hit"] >= right[resumed]["hit"], (name, resumed, seed, right[resumed])
-        assert case["b"]["hit"] >= 320, (name, case["b"])
 
 
 @pytest.mark.slow
