@@ -77,7 +77,7 @@ def _hvp_window_blocks(
     return (result, notes) if notes else None
 
 
-def _hvp_wrap_grouping_for_window(
+def _hvp_window_wrap_grouping(
     original: "Callable[..., _hvp_typing.Any]",
 ) -> "Callable[..., _hvp_typing.Any]":
     """The wrapper that replaces ``_get_kv_cache_groups_uniform_page_size``; ``__wrapped__`` is
@@ -114,5 +114,5 @@ _hvp_window_current = globals().get("_get_kv_cache_groups_uniform_page_size")
 if callable(_hvp_window_current) and (
     getattr(_hvp_window_current, "_hvp_patch_id", None) != _hvp_window_patch_id
 ):
-    _get_kv_cache_groups_uniform_page_size = _hvp_wrap_grouping_for_window(_hvp_window_current)
+    _get_kv_cache_groups_uniform_page_size = _hvp_window_wrap_grouping(_hvp_window_current)
 del _hvp_window_current
