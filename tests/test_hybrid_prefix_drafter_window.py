@@ -42,9 +42,10 @@ HOME = {"0.29.0": UTILS, "0.30.0": UTILS, "0.31.0": UTILS, "0.32.0": UTILS,
         "0.33.0": PLANNING, "0.34.0": PLANNING}
 FULL_HIT = 19968  # the 20,000-token resend: every whole 1536-token block but the last token's
 # Where vLLM is wrong as released: the drafter's block scaled to 3456, the scheduler's to 13824
-BROKEN = {"0.29.0": {"fixed-kernels", "multiple-of-16"}, "0.31.0": {"fixed-kernels",
-                                                                   "multiple-of-16"},
-          "0.33.0": {"fixed-kernels"}}
+# (0.29 for every backend; from 0.30 a backend taking any multiple of a base size starts the
+# layer at the target's block, so only fixed kernel sizes are left).
+BROKEN = {"0.29.0": {"fixed-kernels", "multiple-of-16"}, "0.31.0": {"fixed-kernels"},
+          "0.33.0": {"fixed-kernels"}, "0.34.0": {"fixed-kernels"}}
 CASES = {"fixed-kernels", "multiple-of-16", "window-divides", "no-drafter"}
 
 
@@ -158,3 +159,51 @@ def test_resend_hit_as_released_and_patched(version: str, tmp_path: Path) -> Non
             assert case["groups"][-1]["padded"] == 1769472, name
     assert _outcome("revert", python)["verdict"] == "reverted"
     assert home.read_bytes() == original
+
+
+# vLLM's own tests: the planning tests that reach the grouping (tests/test_upstream_tests.py's
+# PLANNING_TESTS) and the prefix-caching and scheduler tests of the release's sdist.
+PREFIX_TESTS = ("tests/v1/core/test_prefix_caching.py", "tests/v1/core/test_scheduler.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", ["0.29.0", "0.31.0", "0.33.0"])
+def test_upstream_tests_pass_patched(tmp_path: Path, version: str) -> None:
+    """vLLM's planning, prefix-caching and scheduler tests of the release: the same outcome for
+    every test with the block as released; the block is in place and never re-blocks (no test
+    builds a sliding-window layer whose block inflates the scheduler's next to cached states)."""
+    from test_upstream_grouping_tests import PLUGIN, run_state
+    from test_upstream_tests import (
+        LOAD_BOUND,
+        PLANNING_TESTS,
+        cached_sdist,
+        unpack_tests,
+        upstream_env,
+        upstream_tools,
+    )
+    from venvs import full_vllm_planning_env
+
+    python = full_vllm_planning_env(version)
+    root = tmp_path / "upstream"
+    unpack_tests(cached_sdist(version), root)
+    files = (*PLANNING_TESTS[version], *PREFIX_TESTS)
+    assert all((root / f).is_file() for f in files), files
+    tools = upstream_tools(tmp_path)
+    (tools / "hvp_grouping_plugin.py").write_text(PLUGIN)
+    env = upstream_env(version, tools, tmp_path)
+    skip = tuple(f"--deselect={node}" for node in LOAD_BOUND.get(version, ()))
+    released, before = run_state(python, root, env, f"released-{version}", files, skip)
+    patched, after = run_state(python, root, {**env, "HVP_BLOCK": str(FOLDER / "block.py"),
+                                              "HVP_PATCH": PATCH}, f"patched-{version}", files,
+                               skip)
+    passed = {n for n, o in released.items() if o == "passed"}
+    differing = sorted((n, o, patched.get(n)) for n, o in released.items()
+                       if patched.get(n) != o)
+    print(f"\n{len(released)} tests of {version}: {len(passed)} pass as released, "
+          f"{sum(o == 'passed' for o in patched.values())} patched; grouping called "
+          f"{after['calls']} times; differing: {differing}")
+    assert patched == released
+    assert sum(n.startswith(PREFIX_TESTS[0]) for n in passed) >= 50
+    assert sum(n.startswith(PREFIX_TESTS[1]) for n in passed) >= 50
+    assert (before["wrapped"], after["wrapped"]) == (False, True)
+    assert before["calls"] == after["calls"] >= 10

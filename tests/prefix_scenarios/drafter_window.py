@@ -221,8 +221,24 @@ def main() -> int:
     import vllm.platforms as platforms
     from vllm.platforms.cpu import CpuPlatform
 
+    class ScenarioCpuPlatform(CpuPlatform):  # type: ignore[misc]
+        """vLLM's CPU platform. 0.34 refuses x86 without triton-cpu in this method alone (its
+        CPU model runner needs it; nothing here runs a model): Triton counts as present only
+        while the method runs, for that check, and as it is everywhere else."""
+
+        @classmethod
+        def check_and_update_config(cls, vllm_config: Any) -> None:
+            import vllm.triton_utils as triton_utils
+
+            present = triton_utils.HAS_TRITON
+            triton_utils.HAS_TRITON = True
+            try:
+                super().check_and_update_config(vllm_config)
+            finally:
+                triton_utils.HAS_TRITON = present
+
     # A CUDA build of vLLM on a machine without a GPU finds no platform: take the CPU one.
-    platforms._current_platform = CpuPlatform()
+    platforms._current_platform = ScenarioCpuPlatform()
     report: dict[str, Any] = {"vllm_version": vllm.__version__, "cases": {}}
     with contextlib.redirect_stdout(sys.stderr):
         try:  # where vLLM's grouping lives: 0.33+ kv_cache_planning, before kv_cache_utils
