@@ -21,6 +21,7 @@ No model weights; the config on disk only makes vLLM choose prefix caching for a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -168,6 +169,7 @@ def _run(engine: Any, request_id: str, steps: int = 50) -> dict[str, Any]:
                       block_hasher=engine.request_block_hasher)
     scheduler = engine.scheduler
     scheduler.add_request(request)
+    fields = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
     chunk_ends: list[int] = []
     hit = None
     for _ in range(steps):
@@ -181,8 +183,10 @@ def _run(engine: Any, request_id: str, steps: int = 50) -> dict[str, Any]:
         done = request.num_computed_tokens  # already advanced by schedule()
         chunk_ends.append(done)
         sampled = [[11]] if done >= PROMPT else [[]]
-        scheduler.update_from_output(out, ModelRunnerOutput(
-            req_ids=[request_id], req_id_to_index={request_id: 0}, sampled_token_ids=sampled))
+        output: dict[str, Any] = {"req_ids": [request_id], "sampled_token_ids": sampled}
+        if "req_id_to_index" in fields:  # 0.29 - 0.33; 0.34 dropped it
+            output["req_id_to_index"] = {request_id: 0}
+        scheduler.update_from_output(out, ModelRunnerOutput(**output))
         if request.is_finished():
             break
     return {"hit": hit, "chunk_ends": chunk_ends, "finished": request.is_finished()}
