@@ -45,6 +45,7 @@ EXPECTED: dict[str, tuple[tuple[str, str], ...]] = {
     "kv-cache-page-promotion": (("0.16.0", "unknown-shape"), ("0.29.0", "missing")),
     "kv-cache-uneven-groups": (("0.16.0", "unknown-shape"), ("0.27.0", "missing")),
     "kv-cache-exact-groups": (("0.16.0", "unknown-shape"), ("0.27.0", "missing")),
+    "hybrid-prefix-drafter-window": (("0.16.0", "unknown-shape"), ("0.27.0", "missing")),
     "hybrid-prefix-mamba-block": (("0.16.0", "unknown-shape"), ("0.29.0", "missing")),
     "mamba-all-mode-chunk-align": (("0.16.0", "unknown-shape"), ("0.28.0", "missing"),
                                    ("0.32.0", "not-needed")),
