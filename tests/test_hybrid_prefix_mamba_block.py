@@ -295,3 +295,36 @@ def test_upstream_scheduler_and_prefix_caching_tests(tmp_path: Path, version: st
     assert set(patched) == set(released)
     assert len(passed) > 100, len(passed)
     assert {n: patched[n] for n in passed if patched[n] != "passed"} == {}
+
+
+# The other two prefix-caching patches of issue 33, as the blocks they execute in vLLM's
+# modules (the module each wraps on the release given).
+OTHER_PREFIX_BLOCKS = {
+    "0.29.0": {"vllm.v1.core.kv_cache_utils": "hybrid-prefix-drafter-window/block.py",
+               "vllm.model_executor.models.config": "mamba-all-mode-chunk-align/block.py"},
+    "0.33.0": {"vllm.v1.core.kv_cache_planning": "hybrid-prefix-drafter-window/block.py"},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", sorted(OTHER_PREFIX_BLOCKS))
+def test_the_other_prefix_patches_leave_these_scenarios(version: str, tmp_path: Path) -> None:
+    """hybrid-prefix-drafter-window (bug 2) and mamba-all-mode-chunk-align (bug 3, 0.28 - 0.31)
+    change nothing in bug 1's scenarios: with their blocks executed, every case's blocks, chunks,
+    hits and seeds equal the released engine's (no sliding-window drafter, align mode)."""
+    from venvs import full_vllm_planning_env
+
+    python = full_vllm_planning_env(version)
+    out = tmp_path / "report.json"
+    blocks = [f"{module}={REPO / 'patches' / block}"
+              for module, block in OTHER_PREFIX_BLOCKS[version].items()]
+    proc = subprocess.run([str(python), str(SCRIPT), str(out), str(tmp_path), *blocks],
+                          capture_output=True, text=True, timeout=1800, check=False,
+                          env={"HF_HUB_OFFLINE": "1", "VLLM_CONFIGURE_LOGGING": "0",
+                               "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert set(report["patched"]) == set(report["released"]) and len(report["released"]) == 5
+    for name in report["released"]:
+        assert "case_error" not in report["released"][name], report["released"][name]
+        assert report["patched"][name] == report["released"][name], name
