@@ -40,7 +40,7 @@ UNCHANGED = ("all-default", "all-512", "all-1024", "all-320", "align-default", "
 def test_patch_folder_is_a_valid_catalog_entry() -> None:
     """patch.toml: one target symbol (MambaModelConfig.verify_and_update_config), two known
     shapes (0.28.0 - 0.30.0, 0.31.0), fixed-in 0.32.0 with the fixed shapes of 0.32 - 0.34,
-    selected by the Mamba2 architectures that support "all" mode."""
+    opt-in, naming the Mamba2 architectures that support "all" mode (for doctor)."""
     patch = load_catalog(REPO / "patches")[PATCH]
     assert (patch.target.module, patch.target.symbols) == (
         "vllm.model_executor.models.config", ("MambaModelConfig.verify_and_update_config",))
@@ -50,6 +50,7 @@ def test_patch_folder_is_a_valid_catalog_entry() -> None:
     assert set(patch.architectures) == {
         "FalconH1ForCausalLM", "GraniteMoeHybridForCausalLM", "Mamba2ForCausalLM",
         "NemotronHForCausalLM", "Zamba2ForCausalLM"}
+    assert patch.opt_in
     assert "https://github.com/vllm-project/vllm/pull/57278" in patch.links
 
 
