@@ -114,6 +114,13 @@ HUB_CONFIGS = {
         "num_key_value_heads": 32, "vocab_size": 151936, "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-6, "rope_theta": 1000000, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16", "hidden_act": "silu"},
+    # the model of most scheduler tests (tests/v1/core/utils.py create_scheduler)
+    "facebook/opt-125m": {
+        "architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 768,
+        "ffn_dim": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+        "vocab_size": 50272, "max_position_embeddings": 2048, "word_embed_proj_dim": 768,
+        "do_layer_norm_before": True, "activation_function": "relu", "enable_bias": True,
+        "bos_token_id": 2, "eos_token_id": 2, "pad_token_id": 1, "torch_dtype": "float16"},
 }
 
 
