@@ -124,12 +124,13 @@ class Served(NamedTuple):
     log: str
 
 
-def _serve(python: Path, work: Path, cases: list[dict[str, Any]]) -> Served:
-    """Start each case's engine in one process."""
+def _serve(python: Path, work: Path, cases: list[dict[str, Any]],
+           env: dict[str, str] | None = None) -> Served:
+    """Start each case's engine in one process (``env``: more variables for it)."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "cases.json").write_text(json.dumps(cases))
     proc = run([str(python), str(HARNESS / "serve.py"), str(work / "cases.json")],
-               cwd=work, env=SERVED_ENV, check=False, timeout=3600)
+               cwd=work, env={**SERVED_ENV, **(env or {})}, check=False, timeout=3600)
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("HVP-SERVED "):

@@ -104,6 +104,11 @@ NAMED_ONLY = {
     # granitemoehybrid-1group for long contexts (16384 positions)
     "granitemoehybrid-1group-long": ("GraniteMoeHybridConfig", {
         **CONFIGS["granitemoehybrid-1group"][1], "max_position_embeddings": 16384}),
+    # granitemoehybrid with the Mamba chunk of Granite 4.0-H (256) and 4096 positions
+    # (tests/test_served_prefix.py: "all" mode's states are taken at chunk ends)
+    "granitemoehybrid-chunk256": ("GraniteMoeHybridConfig", {
+        **CONFIGS["granitemoehybrid"][1], "mamba_chunk_size": 256,
+        "max_position_embeddings": 4096}),
     # 1 KV head of 160: 1280 B per token and layer in float32, 2.5x the Granite targets' 512 B
     "llama-draft-2.5x": ("LlamaConfig", {
         "hidden_size": 160, "intermediate_size": 256, "num_hidden_layers": 1,
