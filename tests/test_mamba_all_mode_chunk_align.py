@@ -28,7 +28,7 @@ PATCH = "mamba-all-mode-chunk-align"
 FOLDER = REPO / "patches" / PATCH
 SCRIPT = Path(__file__).resolve().parent / "prefix_scenarios" / "all_mode.py"
 CHUNK = 256
-RELEASES = ("0.29.0", "0.31.0")
+RELEASES = ("0.28.0", "0.29.0", "0.30.0", "0.31.0")
 # --mamba-block-size values vLLM turns into blocks between chunk ends (CPU attention backend,
 # kernel unit 128): 192 -> 1152, 128 -> 896.
 MISALIGNED = ("all-192", "all-128")
@@ -76,10 +76,10 @@ def _verdict(op: str, python: Path) -> dict[str, Any]:
     return {"exit": proc.returncode, **outcome}
 
 
-def _facts(python: Path, work: Path, name: str, version: str) -> dict[str, Any]:
+def _facts(python: Path, work: Path, name: str, version: str, *others: str) -> dict[str, Any]:
     out = work / f"{name}.json"
     (work / name).mkdir()
-    proc = run([str(python), str(SCRIPT), str(out), str(work / name)], check=False,
+    proc = run([str(python), str(SCRIPT), str(out), str(work / name), *others], check=False,
                timeout=1500)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     data: dict[str, Any] = json.loads(out.read_text())
@@ -93,11 +93,14 @@ def _facts(python: Path, work: Path, name: str, version: str) -> dict[str, Any]:
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
          ) -> dict[str, Any]:
     """all_mode.py's facts on one release: as released ("original") and patched by the CLI
-    ("patched"); the shared full environment is reverted afterwards."""
+    ("patched"); the shared full environment is reverted afterwards. The released run also
+    runs every case again with the other prefix patches' blocks executed ("with_blocks")."""
+    from test_upstream_prefix_tests import other_blocks
+
     version = request.param
     work = tmp_path_factory.mktemp(f"all-mode-{version}")
     python = full_vllm_planning_env(version)
-    original = _facts(python, work, "original", version)
+    original = _facts(python, work, "original", version, *other_blocks(PATCH, version))
     applied = _verdict("apply", python)
     assert (applied["verdict"], applied["exit"]) == ("applied", 0), applied
     try:
@@ -164,6 +167,17 @@ def test_patched_is_vllms_own_where_vllm_was_right(runs: dict[str, Any], name: s
         patched = {k: v for k, v in patched.items() if k != "after_config"}
         original = {k: v for k, v in original.items() if k != "after_config"}
     assert patched == original
+
+
+@pytest.mark.slow
+def test_the_other_prefix_patches_leave_these_scenarios(runs: dict[str, Any]) -> None:
+    """hybrid-prefix-mamba-block (bug 1) and hybrid-prefix-drafter-window (bug 2) change nothing
+    in bug 3's scenarios: with their blocks executed, every case (blocks, cached states, the
+    resend's hit and what its state summarises) is the released engine's."""
+    original = runs["original"]
+    assert set(original["with_blocks"]) == set(original["cases"])
+    for name, case in original["cases"].items():
+        assert original["with_blocks"][name] == case, name
 
 
 @pytest.mark.slow

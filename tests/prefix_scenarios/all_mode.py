@@ -2,8 +2,10 @@
 and what a prefix-cache hit resumes from, for tests/test_mamba_all_mode_chunk_align.py. Run with
 the interpreter of a full vLLM environment (never imported by the test process):
 
-    python all_mode.py OUT.json WORK_DIR
+    python all_mode.py OUT.json WORK_DIR [MODULE=BLOCK.py ...]
 
+With MODULE=BLOCK.py arguments (another patch's blocks), every case runs again after those blocks
+are executed in their modules ("with_blocks" in the report): what the other patches change here.
 One import of vLLM serves every case; each case is a fresh VllmConfig and EngineCore.
 
 What is vLLM's: the config (EngineArgs.create_engine_config on the CPU platform, offline, from a
@@ -31,6 +33,8 @@ import tempfile
 import traceback
 from pathlib import Path
 from typing import Any
+
+import engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
@@ -247,6 +251,16 @@ def _case(model_dir: Path, mode: str, user_block: int | None) -> dict[str, Any]:
     return case
 
 
+def _cases(model_dir: Path) -> dict[str, Any]:
+    cases: dict[str, Any] = {}
+    for name, (mode, user_block) in CASES.items():
+        try:
+            cases[name] = _case(model_dir, mode, user_block)
+        except Exception as exc:
+            cases[name] = {"case_error": _error(exc)}
+    return cases
+
+
 def main() -> int:
     out, work = Path(sys.argv[1]), Path(sys.argv[2])
     model_dir = work / "model"
@@ -265,11 +279,11 @@ def main() -> int:
 
         method = vars(MambaModelConfig)["verify_and_update_config"]
         report["patch_id"] = getattr(getattr(method, "__func__", None), "_hvp_patch_id", None)
-        for name, (mode, user_block) in CASES.items():
-            try:
-                report["cases"][name] = _case(model_dir, mode, user_block)
-            except Exception as exc:
-                report["cases"][name] = {"case_error": _error(exc)}
+        report["cases"] = _cases(model_dir)
+        others = engine.blocks_from_argv(sys.argv[3:])
+        if others:
+            engine.apply_blocks(others)
+            report["with_blocks"] = _cases(model_dir)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(report, indent=1, sort_keys=True))
     os.replace(tmp, out)

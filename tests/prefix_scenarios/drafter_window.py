@@ -2,8 +2,10 @@
 drafter, for tests/test_hybrid_prefix_drafter_window.py. Run with the interpreter of a full
 vLLM environment:
 
-    python drafter_window.py OUT.json
+    python drafter_window.py OUT.json [MODULE=BLOCK.py ...]
 
+With MODULE=BLOCK.py arguments (another patch's blocks), every case runs again after those blocks
+are executed in their modules ("with_blocks" in the report): what the other patches change here.
 One import of vLLM serves every case. Each case starts vLLM's real EngineCore (its KV-cache
 planning, its scheduler and block sizes, its prefix-cache hashing) with only the executor
 stubbed: the stub reports the KV-cache specs a worker reports for
@@ -30,6 +32,8 @@ import traceback
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+import engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
@@ -217,6 +221,16 @@ def _case(model_dir: Path, drafter: tuple[Any, int, int] | None) -> dict[str, An
     return case
 
 
+def _cases(model_dir: Path) -> dict[str, Any]:
+    cases: dict[str, Any] = {}
+    for name, drafter in CASES.items():
+        try:
+            cases[name] = _case(model_dir, drafter)
+        except Exception as exc:
+            cases[name] = {"case_error": _error(exc), "traceback": traceback.format_exc()[-3000:]}
+    return cases
+
+
 def main() -> int:
     out = Path(sys.argv[1])
     model_dir = Path(tempfile.mkdtemp(prefix="hvp-drafter-window-"))
@@ -251,12 +265,11 @@ def main() -> int:
             from vllm.v1.core import kv_cache_utils as planning  # type: ignore[no-redef]
         grouping = planning._get_kv_cache_groups_uniform_page_size
         report["grouping_patch_id"] = getattr(grouping, "_hvp_patch_id", None)
-        for name, drafter in CASES.items():
-            try:
-                report["cases"][name] = _case(model_dir, drafter)
-            except Exception as exc:
-                report["cases"][name] = {"case_error": _error(exc),
-                                         "traceback": traceback.format_exc()[-3000:]}
+        report["cases"] = _cases(model_dir)
+        others = engine.blocks_from_argv(sys.argv[2:])
+        if others:
+            engine.apply_blocks(others)
+            report["with_blocks"] = _cases(model_dir)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(report, indent=1, sort_keys=True))
     os.replace(tmp, out)
