@@ -201,7 +201,7 @@ def run_state(python: Path, root: Path, work: Path, tools: Path, name: str,
     return junit_outcomes(report), json.loads(facts.read_text())
 
 
-def tests_root(version: str, shared: Path) -> tuple[Path, Path]:
+def unpacked_tests(version: str, shared: Path) -> tuple[Path, Path]:
     """The release's unpacked tests and the pytest tools with the plugin (made once per run)."""
     root = shared / f"upstream-prefix-{version}" / "upstream"
     if not root.is_dir():
@@ -219,7 +219,7 @@ def released_run(version: str) -> tuple[Path, Path, dict[str, str], dict[str, ob
     """The release's tests as released (the plugin loaded, no block), once per test run and
     shared by the workers: (tests root, tools, outcome per node id, the plugin's report)."""
     with run_lock(f"upstream-prefix-{version}") as shared:
-        root, tools = tests_root(version, shared)
+        root, tools = unpacked_tests(version, shared)
         done = root.parent / "released-outcomes.json"
         if not done.is_file():
             outcomes, facts = run_state(full_vllm_planning_env(version), root, root.parent,
