@@ -914,6 +914,21 @@ def runner_seeding(config: Any, platform: str) -> dict[str, Any]:
     return out
 
 
+def window_needs_whole_blocks() -> bool:
+    """Whether vLLM's sliding-window manager asserts that its block divides the hit alignment
+    (0.27 - 0.29: where it does not, the first prefix lookup fails vLLM's assertion "does not
+    support fine-grained (partial) cache hits" and the engine dies; 0.30 dropped it)."""
+    import inspect
+
+    try:
+        from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+        source = inspect.getsource(SlidingWindowManager.find_longest_cache_hit)
+    except Exception:
+        return False
+    return "does not support fine-grained" in source
+
+
 def prefix_caching(config: Any, stages: list[dict[str, Any]], case: dict[str, Any],
                    kv: dict[str, Any]) -> dict[str, Any]:
     """What vLLM's start-up sets for prefix caching: the cache options after the config hooks
@@ -957,6 +972,7 @@ def prefix_caching(config: Any, stages: list[dict[str, Any]], case: dict[str, An
         out["hit_alignment"] = hit_alignment(kv_config, config, scheduler_block, hash_block)
         out["mamba_block_size"] = getattr(cache, "mamba_block_size", None)
         out["seeding"] = runner_seeding(config, case.get("platform", "cuda"))
+        out["window_needs_whole_blocks"] = window_needs_whole_blocks()
     except Exception as exc:
         out["error"] = _error(exc)
         out["traceback"] = traceback.format_exc()[-4000:]

@@ -720,8 +720,8 @@ PREFIX_BUGS = {
                  "base of its alignment"),
 }
 # The outcomes, worst first: what a second request that shares a prefix gets.
-PREFIX_OUTCOMES = ("wrong-state", "all-mode-misaligned", "no-hits", "loses-reuse", "correct",
-                   "off", "not-hybrid", "unknown")
+PREFIX_OUTCOMES = ("dies", "wrong-state", "all-mode-misaligned", "no-hits", "loses-reuse",
+                   "correct", "off", "not-hybrid", "unknown")
 
 
 class PrefixVerdict(NamedTuple):
@@ -746,7 +746,7 @@ class PrefixVerdict(NamedTuple):
         keys = ("enable_prefix_caching", "mamba_cache_mode", "requested_mamba_block_size",
                 "mamba_block_size", "mamba_chunk_size", "block_size_before_engine",
                 "engine_block_size", "scheduler_block_size", "hash_block_size",
-                "hit_alignment", "seeding", "error")
+                "hit_alignment", "seeding", "window_needs_whole_blocks", "error")
         return {"outcome": self.outcome, "line": self.line, "what": self.what,
                 "blocks": self.blocks, "fix": self.fix,
                 "bug": self.bug.number if self.bug else None,
@@ -838,6 +838,13 @@ def judge_prefix(facts: Mapping[str, Any] | None, patches: Mapping[str, Patch],
                           + (f" (--mamba-block-size {asked} became {m})" if asked else ""))
         return PrefixVerdict("correct", 'prefix caching: reuses state correctly ("all" mode)',
                              facts, blocks=blocks)
+    windows = sorted({int(g["block_size"]) for g in groups
+                      if g["type"] == "SlidingWindowSpec" and a and a % int(g["block_size"])})
+    if windows and facts.get("window_needs_whole_blocks"):
+        return bugged("dies", 2, "THE ENGINE DIES ON THE FIRST REQUEST: vLLM's sliding-window "
+                      f"manager asserts that its block ({', '.join(map(str, windows))}) divides "
+                      f"the hit alignment ({a} tokens), and the first prefix lookup fails that "
+                      "assertion")
     if b != m:
         seeding = facts.get("seeding") or {}
         if "cache_config.block_size" in str(seeding.get("divisor") or ""):
