@@ -478,10 +478,10 @@ def pytest_configure(config: pytest.Config) -> None:
 # (the packages of the full vLLM environments and of the example project's lock, CUDA torch 2.11
 # among them), the wheel cache of vLLM releases (kept without their compiled code), and the
 # base environments (venvs.ENV_CACHE: hardlinks into uv's cache but for their bytecode, about
-# 0.4 GB each, ~11 of them); plus room for the environments made without the cache.
-COLD_UV_CACHE = 26 * 10**9
-COLD_WHEEL_CACHE = 1 * 10**9
-COLD_ENV_CACHE = 5 * 10**9
+# 0.4 GB each, ~16 of them); plus room for the environments made without the cache.
+COLD_UV_CACHE = 27 * 10**9
+COLD_WHEEL_CACHE = 11 * 10**8
+COLD_ENV_CACHE = 7 * 10**9
 WORKING_ROOM = 6 * 10**9
 
 
