@@ -179,6 +179,12 @@ def main() -> int:
 
     # A CUDA build of vLLM on a machine without a GPU finds no platform: take the CPU one.
     platforms._current_platform = CpuPlatform()
+    # vLLM's registry inspects each model class in a Python of its own (an import of vLLM, 6 - 8
+    # s; its cache holds one release's digest per class): here, in this process (no CUDA).
+    from vllm.model_executor.models import registry
+
+    if callable(getattr(registry, "_run_in_subprocess", None)):
+        registry._run_in_subprocess = lambda fn: fn()
     # The cases are the scheduler as on GPUs. On a CPU with AMX, vLLM 0.22 - 0.23's CPU
     # platform turns prefix caching (and chunked prefill) off for models with linear attention
     # (CpuPlatform.check_and_update_config, "Disabled unsupported prefix caching ... on AMX CPU

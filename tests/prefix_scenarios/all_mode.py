@@ -275,6 +275,7 @@ def main() -> int:
     with contextlib.redirect_stdout(sys.stderr):
         # A CUDA build of vLLM on a machine without a GPU finds no platform: take the CPU one.
         platforms._current_platform = CpuPlatform()
+        engine.inspect_in_process()
         from vllm.model_executor.models.config import MambaModelConfig
 
         method = vars(MambaModelConfig)["verify_and_update_config"]

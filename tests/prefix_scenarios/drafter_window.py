@@ -257,6 +257,7 @@ def main() -> int:
 
     # A CUDA build of vLLM on a machine without a GPU finds no platform: take the CPU one.
     platforms._current_platform = ScenarioCpuPlatform()
+    engine.inspect_in_process()
     report: dict[str, Any] = {"vllm_version": vllm.__version__, "cases": {}}
     with contextlib.redirect_stdout(sys.stderr):
         try:  # where vLLM's grouping lives: 0.33+ kv_cache_planning, before kv_cache_utils
