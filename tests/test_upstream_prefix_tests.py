@@ -35,10 +35,11 @@ from test_upstream_tests import (
     cached_sdist,
     junit_outcomes,
     offline_hub,
+    reaching,
     unpack_tests,
     upstream_tools,
 )
-from venvs import full_vllm_planning_env, run, run_lock
+from venvs import EXHAUSTIVE, full_vllm_planning_env, run, run_lock
 
 pytestmark = pytest.mark.slow
 
@@ -98,11 +99,14 @@ LOAD_BOUND = tuple(f"{f}::test_is_kv_cache_spec_uniform" for f in PLANNING_FILES
 DIFFERENCES: dict[str, dict[str, str]] = {}
 
 PLUGIN = '''\
-"""pytest plugin: the blocks of HVP_BLOCKS executed into their vLLM modules at start-up and
+\"\"\"pytest plugin: the blocks of HVP_BLOCKS executed into their vLLM modules at start-up and
 again before any test after one reloaded a module without them (a reload of a patched file runs
-its block again, too); the hatch-vllm-patch log lines counted by patch; and, in every state,
-vLLM 0.34's CPU config check run with Triton counted as present."""
+its block again, too); in every state, a pass-through recorder on each function of HVP_TARGETS
+(the functions the blocks replace) that notes which test reached one and in which phase; with
+HVP_ONLY, only the tests it names run; the hatch-vllm-patch log lines counted by patch; and, in
+every state, vLLM 0.34's CPU config check run with Triton counted as present.\"\"\"
 import collections
+import functools
 import importlib
 import inspect
 import json
@@ -110,22 +114,51 @@ import logging
 import os
 import sys
 
+import pytest
+
 _BLOCKS = json.loads(os.environ["HVP_BLOCKS"])  # [[module, qualified name, block file], ...]
+_TARGETS = json.loads(os.environ["HVP_TARGETS"])  # [[module, qualified name], ...]
 _LOGGED = collections.Counter()
+_REACHED = collections.defaultdict(set)  # node id -> phases in which a target was called
+_NOW = {"test": None, "phase": "collect"}
+
+
+def _owner(module, qualname):
+    owner, _, name = qualname.rpartition(".")
+    return (getattr(module, owner) if owner else module), name
 
 
 def _function(module, qualname):
-    owner, _, name = qualname.rpartition(".")
-    function = vars(getattr(module, owner) if owner else module)[name]
+    owner, name = _owner(module, qualname)
+    function = vars(owner)[name]
     return getattr(function, "__func__", function)
+
+
+def _module(name):
+    return sys.modules.get(name) or importlib.import_module(name)
 
 
 def _ensure():
     for module_name, qualname, path in _BLOCKS:
-        module = sys.modules.get(module_name) or importlib.import_module(module_name)
+        module = _module(module_name)
         if getattr(_function(module, qualname), "_hvp_patch_id", None) is None:
             with open(path, encoding="utf-8") as source:
                 exec(compile(source.read(), module.__file__, "exec"), vars(module))
+    for module_name, qualname in _TARGETS:
+        owner, name = _owner(_module(module_name), qualname)
+        bound = vars(owner)[name]
+        function = getattr(bound, "__func__", bound)
+        if getattr(function, "_hvp_recorder", False):
+            continue
+
+        @functools.wraps(function)
+        def recorder(*args, _hvp_function=function, **kwargs):
+            _REACHED[_NOW["test"]].add(_NOW["phase"])
+            return _hvp_function(*args, **kwargs)
+
+        recorder._hvp_recorder = True
+        setattr(owner, name, type(bound)(recorder)
+                if isinstance(bound, (classmethod, staticmethod)) else recorder)
 
 
 class _Lines(logging.Handler):
@@ -165,14 +198,46 @@ def pytest_configure(config):
                                for m, q, _ in _BLOCKS]}, report)
 
 
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("HVP_ONLY"):
+        return
+    with open(os.environ["HVP_ONLY"], encoding="utf-8") as only:
+        keep = set(json.load(only))
+    config.hook.pytest_deselected(items=[i for i in items if i.nodeid not in keep])
+    items[:] = [i for i in items if i.nodeid in keep]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _NOW["test"] = item.nodeid
+    yield
+    _NOW["test"], _NOW["phase"] = None, "between"
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
+    _NOW["phase"] = "setup"
     _ensure()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    _NOW["phase"] = "call"
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    _NOW["phase"] = "teardown"
+    yield
 
 
 def pytest_unconfigure(config):
     with open(os.environ["HVP_REPORT"], encoding="utf-8") as report:
         data = json.load(report)
     data["logged"] = dict(_LOGGED)
+    data["reached"] = {str(k): sorted(v) for k, v in _REACHED.items()}
     with open(os.environ["HVP_REPORT"], "w", encoding="utf-8") as report:
         json.dump(data, report)
 '''
@@ -185,18 +250,32 @@ def files_of(version: str, root: Path) -> tuple[str, ...]:
     return tuple(f for f in names if (root / f).is_file())
 
 
-def run_state(python: Path, root: Path, work: Path, tools: Path, name: str,
-              version: str, state: list[list[str]]) -> tuple[dict[str, str], dict[str, object]]:
-    """vLLM's tests of ``version`` in one pytest process with ``state``'s blocks executed:
-    (outcome per node id, the plugin's report)."""
+def targets(version: str) -> list[list[str]]:
+    """The functions the blocks of the prefix patches that claim ``version`` replace:
+    [module, qualified name] each."""
+    return [[module, qualname] for patch in claims(version)
+            for module, qualname, _ in blocks(patch, version)]
+
+
+def run_state(python: Path, root: Path, work: Path, tools: Path, name: str, version: str,
+              state: list[list[str]], only: set[str] | None = None
+              ) -> tuple[dict[str, str], dict[str, object]]:
+    """vLLM's tests of ``version`` (those of ``only`` if given) in one pytest process with
+    ``state``'s blocks executed: (outcome per node id, the plugin's report)."""
     report, facts = work / f"{name}.xml", work / f"{name}.json"
     env = {"PYTHONPATH": str(tools), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_HOME": str(offline_hub(work / f"hf-{name}")),
            "VLLM_CACHE_ROOT": str(work / f"vllm-cache-{name}"), "VLLM_TARGET_DEVICE": "cpu",
-           "HVP_BLOCKS": json.dumps(state), "HVP_REPORT": str(facts)}
+           "HVP_BLOCKS": json.dumps(state), "HVP_TARGETS": json.dumps(targets(version)),
+           "HVP_REPORT": str(facts)}
+    files = files_of(version, root)
+    if only is not None:
+        env["HVP_ONLY"] = str(work / f"{name}-only.json")
+        Path(env["HVP_ONLY"]).write_text(json.dumps(sorted(only)))
+        files = tuple(f for f in files if any(n.startswith(f + "::") for n in only))
     proc = run([str(python), "-m", "pytest", "-p", "no:cacheprovider", "--noconftest", "-q",
                 "-W", "ignore", "-p", "hvp_prefix_plugin", f"--junitxml={report}",
-                *(f"--deselect={node}" for node in LOAD_BOUND), *files_of(version, root)],
+                *(f"--deselect={node}" for node in LOAD_BOUND), *files],
                cwd=root, env=env, check=False, timeout=2400)
     assert proc.returncode in (0, 1) and report.is_file(), proc.stdout[-4000:] + proc.stderr
     return junit_outcomes(report), json.loads(facts.read_text())
@@ -245,24 +324,31 @@ def test_every_claimed_release_is_judged() -> None:
 def test_vllms_tests_pass_the_same_with_the_prefix_blocks(tmp_path: Path, version: str) -> None:
     """vLLM's scheduler, prefix-caching and align-split tests of the release (and its planning
     tests where hybrid-prefix-drafter-window claims it) have the same outcome, test by test,
-    with the blocks of every prefix patch that claims the release as released; every block is in
-    place in the patched run only, and the run reaches the scheduler's and prefix caching's
-    tests (the hub holds facebook/opt-125m's config.json, the model of most scheduler tests)."""
+    with the blocks of every prefix patch that claims the release as released. The patched run
+    holds the tests that reached a function a block replaces as released (``reaching``; every
+    test in the exhaustive tier), and the same ones reach them patched; every block is in place
+    in the patched run only, and the run reaches the scheduler's and prefix caching's tests (the
+    hub holds facebook/opt-125m's config.json, the model of most scheduler tests)."""
     root, tools, released, before = released_run(version)
     state = [block for patch in claims(version) for block in blocks(patch, version)]
+    judged = set(released) if EXHAUSTIVE else reaching(released, before["reached"])
     patched, after = run_state(full_vllm_planning_env(version), root, tmp_path, tools,
-                               "patched", version, state)
+                               "patched", version, state, judged)
     passed = {n for n, o in released.items() if o == "passed"}
-    differing = {n: (o, patched.get(n)) for n, o in released.items() if patched.get(n) != o}
+    differing = {n: (o, patched.get(n)) for n, o in released.items()
+                 if n in judged and patched.get(n) != o}
     by_file = {f: sum(n.startswith(f + "::") for n in passed) for f in files_of(version, root)}
+    reached = {n: p for n, p in before["reached"].items()}  # type: ignore[attr-defined]
     print(f"\nvLLM {version}, {', '.join(claims(version))}: {len(released)} tests, "
-          f"{len(passed)} pass as released, {sum(o == 'passed' for o in patched.values())} "
-          f"patched; passing by file: {by_file}; log lines of the blocks: {after['logged']}; "
+          f"{len(passed)} pass as released; {len(reached)} reach a replaced function, "
+          f"{len(judged)} run patched, {sum(o == 'passed' for o in patched.values())} pass; "
+          f"passing by file: {by_file}; log lines of the blocks: {after['logged']}; "
           f"differing: {differing}")
-    assert before == {"wrapped": [], "logged": {}}
+    assert {k: before[k] for k in ("wrapped", "logged")} == {"wrapped": [], "logged": {}}
     expected_ids = [Path(b[2]).parent.name for b in state]
     assert after["wrapped"] == expected_ids  # every block in place from the start
-    assert set(patched) == set(released)
+    assert set(patched) == judged
+    assert after["reached"] == {n: p for n, p in reached.items() if n in judged}
     assert set(differing) == set(DIFFERENCES.get(version, {})), differing
     assert by_file["tests/v1/core/test_scheduler.py"] >= 100, by_file
     assert by_file["tests/v1/core/test_prefix_caching.py"] >= 50, by_file
