@@ -118,7 +118,12 @@ def test_two_phase_uv_keeps_vllm_patched_through_every_change(tmp_path: Path) ->
     uv(project, "run", "--no-sync", "vllm-patch", "apply")
 
     pyproject = project / "pyproject.toml"
-    pyproject.write_text(pyproject.read_text().replace("vllm==0.20.2", "vllm==0.22.1"))
+    # vLLM 0.22.1 without flashinfer-cubin: 1.5 GB of prebuilt CUDA kernels, never loaded on a
+    # CPU, that only this step would keep in uv's cache (venvs.CUDA_KERNEL_DATA)
+    text = pyproject.read_text().replace("vllm==0.20.2", "vllm==0.22.1")
+    assert text.count("\n[tool.uv]\n") == 1
+    pyproject.write_text(text.replace(
+        "\n[tool.uv]\n", '\n[tool.uv]\nexclude-dependencies = ["flashinfer-cubin"]\n'))
     uv(project, "sync", locked=False)  # resolves vLLM 0.22.1 into the lock
     result = verify(project, sync=False)  # patched within the same sync that upgraded vLLM...
     assert "vllm 0.22.1" in result.stdout
