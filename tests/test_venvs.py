@@ -4,6 +4,7 @@ and built again when a test did change it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -64,6 +65,50 @@ def test_a_clone_writes_never_reach_the_base(env_cache: Path, demo_recipe: Recip
     manifest = (base.parent.parent / venvs.BASE_MANIFEST).stat()
     assert base_environment(demo_recipe) == base
     assert (base.parent.parent / venvs.BASE_MANIFEST).stat().st_mtime_ns == manifest.st_mtime_ns
+
+
+def test_bases_share_their_bytecode(env_cache: Path, demo_recipe: Recipe,
+                                    tmp_path: Path) -> None:
+    """Two bases of the same files hold one .pyc per module (hardlinks into the store), a
+    clone's import uses it as it is (not compiled again) and its functions report the clone's
+    own path; the store keeps nothing that no base links."""
+    other = dataclasses.replace(demo_recipe, uninstalled=("no-such-package",))
+    one, two = base_environment(demo_recipe), base_environment(other)
+    assert one != two
+
+    def pyc(python: Path) -> Path:
+        [compiled] = (core(python).parent / "__pycache__").glob("core.*.pyc")
+        return compiled
+
+    assert os.path.samefile(pyc(one), pyc(two)) and pyc(one).stat().st_nlink == 3
+    clone = cloned_environment(demo_recipe, tmp_path / "clone")
+    before = pyc(clone).stat()
+    code = ("import inspect, demo_pkg.core as m; print(m.__file__); "
+            "print({f.__code__.co_filename for f in vars(m).values() if inspect.isfunction(f)"
+            " and f.__module__ == m.__name__})")
+    out = subprocess.run([str(clone), "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == [str(core(clone)), repr({str(core(clone))})], out
+    assert os.path.samestat(pyc(clone).stat(), before)  # read, not written again
+    venvs._remove(two.parent.parent)
+    venvs.prune_bytecode()
+    assert pyc(one).stat().st_nlink == 3  # the store's file, base one's and the clone's
+
+
+def test_a_base_from_before_the_store_is_compiled_again(env_cache: Path,
+                                                        demo_recipe: Recipe) -> None:
+    """A base whose manifest lacks the shared-bytecode mark (built by an older checkout) is
+    compiled again once, its .pyc files linked into the store, and kept (not rebuilt)."""
+    base = base_environment(demo_recipe).parent.parent
+    manifest = json.loads((base / venvs.BASE_MANIFEST).read_text())
+    del manifest[venvs.SHARED_BYTECODE]
+    (base / venvs.BASE_MANIFEST).write_text(json.dumps(manifest))
+    [compiled] = (core(venvs.venv_python(base)).parent / "__pycache__").glob("core.*.pyc")
+    compiled.unlink()
+    inode = (base / "pyvenv.cfg").stat().st_ino
+    assert base_environment(demo_recipe).parent.parent == base
+    assert (base / "pyvenv.cfg").stat().st_ino == inode  # the same base
+    assert json.loads((base / venvs.BASE_MANIFEST).read_text())[venvs.SHARED_BYTECODE]
+    assert compiled.stat().st_nlink == 2  # and the store's
 
 
 # Two processes (as two xdist workers) asking for one base at once.

@@ -281,6 +281,15 @@ RECIPE_REVISION = 1
 TOOL_RECORD = ".hatch-vllm-patch.json"
 # Written into a base once it is complete: its recipe and what its site-packages held.
 BASE_MANIFEST = "hvp-base.json"
+# Bytecode shared between the bases. Each .pyc is compiled under a path of no base's
+# (compileall -s/-p; Python sets co_filename to the module's real path when it loads one) and a
+# fixed hash seed, so a module hardlinked from uv's cache compiles to the same bytes in every
+# base; equal files are then one file of this store, hardlinked (5.2 GB of bytecode in 16 bases
+# held 3.5 GB of copies, measured). Python replaces a .pyc by renaming a new file into place, so
+# nothing writes through these links.
+BYTECODE_STORE_NAME = ".bytecode"
+# The manifest's mark of a base whose bytecode is shared (older bases are compiled again once).
+SHARED_BYTECODE = "shared-bytecode"
 
 
 @dataclass(frozen=True)
@@ -403,9 +412,17 @@ def _ensure_base(recipe: Recipe) -> Path:
     if base.is_dir():
         problem = base_problem(base)
         if problem is None:
+            manifest = json.loads((base / BASE_MANIFEST).read_text())
+            if not manifest.get(SHARED_BYTECODE):  # built before the store
+                _compile_shared(venv_python(base), site_packages(base), force=True)
+                manifest[SHARED_BYTECODE] = True
+                scratch = base / f".{BASE_MANIFEST}.tmp"
+                scratch.write_text(json.dumps(manifest, indent=1) + "\n")
+                os.replace(scratch, base / BASE_MANIFEST)
             return venv_python(base)
         print(f"rebuilding {base}: {problem}", file=sys.stderr)
         _remove(base)
+        prune_bytecode()
     for stale in ENV_CACHE.glob(f".building-{recipe.name}-*"):  # a crashed build's
         shutil.rmtree(stale, ignore_errors=True)
     work = Path(tempfile.mkdtemp(prefix=f".building-{recipe.name}-", dir=ENV_CACHE))
@@ -435,16 +452,48 @@ def _build(recipe: Recipe, path: Path, prefix: Path) -> None:
     # Once for every clone: py_compile writes each .pyc to a new file and renames it into place,
     # so the files hardlinked from uv's cache are never written. Some of vLLM's files do not
     # compile on this Python (templates, vendored code for others): they are left as they are.
-    run([str(python), "-m", "compileall", "-q", "-j", "0", str(sp)], check=False,
-        timeout=3600)
+    _compile_shared(python, sp)
     changed = _changed_modules(sp, recipe.distribution)
     if changed:
         raise AssertionError(
             f"{recipe.distribution}=={recipe.version} as installed from uv's cache differs from "
             f"its RECORD ({', '.join(changed[:5])}): the cache was written through a hardlink; "
             f"run `uv cache clean {recipe.distribution}` and try again")
-    manifest = {"recipe": dataclasses.asdict(recipe), "site-packages": sorted(_entries(sp))}
+    manifest = {"recipe": dataclasses.asdict(recipe), "site-packages": sorted(_entries(sp)),
+                SHARED_BYTECODE: True}
     (path / BASE_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def _compile_shared(python: Path, sp: Path, *, force: bool = False) -> None:
+    """Compile ``sp``'s modules (``force``: again) as the bases share them and link every
+    .pyc to its equal in the store (BYTECODE_STORE_NAME)."""
+    run([str(python), "-m", "compileall", "-q", "-j", "0", *(["-f"] if force else []),
+         "-s", str(sp), "-p", "/site-packages", str(sp)],
+        env={"PYTHONHASHSEED": "0"}, check=False, timeout=3600)
+    store = ENV_CACHE / BYTECODE_STORE_NAME
+    for pyc in sp.rglob("*.pyc"):
+        if pyc.parent.name != "__pycache__":
+            continue
+        digest = hashlib.sha256(pyc.read_bytes()).hexdigest()
+        stored = store / digest[:2] / f"{digest}.pyc"
+        stored.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(pyc, stored)  # the first of its kind
+            continue
+        except FileExistsError:
+            pass
+        if not os.path.samefile(pyc, stored):
+            scratch = pyc.with_name(f".{pyc.name}.{os.getpid()}.link")
+            os.link(stored, scratch)
+            os.replace(scratch, pyc)
+
+
+def prune_bytecode() -> None:
+    """Remove the store's files that no base links any more."""
+    for stored in (ENV_CACHE / BYTECODE_STORE_NAME).glob("*/*.pyc"):
+        with contextlib.suppress(OSError):
+            if stored.stat().st_nlink == 1:
+                stored.unlink()
 
 
 def base_problem(base: Path) -> str | None:
