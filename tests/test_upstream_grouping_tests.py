@@ -95,17 +95,11 @@ NEEDS_VLLM_CONFTEST = {
 PLUGIN = '''\
 import functools, importlib, json, logging, os, sys
 
-import pytest
+import hvp_reach
 
+pytest_plugins = ["hvp_reach"]
 _counts = {"calls": 0, "regrouped": 0, "wrapped": False, "installs": 0}
 _state = {"counted": None, "unify": None}
-# per function, node id (None: outside any test) -> the phases of its run that called it
-_reached = {"grouping": {}, "unify": {}}
-_now = {"test": None, "phase": "collect"}
-
-
-def _note(function):
-    _reached[function].setdefault(str(_now["test"]), set()).add(_now["phase"])
 
 
 class _Regroupings(logging.Handler):
@@ -124,7 +118,7 @@ def _install():
 
         @functools.wraps(unify)
         def recorded(*args, **kwargs):
-            _note("unify")
+            hvp_reach.note("unify")
             return unify(*args, **kwargs)
 
         module.unify_kv_cache_spec_page_size = _state["unify"] = recorded
@@ -140,7 +134,7 @@ def _install():
 
     def counted(kv_cache_spec):
         _counts["calls"] += 1
-        _note("grouping")
+        hvp_reach.note("grouping")
         return grouping(kv_cache_spec)
 
     module._get_kv_cache_groups_uniform_page_size = _state["counted"] = counted
@@ -153,44 +147,12 @@ def pytest_configure(config):
     logger.addHandler(_Regroupings())
 
 
-def pytest_collection_modifyitems(config, items):
-    if not os.environ.get("HVP_ONLY"):
-        return
-    with open(os.environ["HVP_ONLY"], encoding="utf-8") as only:
-        keep = set(json.load(only))
-    config.hook.pytest_deselected(items=[i for i in items if i.nodeid not in keep])
-    items[:] = [i for i in items if i.nodeid in keep]
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    _now["test"] = item.nodeid
-    yield
-    _now["test"], _now["phase"] = None, "between"
-
-
-@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
-    _now["phase"] = "setup"
     _install()
-    yield
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    _now["phase"] = "call"
-    yield
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item, nextitem):
-    _now["phase"] = "teardown"
-    yield
 
 
 def pytest_unconfigure(config):
-    _counts["reached"] = {function: {node: sorted(phases) for node, phases in nodes.items()}
-                          for function, nodes in _reached.items()}
+    _counts["reached"] = {kind: hvp_reach.reached(kind) for kind in ("grouping", "unify")}
     with open(os.environ["HVP_COUNTS"], "w", encoding="utf-8") as f:
         json.dump(_counts, f)
 '''

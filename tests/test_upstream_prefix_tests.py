@@ -114,13 +114,12 @@ import logging
 import os
 import sys
 
-import pytest
+import hvp_reach
 
+pytest_plugins = ["hvp_reach"]
 _BLOCKS = json.loads(os.environ["HVP_BLOCKS"])  # [[module, qualified name, block file], ...]
 _TARGETS = json.loads(os.environ["HVP_TARGETS"])  # [[module, qualified name], ...]
 _LOGGED = collections.Counter()
-_REACHED = collections.defaultdict(set)  # node id -> phases in which a target was called
-_NOW = {"test": None, "phase": "collect"}
 
 
 def _owner(module, qualname):
@@ -153,7 +152,7 @@ def _ensure():
 
         @functools.wraps(function)
         def recorder(*args, _hvp_function=function, **kwargs):
-            _REACHED[_NOW["test"]].add(_NOW["phase"])
+            hvp_reach.note("replaced")
             return _hvp_function(*args, **kwargs)
 
         recorder._hvp_recorder = True
@@ -198,46 +197,15 @@ def pytest_configure(config):
                                for m, q, _ in _BLOCKS]}, report)
 
 
-def pytest_collection_modifyitems(config, items):
-    if not os.environ.get("HVP_ONLY"):
-        return
-    with open(os.environ["HVP_ONLY"], encoding="utf-8") as only:
-        keep = set(json.load(only))
-    config.hook.pytest_deselected(items=[i for i in items if i.nodeid not in keep])
-    items[:] = [i for i in items if i.nodeid in keep]
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    _NOW["test"] = item.nodeid
-    yield
-    _NOW["test"], _NOW["phase"] = None, "between"
-
-
-@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
-    _NOW["phase"] = "setup"
     _ensure()
-    yield
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    _NOW["phase"] = "call"
-    yield
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item, nextitem):
-    _NOW["phase"] = "teardown"
-    yield
 
 
 def pytest_unconfigure(config):
     with open(os.environ["HVP_REPORT"], encoding="utf-8") as report:
         data = json.load(report)
     data["logged"] = dict(_LOGGED)
-    data["reached"] = {str(k): sorted(v) for k, v in _REACHED.items()}
+    data["reached"] = hvp_reach.reached("replaced")
     with open(os.environ["HVP_REPORT"], "w", encoding="utf-8") as report:
         json.dump(data, report)
 '''

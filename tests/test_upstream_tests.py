@@ -392,11 +392,75 @@ def reaching(outcomes: dict[str, str], reached: object) -> set[str]:
     return {node for node in outcomes if node in reached or node.split("::")[0] in whole}
 
 
+# The pytest plugin hvp_reach, which the plugins of the upstream comparisons load
+# (``pytest_plugins``): which test, in which phase, called a function they record (``note``;
+# "None": outside any test), and with HVP_ONLY (a JSON list of node ids) only those tests run.
+REACH_PLUGIN = '''\
+"""Which test, in which phase, called a recorded function; with HVP_ONLY, only those tests."""
+import collections
+import json
+import os
+
+import pytest
+
+_REACHED = collections.defaultdict(lambda: collections.defaultdict(set))
+_NOW = {"test": None, "phase": "collect"}
+
+
+def note(kind):
+    _REACHED[kind][str(_NOW["test"])].add(_NOW["phase"])
+
+
+def reached(kind):
+    return {node: sorted(phases) for node, phases in _REACHED[kind].items()}
+
+
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("HVP_ONLY"):
+        return
+    with open(os.environ["HVP_ONLY"], encoding="utf-8") as only:
+        keep = set(json.load(only))
+    config.hook.pytest_deselected(items=[i for i in items if i.nodeid not in keep])
+    items[:] = [i for i in items if i.nodeid in keep]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _NOW["test"] = item.nodeid
+    yield
+    _NOW["test"], _NOW["phase"] = None, "between"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    _NOW["phase"] = "setup"
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    _NOW["phase"] = "call"
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    _NOW["phase"] = "teardown"
+    yield
+'''
+
+
 def upstream_tools(folder: Path) -> Path:
-    """A folder holding pytest, for ``PYTHONPATH`` in a vLLM environment (made once)."""
+    """A folder holding pytest and the plugin hvp_reach, for ``PYTHONPATH`` in a vLLM
+    environment (made once)."""
     tools = folder / "pytest-tools"
     if not (tools / "pytest").is_dir():
         run([UV, "pip", "install", "--quiet", "--target", str(tools), "pytest"])
+    reach = tools / "hvp_reach.py"
+    if not reach.is_file() or reach.read_text() != REACH_PLUGIN:
+        scratch = tools / ".hvp_reach.py.tmp"
+        scratch.write_text(REACH_PLUGIN)
+        os.replace(scratch, reach)
     return tools
 
 
