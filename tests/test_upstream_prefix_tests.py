@@ -38,6 +38,7 @@ from test_upstream_tests import (
     reaching,
     unpack_tests,
     upstream_tools,
+    vllm_cache,
 )
 from venvs import EXHAUSTIVE, full_vllm_planning_env, run, run_lock
 
@@ -233,7 +234,7 @@ def run_state(python: Path, root: Path, work: Path, tools: Path, name: str, vers
     report, facts = work / f"{name}.xml", work / f"{name}.json"
     env = {"PYTHONPATH": str(tools), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_HOME": str(offline_hub(work / f"hf-{name}")),
-           "VLLM_CACHE_ROOT": str(work / f"vllm-cache-{name}"), "VLLM_TARGET_DEVICE": "cpu",
+           "VLLM_CACHE_ROOT": str(vllm_cache(version)), "VLLM_TARGET_DEVICE": "cpu",
            "HVP_BLOCKS": json.dumps(state), "HVP_TARGETS": json.dumps(targets(version)),
            "HVP_REPORT": str(facts)}
     files = files_of(version, root)
