@@ -28,6 +28,7 @@ from test_upstream_tests import (
     PLANNING_MODULE,
     PLANNING_TESTS,
     junit_outcomes,
+    only_files,
     reaching,
     released_planning_run,
     upstream_env,
@@ -165,10 +166,7 @@ def run_state(python: Path, root: Path, env: dict[str, str], name: str, files: t
     (outcome per node id, the plugin's counts)."""
     report, counts = root.parent / f"{name}.xml", root.parent / f"{name}-counts.json"
     env = {**env, "HVP_COUNTS": str(counts)}
-    if only is not None:
-        env["HVP_ONLY"] = str(root.parent / f"{name}-only.json")
-        Path(env["HVP_ONLY"]).write_text(json.dumps(sorted(only)))
-        files = tuple(f for f in files if any(n.startswith(f + "::") for n in only))
+    files = only_files(files, only, root.parent / f"{name}-only.json", env)
     proc = run([str(python), "-m", "pytest", "-p", "no:cacheprovider", "--noconftest", "-q",
                 "-W", "ignore", "-p", "hvp_grouping_plugin", *options, f"--junitxml={report}",
                 *files],

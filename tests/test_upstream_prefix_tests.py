@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from packaging.version import Version
@@ -35,10 +36,12 @@ from test_upstream_tests import (
     cached_sdist,
     junit_outcomes,
     offline_hub,
+    only_files,
     reaching,
     unpack_tests,
     upstream_tools,
     vllm_cache,
+    write_plugin,
 )
 from venvs import EXHAUSTIVE, full_vllm_planning_env, run, run_lock
 
@@ -228,7 +231,7 @@ def targets(version: str) -> list[list[str]]:
 
 def run_state(python: Path, root: Path, work: Path, tools: Path, name: str, version: str,
               state: list[list[str]], only: set[str] | None = None
-              ) -> tuple[dict[str, str], dict[str, object]]:
+              ) -> tuple[dict[str, str], dict[str, Any]]:
     """vLLM's tests of ``version`` (those of ``only`` if given) in one pytest process with
     ``state``'s blocks executed: (outcome per node id, the plugin's report)."""
     report, facts = work / f"{name}.xml", work / f"{name}.json"
@@ -237,11 +240,7 @@ def run_state(python: Path, root: Path, work: Path, tools: Path, name: str, vers
            "VLLM_CACHE_ROOT": str(vllm_cache(version)), "VLLM_TARGET_DEVICE": "cpu",
            "HVP_BLOCKS": json.dumps(state), "HVP_TARGETS": json.dumps(targets(version)),
            "HVP_REPORT": str(facts)}
-    files = files_of(version, root)
-    if only is not None:
-        env["HVP_ONLY"] = str(work / f"{name}-only.json")
-        Path(env["HVP_ONLY"]).write_text(json.dumps(sorted(only)))
-        files = tuple(f for f in files if any(n.startswith(f + "::") for n in only))
+    files = only_files(files_of(version, root), only, work / f"{name}-only.json", env)
     proc = run([str(python), "-m", "pytest", "-p", "no:cacheprovider", "--noconftest", "-q",
                 "-W", "ignore", "-p", "hvp_prefix_plugin", f"--junitxml={report}",
                 *(f"--deselect={node}" for node in LOAD_BOUND), *files],
@@ -256,15 +255,11 @@ def unpacked_tests(version: str, shared: Path) -> tuple[Path, Path]:
     if not root.is_dir():
         unpack_tests(cached_sdist(version), root)
     tools = upstream_tools(shared)
-    plugin = tools / "hvp_prefix_plugin.py"
-    if not plugin.is_file() or plugin.read_text() != PLUGIN:
-        scratch = tools / ".hvp_prefix_plugin.py.tmp"
-        scratch.write_text(PLUGIN)
-        os.replace(scratch, plugin)
+    write_plugin(tools, "hvp_prefix_plugin", PLUGIN)
     return root, tools
 
 
-def released_run(version: str) -> tuple[Path, Path, dict[str, str], dict[str, object]]:
+def released_run(version: str) -> tuple[Path, Path, dict[str, str], dict[str, Any]]:
     """The release's tests as released (the plugin loaded, no block), once per test run and
     shared by the workers: (tests root, tools, outcome per node id, the plugin's report)."""
     with run_lock(f"upstream-prefix-{version}") as shared:
@@ -300,14 +295,15 @@ def test_vllms_tests_pass_the_same_with_the_prefix_blocks(tmp_path: Path, versio
     hub holds facebook/opt-125m's config.json, the model of most scheduler tests)."""
     root, tools, released, before = released_run(version)
     state = [block for patch in claims(version) for block in blocks(patch, version)]
-    judged = set(released) if EXHAUSTIVE else reaching(released, before["reached"])
+    reached = before["reached"]
+    judged = set(released) if EXHAUSTIVE else reaching(released, reached)
+    assert judged, "no test of the release reached a function a block replaces"
     patched, after = run_state(full_vllm_planning_env(version), root, tmp_path, tools,
                                "patched", version, state, judged)
     passed = {n for n, o in released.items() if o == "passed"}
     differing = {n: (o, patched.get(n)) for n, o in released.items()
                  if n in judged and patched.get(n) != o}
     by_file = {f: sum(n.startswith(f + "::") for n in passed) for f in files_of(version, root)}
-    reached = {n: p for n, p in before["reached"].items()}  # type: ignore[attr-defined]
     print(f"\nvLLM {version}, {', '.join(claims(version))}: {len(released)} tests, "
           f"{len(passed)} pass as released; {len(reached)} reach a replaced function, "
           f"{len(judged)} run patched, {sum(o == 'passed' for o in patched.values())} pass; "

@@ -453,16 +453,36 @@ def pytest_runtest_teardown(item, nextitem):
 
 def upstream_tools(folder: Path) -> Path:
     """A folder holding pytest and the plugin hvp_reach, for ``PYTHONPATH`` in a vLLM
-    environment (made once)."""
+    environment (made once; the run's shared folder is asked for by both workers, each under a
+    lock of its own release, hence one lock for the tools)."""
     tools = folder / "pytest-tools"
-    if not (tools / "pytest").is_dir():
-        run([UV, "pip", "install", "--quiet", "--target", str(tools), "pytest"])
-    reach = tools / "hvp_reach.py"
-    if not reach.is_file() or reach.read_text() != REACH_PLUGIN:
-        scratch = tools / ".hvp_reach.py.tmp"
-        scratch.write_text(REACH_PLUGIN)
-        os.replace(scratch, reach)
+    with run_lock("upstream-tools"):
+        if not (tools / "pytest").is_dir():
+            run([UV, "pip", "install", "--quiet", "--target", str(tools), "pytest"])
+        write_plugin(tools, "hvp_reach", REACH_PLUGIN)
     return tools
+
+
+def write_plugin(tools: Path, name: str, text: str) -> None:
+    """``tools``/``name``.py holding ``text``, written through a temp file and os.replace when it
+    does not hold it yet."""
+    plugin = tools / f"{name}.py"
+    if not plugin.is_file() or plugin.read_text() != text:
+        scratch = tools / f".{name}.py.{os.getpid()}.tmp"
+        scratch.write_text(text)
+        os.replace(scratch, plugin)
+
+
+def only_files(files: tuple[str, ...], only: set[str] | None, listing: Path,
+               env: dict[str, str]) -> tuple[str, ...]:
+    """The files of ``files`` holding a test of ``only`` (all without ``only``); with ``only``,
+    its node ids written to ``listing`` and named by HVP_ONLY in ``env`` (hvp_reach runs only
+    those)."""
+    if only is None:
+        return files
+    listing.write_text(json.dumps(sorted(only)))
+    env["HVP_ONLY"] = str(listing)
+    return tuple(f for f in files if any(n.startswith(f + "::") for n in only))
 
 
 def vllm_cache(version: str) -> Path:
@@ -502,8 +522,7 @@ def released_planning_run(version: str) -> tuple[Path, dict[str, str], dict[str,
                 unpack_tests(cached_sdist(version), root)
             assert all((root / f).is_file() for f in files), files
             tools = upstream_tools(shared)
-            if not (tools / "hvp_grouping_plugin.py").is_file():
-                (tools / "hvp_grouping_plugin.py").write_text(PLUGIN)
+            write_plugin(tools, "hvp_grouping_plugin", PLUGIN)
             skip = tuple(f"--deselect={node}" for node in LOAD_BOUND.get(version, ()))
             outcomes, counts = run_state(python, root, upstream_env(version, tools, work),
                                          "pristine", files, skip)

@@ -467,9 +467,11 @@ def _build(recipe: Recipe, path: Path, prefix: Path) -> None:
 def _compile_shared(python: Path, sp: Path, *, force: bool = False) -> None:
     """Compile ``sp``'s modules (``force``: again) as the bases share them and link every
     .pyc to its equal in the store (BYTECODE_STORE_NAME)."""
+    # in site-packages itself: `-m` puts the working directory first on sys.path (not -I, which
+    # would drop PYTHONHASHSEED too)
     run([str(python), "-m", "compileall", "-q", "-j", "0", *(["-f"] if force else []),
          "-s", str(sp), "-p", "/site-packages", str(sp)],
-        env={"PYTHONHASHSEED": "0"}, check=False, timeout=3600)
+        cwd=sp, env={"PYTHONHASHSEED": "0"}, check=False, timeout=3600)
     store = ENV_CACHE / BYTECODE_STORE_NAME
     for pyc in sp.rglob("*.pyc"):
         if pyc.parent.name != "__pycache__":
