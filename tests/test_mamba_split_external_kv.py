@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import scenario_cpu
 from conftest import cli
 from venvs import run, vllm_venv
 
@@ -75,6 +76,7 @@ def _facts(python: Path, out: Path, version: str) -> dict[str, Any]:
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     data = json.loads(out.read_text())
     assert data["vllm_version"] == version
+    scenario_cpu.check_report(data)
     for name, case in data["cases"].items():
         assert "case_error" not in case, (name, case)
         assert case["need_mamba_block_aligned_split"], (name, case)

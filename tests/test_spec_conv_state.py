@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import scenario_cpu
 from conftest import cli, deep_probes
 from venvs import run, vllm_venv
 
@@ -120,6 +121,7 @@ def _facts(python: Path, out: Path) -> dict[str, Any]:
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     data = json.loads(out.read_text())
     assert data["vllm_version"] == "0.20.2"
+    scenario_cpu.check_report(data)
     assert len(data["cases"]) == 2 * (len(MODELS) + 1), sorted(data["cases"])
     for key, case in data["cases"].items():
         assert "case_error" not in case, (key, case)

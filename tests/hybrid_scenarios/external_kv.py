@@ -26,6 +26,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/, for scenario_cpu
+import scenario_cpu
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
@@ -173,6 +176,12 @@ def main() -> int:
     module_dir = Path(tempfile.mkdtemp())
     (module_dir / "hvp_test_connector.py").write_text(CONNECTOR)
     sys.path.insert(0, str(module_dir))
+    # The cases are the scheduler as on GPUs. On a CPU with AMX, vLLM 0.22 - 0.23's CPU
+    # platform turns prefix caching (and chunked prefill) off for models with linear attention
+    # (CpuPlatform.check_and_update_config, "Disabled unsupported prefix caching ... on AMX CPU
+    # platforms"), which no GPU platform does: the platform is asked as a CPU without AMX (and
+    # without AVX-512: every host the same, scenario_cpu).
+    answers = scenario_cpu.pin_cpu_answers()
     import vllm
     import vllm.platforms as platforms
     from vllm.platforms.cpu import CpuPlatform
@@ -185,14 +194,8 @@ def main() -> int:
 
     if callable(getattr(registry, "_run_in_subprocess", None)):
         registry._run_in_subprocess = lambda fn: fn()
-    # The cases are the scheduler as on GPUs. On a CPU with AMX, vLLM 0.22 - 0.23's CPU
-    # platform turns prefix caching (and chunked prefill) off for models with linear attention
-    # (CpuPlatform.check_and_update_config, "Disabled unsupported prefix caching ... on AMX CPU
-    # platforms"), which no GPU platform does: the platform is asked as a CPU without AMX.
-    import torch
-
-    torch.cpu._is_amx_tile_supported = lambda: False
-    report: dict[str, Any] = {"vllm_version": vllm.__version__, "cases": {}}
+    report: dict[str, Any] = {"vllm_version": vllm.__version__, "cpu_answers": answers,
+                              "cases": {}}
     with contextlib.redirect_stdout(sys.stderr):
         from vllm.v1.core.sched.scheduler import Scheduler
 

@@ -30,6 +30,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/, for scenario_cpu
+import scenario_cpu
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
@@ -163,6 +166,7 @@ def _case(model_dir: Path, num_spec: int) -> dict[str, Any]:
 
 def main() -> int:
     out, models = Path(sys.argv[1]), [Path(arg) for arg in sys.argv[2:]]
+    answers = scenario_cpu.pin_cpu_answers()  # the SSM state dtype as on a GPU, every host
     import vllm
     import vllm.platforms as platforms
     from vllm.config import set_current_vllm_config
@@ -177,7 +181,8 @@ def main() -> int:
 
     if callable(getattr(registry, "_run_in_subprocess", None)):
         registry._run_in_subprocess = lambda fn: fn()
-    report: dict[str, Any] = {"vllm_version": vllm.__version__, "cases": {}}
+    report: dict[str, Any] = {"vllm_version": vllm.__version__, "cpu_answers": answers,
+                              "cases": {}}
     with contextlib.redirect_stdout(sys.stderr):
         # One rank, for building layers at TP 1; under a mixture-of-experts model's config, so
         # that the expert-parallel group MoE layers ask for exists too.

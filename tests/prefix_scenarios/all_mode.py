@@ -21,6 +21,9 @@ which chunk end the Mamba2 kernels cache in each block in "all" mode (MambaMixer
 (mamba_block_size // chunk_size)-th chunk end of a prefill that starts at token 0, chunk ends at
 multiples of the chunk size), which says how many tokens the state a resumed request reads
 really summarises.
+
+The host's CPU questions are answered as scenario_cpu.py says (the same on every machine), and
+the SSM state dtype is given (SSM_CACHE_DTYPE), so the blocks do not depend on the host's ISA.
 """
 
 from __future__ import annotations
@@ -52,6 +55,12 @@ MODEL: dict[str, Any] = {
     "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": CHUNK,
     "max_position_embeddings": 8192, "torch_dtype": "bfloat16",
 }
+# The SSM state dtype, given as a user would (--mamba-ssm-cache-dtype): the state page, and so
+# the block the platform step derives, depends on it. Left to vLLM, its CPU platform picks float32
+# on some CPUs and the model's dtype on others (scenario_cpu); given, every host (and a GPU
+# platform, which keeps what it is given) plans the same page. float32 is the CPU platform's own
+# choice on AMX (0.28) and AVX-512 BF16 (0.29+) CPUs, where these cases were first measured.
+SSM_CACHE_DTYPE = "float32"
 CASES: dict[str, tuple[str, int | None]] = {  # name -> (mamba_cache_mode, --mamba-block-size)
     "all-default": ("all", None),
     "all-192": ("all", 192),
@@ -194,7 +203,8 @@ def _case(model_dir: Path, mode: str, user_block: int | None) -> dict[str, Any]:
 
     args = EngineArgs(model=str(model_dir), skip_tokenizer_init=True, load_format="dummy",
                       enable_prefix_caching=True, mamba_cache_mode=mode,
-                      mamba_block_size=user_block, max_model_len=4096,
+                      mamba_block_size=user_block, mamba_ssm_cache_dtype=SSM_CACHE_DTYPE,
+                      max_model_len=4096,
                       max_num_batched_tokens=4096, max_num_seqs=8)
     config = args.create_engine_config()
     config.scheduler_config.disable_hybrid_kv_cache_manager = False  # as on GPU platforms
@@ -266,12 +276,14 @@ def main() -> int:
     model_dir = work / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(MODEL, indent=1))
+    answers = engine.scenario_cpu.pin_cpu_answers()
     import vllm
     import vllm.platforms as platforms
     from vllm.platforms.cpu import CpuPlatform
 
     report: dict[str, Any] = {"vllm_version": vllm.__version__, "chunk_size": CHUNK,
-                              "prompt": PROMPT, "cases": {}}
+                              "prompt": PROMPT, "ssm_cache_dtype": SSM_CACHE_DTYPE,
+                              "cpu_answers": answers, "cases": {}}
     with contextlib.redirect_stdout(sys.stderr):
         # A CUDA build of vLLM on a machine without a GPU finds no platform: take the CPU one.
         platforms._current_platform = CpuPlatform()

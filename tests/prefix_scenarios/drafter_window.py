@@ -235,6 +235,7 @@ def main() -> int:
     out = Path(sys.argv[1])
     model_dir = Path(tempfile.mkdtemp(prefix="hvp-drafter-window-"))
     (model_dir / "config.json").write_text(json.dumps(MODEL))
+    answers = engine.scenario_cpu.pin_cpu_answers()
     import vllm
     import vllm.platforms as platforms
     from vllm.platforms.cpu import CpuPlatform
@@ -258,7 +259,8 @@ def main() -> int:
     # A CUDA build of vLLM on a machine without a GPU finds no platform: take the CPU one.
     platforms._current_platform = ScenarioCpuPlatform()
     engine.inspect_in_process()
-    report: dict[str, Any] = {"vllm_version": vllm.__version__, "cases": {}}
+    report: dict[str, Any] = {"vllm_version": vllm.__version__, "cpu_answers": answers,
+                              "cases": {}}
     with contextlib.redirect_stdout(sys.stderr):
         try:  # where vLLM's grouping lives: 0.33+ kv_cache_planning, before kv_cache_utils
             from vllm.v1.core import kv_cache_planning as planning

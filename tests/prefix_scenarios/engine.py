@@ -29,6 +29,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/, for scenario_cpu
+import scenario_cpu
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
@@ -340,10 +343,12 @@ def run_cases(cases: dict[str, Callable[[], dict[str, Any]]], out: Path,
     """Runs every case in this one process (one vLLM import), each failure recorded as JSON:
     first as the environment has vLLM ("released": pristine, or patched on disk), then, if
     `blocks` are given, again after executing them in their modules ("patched"). Writes
-    {"vllm_version", "released", "patched"?} to `out`."""
+    {"vllm_version", "cpu_answers", "released", "patched"?} to `out`; the host's CPU questions
+    are answered as scenario_cpu says, before vLLM is imported."""
+    answers = scenario_cpu.pin_cpu_answers()
     import vllm
 
-    report: dict[str, Any] = {"vllm_version": vllm.__version__}
+    report: dict[str, Any] = {"vllm_version": vllm.__version__, "cpu_answers": answers}
     with quiet():
         use_cpu_platform()
         inspect_in_process()
