@@ -407,9 +407,13 @@ def run(operation: str, request: Request) -> Report:
         from .deep import run_probes
 
         # one probe per patch, for all its targets; all of them in one child (one vLLM import)
-        applied = [catalog[pid] for pid in dict.fromkeys(
-            o.patch_id for o in outcomes if o.verdict is Verdict.APPLIED and o.patch_id in catalog)]
-        probes = run_probes(applied, env) if applied else {}
+        verified = [o for o in outcomes if o.verdict is Verdict.APPLIED and o.patch_id in catalog]
+        applied = [catalog[pid] for pid in dict.fromkeys(o.patch_id for o in verified)]
+        # the targets that hold each patch's block, as verify judged them: a target that is
+        # not-applicable here (its symbol in another target's module) holds none
+        holders = {o.patch_id: tuple(t.module for t in o.targets if t.verdict is Verdict.APPLIED)
+                   for o in verified}
+        probes = run_probes(applied, env, holders=holders) if applied else {}
         outcomes = [_deep(o, catalog, probes) for o in outcomes]
     warnings = shared_environment_warnings(env) if operation in {"apply", "verify"} else []
     return Report(operation, env, tuple(outcomes), tuple(notes), request.project_dir,
