@@ -415,6 +415,9 @@ def run(operation: str, request: Request) -> Report:
                    for o in verified}
         probes = run_probes(applied, env, holders=holders) if applied else {}
         outcomes = [_deep(o, catalog, probes) for o in outcomes]
+    if operation == "status":  # the other outcomes (blocks found, not planned): by verdict
+        outcomes = [o if o.in_place is not None else
+                    o._replace(in_place=o.verdict in _FINE["verify"]) for o in outcomes]
     warnings = shared_environment_warnings(env) if operation in {"apply", "verify"} else []
     return Report(operation, env, tuple(outcomes), tuple(notes), request.project_dir,
                   config.source if config else None, tuple(errors), tuple(warnings))
@@ -682,9 +685,11 @@ class _Session:
             targets.append(TargetOutcome(m.target.module, verdict, reason,
                                          self.fine(m, verdict), o.file, o.diff))
         diffs = "".join(o.diff for o in outcomes if o.diff)
+        # status: whether verify would pass the patch (its targets judged as verify judges them)
+        in_place = all(ok for _, _, ok in ended) if self.operation == "status" else None
         return speaker._replace(verdict=decided.verdict, reason=decided.reason,
                                 ok=all(o.ok for o in outcomes), diff=diffs or None,
-                                targets=tuple(targets))
+                                targets=tuple(targets), in_place=in_place)
 
     def present(self, patch: Patch) -> bool:
         """Whether to plan ``patch``: always, unless it is one of ``only_where_present`` and

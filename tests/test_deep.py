@@ -217,7 +217,11 @@ def test_deep_skips_a_target_another_target_carries(version: str, tmp_path: Path
             "hybrid-prefix-mamba-block"]["reason"], raw
 
         code, out, raw = vp("status")
-        assert code == 0 and all(o["verdict"] == "applied" for o in out.values()), raw
+        assert code == 0 and all(o["verdict"] == "applied" and o["in_place"]
+                                 for o in out.values()), raw
+        status = cli("status", "--python", str(python), *selection, cwd=tmp_path).stdout
+        assert status.splitlines()[-1] == "vllm-patch status: 3 applied \u2014 all in place", \
+            status
         code, out, raw = vp("diff")
         assert code == 0 and {i: o["verdict"] for i, o in out.items()} == dict.fromkeys(
             NEIGHBOURS, "already-applied") and not any("diff" in o for o in out.values()), raw
