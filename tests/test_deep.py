@@ -3,7 +3,10 @@
 ends its child fails only its own patch, and the probes after it still run.
 
 Real subprocesses of a real venv (demo-pkg); the probes are small scripts that do what a probe
-can do wrong: fail, skip, raise, change the process's state, crash, exit, hang.
+can do wrong: fail, skip, raise, change the process's state, crash, exit, hang. The binding
+check (a patch without probe.py) looks for the block only in the targets verify judged applied:
+on demo-pkg, and on real vLLM 0.33.0 / 0.34.0 (slow: the shared full environment with CPU
+torch), where kv_cache_utils exists but another target carries the drafter window's symbol.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli, write_demo_catalog
+from conftest import DEMO_SOURCE, cli, compute_digest, write_demo_catalog
+from venvs import record_sha256, site_packages
 
 from hatch_vllm_patch.catalog import load_catalog
 from hatch_vllm_patch.deep import run_probes
@@ -153,6 +157,60 @@ def test_a_child_that_runs_no_probe_fails_each_patch_once(tmp_path: Path) -> Non
     assert verdicts == {"a-pass": expected, "h-after": expected}
     assert calls.read_text() == "started\n"
 
+
+
+def test_the_binding_check_skips_a_target_another_target_carries(tmp_path: Path,
+                                                                 demo_venv: Path) -> None:
+    """A patch over two modules of which one exists but no longer defines the symbol (its
+    shape "elsewhere": not-applicable, another target carries it), as vLLM 0.33's
+    kv_cache_utils for hybrid-prefix-drafter-window: verify --deep passes, the binding check
+    looking for the block only in the target that holds it; revert restores both files."""
+    catalog = tmp_path / "catalog"
+    write_demo_catalog(catalog)
+    folder = catalog / "demo-fix"
+    digest = compute_digest(DEMO_SOURCE)
+    (folder / "patch.toml").write_text(textwrap.dedent(f"""\
+        id = "demo-fix"
+        summary = "Make demo_pkg.core.compute return 0 for an empty list"
+        description = "Test patch: compute moved from the package to demo_pkg.core."
+        links = ["https://example.invalid/demo/1"]
+        removal = "When demo-pkg fixes compute()."
+        architectures = []
+
+        [[targets]]
+        distribution = "demo-pkg"
+        module = "demo_pkg"
+        symbol = "compute"
+        block = "block.py"
+        shapes = ["elsewhere"]
+
+        [[targets]]
+        distribution = "demo-pkg"
+        module = "demo_pkg.core"
+        symbol = "compute"
+        block = "block.py"
+        shapes = ["{digest}"]
+        """))
+    python = str(demo_venv)
+    sp = site_packages(demo_venv.parent.parent)
+    assert (sp / "demo_pkg" / "__init__.py").is_file()  # there, without compute
+    applied = cli("apply", "--python", python, "--patch", "demo-fix", "--json", catalog=catalog)
+    [entry] = json.loads(applied.stdout)["patches"]
+    assert applied.returncode == 0 and entry["verdict"] == "applied", applied.stdout
+    assert {t["module"]: t["verdict"] for t in entry["targets"]} == {
+        "demo_pkg": "not-applicable", "demo_pkg.core": "applied"}, entry
+    deep = cli("verify", "--deep", "--python", python, "--patch", "demo-fix", "--json",
+               catalog=catalog)
+    [entry] = json.loads(deep.stdout)["patches"]
+    assert (deep.returncode, entry["verdict"]) == (0, "applied"), deep.stdout
+    assert ("deep probe passed: imported demo_pkg.core; 1 symbol(s) are the block's (no "
+            "probe.py: the binding check); demo_pkg: no block in this release, not checked"
+            in entry["reason"]), entry
+    reverted = cli("revert", "--python", python, "--patch", "demo-fix", catalog=catalog)
+    assert reverted.returncode == 0, reverted.stdout
+    for rel in ("demo_pkg/__init__.py", "demo_pkg/core.py"):
+        assert hashlib.sha256((sp / rel).read_bytes()).hexdigest() == record_sha256(
+            sp, "demo-pkg", rel), rel
 
 # --- on real vLLM: a patch whose other target is "elsewhere" in this release ------------------
 
