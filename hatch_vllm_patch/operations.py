@@ -410,9 +410,10 @@ def run(operation: str, request: Request) -> Report:
         verified = [o for o in outcomes if o.verdict is Verdict.APPLIED and o.patch_id in catalog]
         applied = [catalog[pid] for pid in dict.fromkeys(o.patch_id for o in verified)]
         # the targets that hold each patch's block, as verify judged them: a target that is
-        # not-applicable here (its symbol in another target's module) holds none
+        # not-applicable here (its symbol in another target's module) holds none (an outcome
+        # without targets: every target module that exists, deep.py's default)
         holders = {o.patch_id: tuple(t.module for t in o.targets if t.verdict is Verdict.APPLIED)
-                   for o in verified}
+                   for o in verified if o.targets}
         probes = run_probes(applied, env, holders=holders) if applied else {}
         outcomes = [_deep(o, catalog, probes) for o in outcomes]
     if operation == "status":  # the other outcomes (blocks found, not planned): by verdict
