@@ -47,7 +47,8 @@ _HELP = {
     "verify": "check that every selected patch is in place; changes nothing",
     "revert": "remove our patches, restoring the files installed by the wheel (without --patch: "
               "every block of ours in the environment, other projects' too)",
-    "status": "show the state of each patch (all catalog patches when none is selected)",
+    "status": "show the state of each patch (all catalog patches when none is selected); "
+              "reports only, exit 0: verify is the check",
     "diff": "show what apply would change, as a unified diff; changes nothing",
 }
 
@@ -223,7 +224,7 @@ def _print_report(report: Report, out: TextIO, verbose: bool = True) -> None:
     for o in report.outcomes:
         if o.diff:
             out.write(o.diff)
-        mark = " " if o.ok else "!"
+        mark = " " if o.ok and o.in_place is not False else "!"
         print(f"{mark} {o.verdict.value:<{width}}  {o.patch_id}: {o.reason}", file=out)
         if len(o.targets) > 1:  # what each target found: details of the one verdict
             for t in o.targets:
@@ -249,8 +250,20 @@ def _print_report(report: Report, out: TextIO, verbose: bool = True) -> None:
               file=out)
     counts = Counter(o.verdict.value for o in report.outcomes)  # patches, not targets
     summary = ", ".join(f"{n} {v}" for v, n in counts.items()) or "no patch"
-    verdict = "OK" if report.ok else "FAILED"
-    print(f"vllm-patch {report.operation}: {summary} {_dash(out)} {verdict}", file=out)
+    print(f"vllm-patch {report.operation}: {summary} {_dash(out)} {_conclusion(report)}",
+          file=out)
+
+
+def _conclusion(report: Report) -> str:
+    """The summary's last words. A command that judges (verify, apply, ...) says OK or FAILED,
+    as its exit code does. ``status`` reports and exits 0 whatever it finds, so it never says
+    OK beside a patch that verify would fail: "all in place", or how many are not."""
+    if not report.ok:
+        return "FAILED"
+    if report.operation != "status" or not report.outcomes:
+        return "OK"
+    away = sum(o.in_place is False for o in report.outcomes)
+    return f"{away} not in place" if away else "all in place"
 
 
 def _print_description(o: PatchOutcome, pad: str, out: TextIO) -> None:

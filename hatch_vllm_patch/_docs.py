@@ -238,10 +238,12 @@ def cli_page() -> str:
         out.append(_table(("argument or option", "meaning", "notes"), rows))
         if sub.epilog:
             out.append(f"\n{sub.epilog[0].upper()}{sub.epilog[1:]}.\n")
-    codes = [(str(_cli.EXIT_OK), "every selected patch applied or not needed; doctor: it "
-              "starts as installed"),
-             (str(_cli.EXIT_FAILED), "something missing, stale, refused or failed; doctor: it "
-              "does not start and no patch here fixes it"),
+    codes = [(str(_cli.EXIT_OK), "every selected patch applied or not needed; status: "
+              "whatever state it found (it reports; its summary counts the patches not in "
+              "place); doctor: it starts as installed"),
+             (str(_cli.EXIT_FAILED), "something missing, stale, refused or failed; status: "
+              "only when it could not look (verify is the check); doctor: it does not start "
+              "and no patch here fixes it"),
              (str(_cli.EXIT_USAGE), "usage or configuration error"),
              (str(_cli.EXIT_PATCH_NEEDED), "doctor only: a patch is needed"),
              (str(_cli.EXIT_INTERRUPTED), "interrupted (Ctrl-C); the line on stderr names "

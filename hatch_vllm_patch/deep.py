@@ -1,7 +1,10 @@
 """``verify --deep``: the deep probes of the applied patches, all in one child of the target.
 
 Each patch's ``probe.py`` (or, without one, the binding check: the patched modules import and
-each target symbol is the block's) runs in the target interpreter, which imports vLLM. One
+each target symbol is the block's) runs in the target interpreter, which imports vLLM. The
+binding check covers the targets that hold the patch's block in this release, as ``verify``
+judged them (``holders``): a target that is ``not-applicable`` here (its symbol lives in another
+target's module, its module is gone) holds none and is not checked. One
 child (``_deep_runner.py``) runs them all, one after the other, so vLLM is imported once per
 ``verify --deep``, not once per patch; each patch keeps its own verdict, as if its probe had
 run alone:
@@ -20,7 +23,7 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -59,9 +62,15 @@ class _Ended(NamedTuple):
 
 
 def run_probes(patches: Sequence[Patch], env: TargetEnvironment, *,
+               holders: Mapping[str, Collection[str]] | None = None,
                timeout: float = PROBE_TIMEOUT) -> dict[str, ProbeVerdict]:
     """The deep probe of each of ``patches`` (applied in ``env``), run in as few children of
-    the target interpreter as the probes allow (one, unless one of them ends its child)."""
+    the target interpreter as the probes allow (one, unless one of them ends its child).
+
+    ``holders``: for a patch id, the target modules that hold its block here (the targets
+    ``verify`` judged ``applied``; the caller knows them from the engine's verdicts): the binding
+    check looks for the block in exactly these. A patch it does not name: every target whose
+    module exists here must hold one (a caller that knows each target does)."""
     verdicts: dict[str, ProbeVerdict] = {}
     items: list[_Item] = []
     for patch in patches:
@@ -69,7 +78,8 @@ def run_probes(patches: Sequence[Patch], env: TargetEnvironment, *,
             items.append(_Item(patch, {"id": patch.id, "kind": "script",
                                        "path": os.path.abspath(patch.probe_path)}, {}))
             continue
-        spans, problem = _binding_spans(patch, env)
+        held = None if holders is None else holders.get(patch.id)
+        spans, problem = _binding_spans(patch, env, held)
         if problem is not None:
             verdicts[patch.id] = ProbeVerdict(False, problem)
             continue
@@ -186,16 +196,23 @@ def _judge_script(patch: Patch, output: str, returncode: int, tail: str,
     return ProbeVerdict(False, f"probe exited {returncode} without a verdict: {tail}")
 
 
-def _binding_spans(patch: Patch, env: TargetEnvironment
+def _binding_spans(patch: Patch, env: TargetEnvironment, held: Collection[str] | None = None
                    ) -> tuple[dict[str, tuple[str, int, int]], str | None]:
-    """Where each target module's block of ``patch`` lies (file, first and last line)."""
+    """Where the block of ``patch`` lies (file, first and last line) in each target module that
+    holds it: the modules ``held`` (the targets judged ``applied``), else every target module
+    that exists here. A module that should hold the block and does not is the problem."""
     from .markers import BEGIN, END
 
     begin, end_marker = BEGIN.decode().strip() + " ", END.decode().strip() + " "
     spans: dict[str, tuple[str, int, int]] = {}
     for member in patch.parts:
-        location = env.modules.get(member.target.module)
+        module = member.target.module
+        if held is not None and module not in held:
+            continue  # not-applicable here (another target carries it): no block to look for
+        location = env.modules.get(module)
         if location is None or location.file is None:
+            if held is not None:  # judged applied, yet no file now
+                return spans, f"{module} holds the block of {patch.id}, but has no file now"
             continue
         lines = location.file.read_bytes().decode("utf-8", "replace").splitlines()
         head = f"{begin}{patch.id} "
@@ -204,7 +221,9 @@ def _binding_spans(patch: Patch, env: TargetEnvironment
             return spans, f"no block of {patch.id} in {location.file}"
         end = next((i + 1 for i in range(start, len(lines))
                     if lines[i].startswith(end_marker)), len(lines))
-        spans[member.target.module] = (os.path.realpath(location.file), start, end)
+        spans[module] = (os.path.realpath(location.file), start, end)
+    if not spans:
+        return spans, f"no target of {patch.id} holds its block here"
     return spans, None
 
 
@@ -225,9 +244,12 @@ def _judge_binding(item: _Item, result: dict[str, Any]) -> ProbeVerdict:
         return ProbeVerdict(False, f"{', '.join(wrong)} is not the block's after import "
                                    "(rebound by someone else, or captured before the block "
                                    "ran)")
-    count = sum(len(m.target.symbols) for m in item.patch.parts)
+    count = sum(len(m.target.symbols) for m in item.patch.parts if m.target.module in item.spans)
+    others = [m.target.module for m in item.patch.parts if m.target.module not in item.spans]
+    unchecked = (f"; {' and '.join(others)}: no block in this release, not checked"
+                 if others else "")
     return ProbeVerdict(True, f"imported {', '.join(item.spans)}; {count} symbol(s) are the "
-                              "block's (no probe.py: the binding check)")
+                              f"block's (no probe.py: the binding check){unchecked}")
 
 
 _MISSING_MODULE = re.compile(r"^(?:ModuleNotFoundError|ImportError): (No module named "

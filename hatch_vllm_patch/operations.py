@@ -407,10 +407,18 @@ def run(operation: str, request: Request) -> Report:
         from .deep import run_probes
 
         # one probe per patch, for all its targets; all of them in one child (one vLLM import)
-        applied = [catalog[pid] for pid in dict.fromkeys(
-            o.patch_id for o in outcomes if o.verdict is Verdict.APPLIED and o.patch_id in catalog)]
-        probes = run_probes(applied, env) if applied else {}
+        verified = [o for o in outcomes if o.verdict is Verdict.APPLIED and o.patch_id in catalog]
+        applied = [catalog[pid] for pid in dict.fromkeys(o.patch_id for o in verified)]
+        # the targets that hold each patch's block, as verify judged them: a target that is
+        # not-applicable here (its symbol in another target's module) holds none (an outcome
+        # without targets: every target module that exists, deep.py's default)
+        holders = {o.patch_id: tuple(t.module for t in o.targets if t.verdict is Verdict.APPLIED)
+                   for o in verified if o.targets}
+        probes = run_probes(applied, env, holders=holders) if applied else {}
         outcomes = [_deep(o, catalog, probes) for o in outcomes]
+    if operation == "status":  # the other outcomes (blocks found, not planned): by verdict
+        outcomes = [o if o.in_place is not None else
+                    o._replace(in_place=o.verdict in _FINE["verify"]) for o in outcomes]
     warnings = shared_environment_warnings(env) if operation in {"apply", "verify"} else []
     return Report(operation, env, tuple(outcomes), tuple(notes), request.project_dir,
                   config.source if config else None, tuple(errors), tuple(warnings))
@@ -678,9 +686,11 @@ class _Session:
             targets.append(TargetOutcome(m.target.module, verdict, reason,
                                          self.fine(m, verdict), o.file, o.diff))
         diffs = "".join(o.diff for o in outcomes if o.diff)
+        # status: whether verify would pass the patch (its targets judged as verify judges them)
+        in_place = all(ok for _, _, ok in ended) if self.operation == "status" else None
         return speaker._replace(verdict=decided.verdict, reason=decided.reason,
                                 ok=all(o.ok for o in outcomes), diff=diffs or None,
-                                targets=tuple(targets))
+                                targets=tuple(targets), in_place=in_place)
 
     def present(self, patch: Patch) -> bool:
         """Whether to plan ``patch``: always, unless it is one of ``only_where_present`` and

@@ -56,6 +56,10 @@ class PatchOutcome(NamedTuple):
     links: tuple[str, ...] = ()
     removal: str | None = None
     targets: tuple[TargetOutcome, ...] = ()
+    # ``status`` only (None elsewhere): whether ``verify`` would find this patch in place. A
+    # status reports and exits 0 whatever it finds (``ok`` is always true there); this says
+    # which of its patches verify would fail on.
+    in_place: bool | None = None
 
     @property
     def files(self) -> tuple[Path, ...]:
@@ -81,6 +85,8 @@ class PatchOutcome(NamedTuple):
                         links=list(self.links), removal=self.removal)
         if self.targets:
             data["targets"] = [t.to_json() for t in self.targets]
+        if self.in_place is not None:
+            data["in_place"] = self.in_place
         return data
 
 

@@ -126,7 +126,9 @@ def test_json_is_off_without_the_option(tmp_path: Path, demo_catalog: Path) -> N
 
 def test_status_short_is_one_line_per_patch(tmp_path: Path, demo_venv: Path) -> None:
     """status --short: id, verdict and file, one line per patch; status: one line per patch
-    with its reason, and the option that adds the accounts; status -v: the accounts."""
+    with its reason, and the option that adds the accounts; status -v: the accounts. status
+    exits 0 and its summary says how many patches are not in place (never "OK" beside one;
+    JSON ``in_place``), where verify fails."""
     catalog = write_demo_catalog(tmp_path / "catalog")
     second = catalog / "demo-two"
     second.mkdir()
@@ -141,12 +143,25 @@ def test_status_short_is_one_line_per_patch(tmp_path: Path, demo_venv: Path) -> 
     core = site_packages(demo_venv.parent.parent) / "demo_pkg" / "core.py"
     assert proc.stdout.splitlines() == [f"demo-fix  applied  {core}",
                                         f"demo-two  missing  {core}"]
-    default = cli("status", "--python", str(demo_venv), catalog=catalog).stdout.splitlines()
+    shown = cli("status", "--python", str(demo_venv), catalog=catalog)
+    default = shown.stdout.splitlines()
     assert default[-4].split()[:2] == ["applied", "demo-fix:"], default
-    assert default[-4].endswith(" in place") and default[-3].startswith("  missing   demo-two: ")
+    # status reports (exit 0) and never says OK beside a patch verify would fail: it marks it
+    assert default[-4].endswith(" in place") and default[-3].startswith("! missing   demo-two: ")
     assert default[-2:] == ["each patch's file, selectors and account: vllm-patch status -v",
-                            "vllm-patch status: 1 applied, 1 missing \u2014 OK"], default
-    assert len(default) == 6 and "file:" not in str(default), default
+                            "vllm-patch status: 1 applied, 1 missing \u2014 1 not in place"
+                            ], default
+    assert shown.returncode == 0 and len(default) == 6 and "file:" not in str(default), default
+    doc = json.loads(cli("status", "--json", "--python", str(demo_venv), catalog=catalog).stdout)
+    assert (doc["exit_code"], doc["ok"]) == (0, True), doc
+    assert {p["id"]: (p["ok"], p["in_place"]) for p in doc["patches"]} == {
+        "demo-fix": (True, True), "demo-two": (True, False)}, doc
+    verify = cli("verify", "--python", str(demo_venv), "--patch", "demo-two", catalog=catalog)
+    assert verify.returncode == 1 and verify.stdout.splitlines()[-1] == (
+        "vllm-patch verify: 1 missing, 1 not-selected \u2014 FAILED"), verify.stdout
+    done = cli("status", "--python", str(demo_venv), "--patch", "demo-fix",
+               catalog=catalog).stdout.splitlines()
+    assert done[-1] == "vllm-patch status: 1 applied \u2014 all in place", done
     long = cli("status", "-v", "--python", str(demo_venv), catalog=catalog).stdout
     assert "summary: Make demo_pkg.core.compute" in long and len(long.splitlines()) > 10
     usage = cli("status", "-v", "--short", "--python", str(demo_venv), catalog=catalog)
