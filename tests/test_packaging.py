@@ -12,7 +12,8 @@ import pytest
 from conftest import REPO, write_demo_catalog
 from venvs import UV, create_venv, run
 
-from hatch_vllm_patch.catalog import load_catalog
+from hatch_vllm_patch import __version__
+from hatch_vllm_patch.catalog import catalog_digest, load_catalog
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,10 @@ def test_installed_wheel_runs_the_cli_with_its_own_catalog(wheel: Path, tmp_path
                     "print(c.default_catalog_root())"], cwd=tmp_path).stdout.strip()
     assert location.endswith("site-packages/hatch_vllm_patch/_patches")
     script = run([str(python.parent / "vllm-patch"), "--version"]).stdout
-    assert script.startswith("vllm-patch ")
+    # the wheel's catalog is the checkout's, byte for byte: the same count and digest
+    catalog = load_catalog(REPO / "patches")
+    assert script == (f"vllm-patch {__version__} (catalog {__version__}: {len(catalog)} patches, "
+                      f"sha256 {catalog_digest(catalog)[:12]})\n"), script
 
 
 def test_sdist_and_wheel_metadata_pass_twine_check(tmp_path: Path) -> None:
@@ -64,8 +68,11 @@ def test_sdist_and_wheel_metadata_pass_twine_check(tmp_path: Path) -> None:
         assert "hatch_vllm_patch/schema/output.schema.json" in whl.namelist()
     for field in ("License-Expression: Apache-2.0", "License-File: LICENSE", "Project-URL: ",
                   "Classifier: ", "Description-Content-Type: text/markdown",
-                  "Requires-Dist: editables"):
+                  "Requires-Dist: editables",
+                  # the one version: hatchling reads it from hatch_vllm_patch/__init__.py
+                  f"Version: {__version__}\n"):
         assert field in metadata, field
+    assert all(d.name.startswith(f"hatch_vllm_patch-{__version__}") for d in dists), dists
 
 
 DOWNSTREAM = """\
