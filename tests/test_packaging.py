@@ -7,6 +7,7 @@ import shutil
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 from conftest import REPO, write_demo_catalog
@@ -147,3 +148,54 @@ def test_pip_editable_install_of_a_downstream_project(tmp_path: Path, wheelhouse
                    check=False)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert f"config: {project / 'pyproject.toml'}" in verified.stdout
+
+
+WORKFLOWS = REPO / ".github" / "workflows"
+
+
+def _workflow(name: str) -> dict[str, Any]:
+    """A workflow file, parsed (YAML 1.1 reads the key `on` as True)."""
+    import yaml
+
+    data = yaml.safe_load((WORKFLOWS / name).read_text())
+    data["on"] = data.pop(True, data.get("on"))
+    return cast("dict[str, Any]", data)
+
+
+def _steps(job: dict[str, Any]) -> list[dict[str, Any]]:
+    steps = job.get("steps", [])
+    assert steps, f"no steps in {job}"
+    return cast("list[dict[str, Any]]", steps)
+
+
+def test_ci_workflow_runs_the_ci_script() -> None:
+    """ci.yml runs `bash .ci/run` (which installs uv and runs the suite) on ubuntu with Python
+    3.11, for pushes to main and pull requests."""
+    ci = _workflow("ci.yml")
+    assert {"push", "pull_request"} <= set(ci["on"])
+    (job,) = ci["jobs"].values()
+    assert job["runs-on"].startswith("ubuntu")
+    steps = _steps(job)
+    assert any(s.get("with", {}).get("python-version") == "3.11" for s in steps)
+    assert any(s.get("run", "").strip() == "bash .ci/run" for s in steps)
+
+
+def test_release_workflow_checks_and_publishes_with_trusted_publishing() -> None:
+    """release.yml runs on a published release or a v* tag, builds with `uv build`, runs
+    `twine check --strict dist/*`, and publishes with PyPI's trusted publishing: the PyPA action,
+    `id-token: write`, the environment `pypi`, and no token."""
+    release = _workflow("release.yml")
+    assert release["on"]["release"]["types"] == ["published"]
+    assert release["on"]["push"]["tags"] == ["v*"]
+    build, publish = release["jobs"]["build"], release["jobs"]["publish"]
+    commands = [s.get("run", "") for s in _steps(build)]
+    assert any(c.strip() == "uv build" for c in commands), commands
+    assert any("twine check --strict dist/*" in c for c in commands), commands
+    assert publish["needs"] == "build"
+    assert publish["permissions"] == {"id-token": "write"}
+    assert publish["environment"]["name"] == "pypi"
+    (upload,) = [s for s in _steps(publish)
+                 if s.get("uses", "").startswith("pypa/gh-action-pypi-publish@")]
+    assert not {"password", "user"} & set(upload.get("with", {})), upload
+    assert "secrets." not in (WORKFLOWS / "release.yml").read_text()
+
