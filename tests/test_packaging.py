@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import zipfile
@@ -199,3 +200,14 @@ def test_release_workflow_checks_and_publishes_with_trusted_publishing() -> None
     assert not {"password", "user"} & set(upload.get("with", {})), upload
     assert "secrets." not in (WORKFLOWS / "release.yml").read_text()
 
+
+def test_changelog_names_this_version_and_every_patch() -> None:
+    """CHANGELOG.md's first version is this one, and its section names every catalog patch."""
+    text = (REPO / "CHANGELOG.md").read_text()
+    sections = re.split(r"^## ", text, flags=re.M)[1:]
+    assert sections, "no version section in CHANGELOG.md"
+    assert sections[0].startswith(f"{__version__} "), sections[0].splitlines()[0]
+    patches = sorted(load_catalog(REPO / "patches"))
+    assert patches, "no catalog patches found"
+    missing = [p for p in patches if f"`{p}`" not in sections[0]]
+    assert not missing, f"CHANGELOG.md's {__version__} section does not name {missing}"
