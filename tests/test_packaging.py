@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 from typing import Any, cast
@@ -75,6 +76,8 @@ def test_sdist_and_wheel_metadata_pass_twine_check(tmp_path: Path) -> None:
                   f"Version: {__version__}\n"):
         assert field in metadata, field
     assert all(d.name.startswith(f"hatch_vllm_patch-{__version__}") for d in dists), dists
+    with tarfile.open(dists[1]) as sdist:
+        assert f"hatch_vllm_patch-{__version__}/CHANGELOG.md" in sdist.getnames()
 
 
 DOWNSTREAM = """\
