@@ -14,7 +14,7 @@ package, and must not pay for the engine unless it needs it.
 # No import runs here at all (not even ``from __future__``): ``vllm-patch`` imports this package
 # before its own code can catch Ctrl-C, so the less happens here, the smaller that window.
 TYPE_CHECKING = False
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 if TYPE_CHECKING:
     from typing import Any

@@ -93,6 +93,40 @@ class _Parser(argparse.ArgumentParser):
         raise _ArgumentError(f"{self.prog}: {message}", self.format_usage().strip())
 
 
+def version_text() -> tuple[str, int]:
+    """``vllm-patch --version``'s line and exit code: the package's version, and the catalog's:
+    the built-in catalog ships in the wheel, so its version is the package's; its patch count
+    and content digest (:func:`~.catalog.catalog_digest`) tell apart two checkouts that carry
+    one version number between releases. A catalog named by ``$HATCH_VLLM_PATCH_CATALOG`` has
+    no version of its own and is named as such."""
+    from .catalog import CATALOG_ENV, catalog_digest, load_catalog
+
+    try:
+        catalog = load_catalog()
+        digest = catalog_digest(catalog)
+    except CatalogError as exc:
+        first = str(exc).splitlines()[0]
+        return f"vllm-patch {__version__} (catalog unreadable: {first})", EXIT_FAILED
+    which = f"from ${CATALOG_ENV}" if os.environ.get(CATALOG_ENV) else __version__
+    count = f"{len(catalog)} patch{'es' if len(catalog) != 1 else ''}"
+    return f"vllm-patch {__version__} (catalog {which}: {count}, sha256 {digest[:12]})", EXIT_OK
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: reads the catalog only when asked (argparse's own action would take a
+    string made each time the parser is built)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> NoReturn:
+        line, code = version_text()
+        _write(lambda: print(line))
+        parser.exit(code)
+
+
 def _parser(only: str | None = None) -> argparse.ArgumentParser:
     """The command line. With ``only`` (the command given) just that command's parser is built:
     argparse looks up translations for every help text it adds, which made building all nine
@@ -124,7 +158,8 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
         description="Patch vLLM's installed files for hybrid models, verifiably and reversibly.",
         epilog=DOCS_EPILOG,
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="show the version and the catalog's, and exit")
     sub = parser.add_subparsers(dest="operation", metavar="COMMAND", required=True)
     for name, text in _HELP.items():
         if only is not None and name != only:

@@ -227,7 +227,12 @@ def cli_page() -> str:
            _table(("command", "what it does"),
                   ((f"[`{n}`](#{n})", p.description or "") for n, p in commands.items())),
            "\nEvery command also takes `-h`/`--help`; `vllm-patch --version` prints the "
-           "version.\n"]
+           "version and the catalog's: the built-in catalog's version is the package's, "
+           "followed by its patch count and the first 12 hex digits of the sha256 of its "
+           "files (e.g. `vllm-patch 0.3.0 (catalog 0.3.0: 14 patches, sha256 71c5b79c3c94)`; "
+           "between two releases every commit carries one version number, the digest tells "
+           "them apart; a catalog named by `$HATCH_VLLM_PATCH_CATALOG` is shown as "
+           "`catalog from $HATCH_VLLM_PATCH_CATALOG`).\n"]
     for name, sub in commands.items():
         sub.prog = f"vllm-patch {name}"
         usage = " ".join(sub.format_usage().split())

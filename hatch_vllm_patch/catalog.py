@@ -274,6 +274,25 @@ class Catalog(Mapping[str, Patch]):
                        tuple(dict.fromkeys((*self.admitted, *other.admitted))))
 
 
+def catalog_digest(catalog: Catalog) -> str:
+    """The sha256 of a catalog's files: every regular file directly in each patch folder
+    (``<id>/<name>``, its length and its bytes, in id and name order). Between two version
+    bumps every commit carries the same version number; equal digests say two installs (a
+    wheel, a checkout) carry the same patches byte for byte."""
+    digest = hashlib.sha256()
+    for patch in catalog.patches:
+        for file in sorted(patch.folder.iterdir()):
+            if file.name.startswith(".") or file.is_symlink() or not file.is_file():
+                continue
+            try:
+                data = read_regular(file, MAX_BLOCK_BYTES)
+            except (OSError, BoundExceeded) as exc:
+                raise CatalogError(f"{file}: cannot be read: {exc}") from None
+            digest.update(f"{patch.id}/{file.name}\0{len(data)}\0".encode())
+            digest.update(data)
+    return digest.hexdigest()
+
+
 CATALOG_ENV = "HATCH_VLLM_PATCH_CATALOG"
 
 

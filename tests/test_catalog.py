@@ -86,3 +86,31 @@ def test_a_missing_block_file_is_named(tmp_path: Path) -> None:
     root = write(tmp_path, TWO_TARGETS, {"demo_pkg.core.py": "pass\n"})
     with pytest.raises(CatalogError, match=r"extra-block\.py is missing"):
         load_patch_folders(chosen(root))
+
+
+def test_catalog_digest_follows_the_files(tmp_path: Path) -> None:
+    """Two copies of a catalog have one digest; a changed byte of a block or a new file changes
+    it; a `__pycache__` folder or a dotfile does not."""
+    import shutil
+
+    from conftest import REPO
+
+    from hatch_vllm_patch.catalog import catalog_digest, load_catalog
+
+    def digest(root: Path) -> str:
+        return catalog_digest(load_patch_folders(chosen(root)))
+
+    copy = tmp_path / "copy"
+    shutil.copytree(REPO / "patches", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    first = digest(copy)
+    assert first == catalog_digest(load_catalog(REPO / "patches"))
+    block = next(copy.glob("*/block.py"))
+    (block.parent / "__pycache__").mkdir(exist_ok=True)
+    (block.parent / "__pycache__" / "block.cpython-311.pyc").write_bytes(b"x")
+    (block.parent / ".block.py.swp").write_bytes(b"x")
+    assert digest(copy) == first
+    block.write_bytes(block.read_bytes() + b"\n")
+    changed = digest(copy)
+    assert changed != first
+    (block.parent / "NOTES").write_text("a note\n")
+    assert digest(copy) not in (first, changed)

@@ -391,3 +391,37 @@ def test_selection_is_the_union_with_one_reason_line_per_patch(tmp_path: Path,
                                f"{project / 'model'}/config.json)"]
     assert why["demo-two"] == ["[tool.vllm-patch] patches (for every model served)",
                                "OtherForCausalLM (catalog default)"]
+
+
+def test_version_names_the_builtin_catalog(tmp_path: Path) -> None:
+    """`--version` prints the package's version, and the built-in catalog's: the same version,
+    its patch count and the start of its content digest."""
+    from conftest import REPO
+
+    from hatch_vllm_patch import __version__
+    from hatch_vllm_patch.catalog import catalog_digest, load_catalog
+
+    catalog = load_catalog(REPO / "patches")
+    proc = cli("--version", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout == (f"vllm-patch {__version__} (catalog {__version__}: {len(catalog)} "
+                           f"patches, sha256 {catalog_digest(catalog)[:12]})\n")
+
+
+def test_version_names_an_overriding_catalog(tmp_path: Path) -> None:
+    """A catalog of $HATCH_VLLM_PATCH_CATALOG is named as such (it has no version); an
+    unreadable one is named too, and exits 1."""
+    from hatch_vllm_patch import __version__
+    from hatch_vllm_patch.catalog import catalog_digest, load_catalog
+
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    proc = cli("--version", cwd=tmp_path, catalog=catalog)
+    digest = catalog_digest(load_catalog(catalog))[:12]
+    assert proc.stdout == (f"vllm-patch {__version__} (catalog from $HATCH_VLLM_PATCH_CATALOG: "
+                           f"1 patch, sha256 {digest})\n"), proc.stdout + proc.stderr
+    assert proc.returncode == 0
+    (catalog / "demo-fix" / "patch.toml").write_text("id = \n")
+    broken = cli("--version", cwd=tmp_path, catalog=catalog)
+    assert broken.returncode == 1
+    assert broken.stdout.startswith(f"vllm-patch {__version__} (catalog unreadable: "), \
+        broken.stdout

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 from conftest import REPO, write_demo_catalog
 from venvs import UV, create_venv, run
 
-from hatch_vllm_patch.catalog import load_catalog
+from hatch_vllm_patch import __version__
+from hatch_vllm_patch.catalog import catalog_digest, load_catalog
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +50,10 @@ def test_installed_wheel_runs_the_cli_with_its_own_catalog(wheel: Path, tmp_path
                     "print(c.default_catalog_root())"], cwd=tmp_path).stdout.strip()
     assert location.endswith("site-packages/hatch_vllm_patch/_patches")
     script = run([str(python.parent / "vllm-patch"), "--version"]).stdout
-    assert script.startswith("vllm-patch ")
+    # the wheel's catalog is the checkout's, byte for byte: the same count and digest
+    catalog = load_catalog(REPO / "patches")
+    assert script == (f"vllm-patch {__version__} (catalog {__version__}: {len(catalog)} patches, "
+                      f"sha256 {catalog_digest(catalog)[:12]})\n"), script
 
 
 def test_sdist_and_wheel_metadata_pass_twine_check(tmp_path: Path) -> None:
@@ -64,8 +71,13 @@ def test_sdist_and_wheel_metadata_pass_twine_check(tmp_path: Path) -> None:
         assert "hatch_vllm_patch/schema/output.schema.json" in whl.namelist()
     for field in ("License-Expression: Apache-2.0", "License-File: LICENSE", "Project-URL: ",
                   "Classifier: ", "Description-Content-Type: text/markdown",
-                  "Requires-Dist: editables"):
+                  "Requires-Dist: editables",
+                  # the one version: hatchling reads it from hatch_vllm_patch/__init__.py
+                  f"Version: {__version__}\n"):
         assert field in metadata, field
+    assert all(d.name.startswith(f"hatch_vllm_patch-{__version__}") for d in dists), dists
+    with tarfile.open(dists[1]) as sdist:
+        assert f"hatch_vllm_patch-{__version__}/CHANGELOG.md" in sdist.getnames()
 
 
 DOWNSTREAM = """\
@@ -140,3 +152,65 @@ def test_pip_editable_install_of_a_downstream_project(tmp_path: Path, wheelhouse
                    check=False)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert f"config: {project / 'pyproject.toml'}" in verified.stdout
+
+
+WORKFLOWS = REPO / ".github" / "workflows"
+
+
+def _workflow(name: str) -> dict[str, Any]:
+    """A workflow file, parsed (YAML 1.1 reads the key `on` as True)."""
+    import yaml
+
+    data = yaml.safe_load((WORKFLOWS / name).read_text())
+    data["on"] = data.pop(True, data.get("on"))
+    return cast("dict[str, Any]", data)
+
+
+def _steps(job: dict[str, Any]) -> list[dict[str, Any]]:
+    steps = job.get("steps", [])
+    assert steps, f"no steps in {job}"
+    return cast("list[dict[str, Any]]", steps)
+
+
+def test_ci_workflow_runs_the_ci_script() -> None:
+    """ci.yml runs `bash .ci/run` (which installs uv and runs the suite) on ubuntu with Python
+    3.11, for pushes to main and pull requests."""
+    ci = _workflow("ci.yml")
+    assert {"push", "pull_request"} <= set(ci["on"])
+    (job,) = ci["jobs"].values()
+    assert job["runs-on"].startswith("ubuntu")
+    steps = _steps(job)
+    assert any(s.get("with", {}).get("python-version") == "3.11" for s in steps)
+    assert any(s.get("run", "").strip() == "bash .ci/run" for s in steps)
+
+
+def test_release_workflow_checks_and_publishes_with_trusted_publishing() -> None:
+    """release.yml runs on a published release or a v* tag, builds with `uv build`, runs
+    `twine check --strict dist/*`, and publishes with PyPI's trusted publishing: the PyPA action,
+    `id-token: write`, the environment `pypi`, and no token."""
+    release = _workflow("release.yml")
+    assert release["on"]["release"]["types"] == ["published"]
+    assert release["on"]["push"]["tags"] == ["v*"]
+    build, publish = release["jobs"]["build"], release["jobs"]["publish"]
+    commands = [s.get("run", "") for s in _steps(build)]
+    assert any(c.strip() == "uv build" for c in commands), commands
+    assert any("twine check --strict dist/*" in c for c in commands), commands
+    assert publish["needs"] == "build"
+    assert publish["permissions"] == {"id-token": "write"}
+    assert publish["environment"]["name"] == "pypi"
+    (upload,) = [s for s in _steps(publish)
+                 if s.get("uses", "").startswith("pypa/gh-action-pypi-publish@")]
+    assert not {"password", "user"} & set(upload.get("with", {})), upload
+    assert "secrets." not in (WORKFLOWS / "release.yml").read_text()
+
+
+def test_changelog_names_this_version_and_every_patch() -> None:
+    """CHANGELOG.md's first version is this one, and its section names every catalog patch."""
+    text = (REPO / "CHANGELOG.md").read_text()
+    sections = re.split(r"^## ", text, flags=re.M)[1:]
+    assert sections, "no version section in CHANGELOG.md"
+    assert sections[0].startswith(f"{__version__} "), sections[0].splitlines()[0]
+    patches = sorted(load_catalog(REPO / "patches"))
+    assert patches, "no catalog patches found"
+    missing = [p for p in patches if f"`{p}`" not in sections[0]]
+    assert not missing, f"CHANGELOG.md's {__version__} section does not name {missing}"
