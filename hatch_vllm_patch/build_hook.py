@@ -24,8 +24,8 @@ When it fails the build
     ``strict = true``, when a patch is refused. Never because vLLM or the environment is missing.
 
 uv and pip show a build's output only with ``-v`` (or when the build fails): when the hook
-removed or refused a patch it also says so in one line on the user's terminal (``/dev/tty``),
-so ``uv sync`` shows it without ``-v``. Without a terminal (CI) ``strict = true`` or ``vllm-patch
+applied, removed or refused a patch it also says so in one line on the user's terminal
+(``/dev/tty``), so ``uv sync`` shows it without ``-v``; a build that changed nothing says nothing. Without a terminal (CI) ``strict = true`` or ``vllm-patch
 verify`` (exit 1) is the check, and the guard reports it in every vLLM process.
 """
 
@@ -201,8 +201,10 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
         removed = [o for o in done if o.verdict is Verdict.REMOVED]
         # nothing selected, a block of ours left (operations gives it a next step then)
         left = [o for o in done if o.verdict is Verdict.NOT_SELECTED and o.next_step]
-        if removed or refused or report.errors or left:
-            _tell_terminal(_headline(removed, refused, report.errors, env.prefix, left))
+        applied = [o for o in done if o.verdict is Verdict.APPLIED]  # written by this build
+        if applied or removed or refused or report.errors or left:
+            _tell_terminal(_headline(removed, refused, report.errors, env.prefix, left,
+                                     applied))
         if (refused or report.errors) and strict:
             self._fail("strict = true and a patch was refused",
                        [f"{o.patch_id}: {o.verdict.value}" for o in refused] + list(report.errors))
@@ -229,10 +231,13 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
 
 
 def _headline(removed: list[Any], refused: list[Any], errors: Iterable[str], prefix: str,
-              left: Iterable[Any] = ()) -> str:
-    """One line for the terminal: what the build removed, refused or left behind, and where to
-    read more."""
+              left: Iterable[Any] = (), applied: Iterable[Any] = ()) -> str:
+    """One line for the terminal: what the build applied, removed, refused or left behind, and
+    where to read more."""
     parts = []
+    applied_ids = [o.patch_id for o in applied]
+    if applied_ids:
+        parts.append(f"applied {', '.join(applied_ids)}")
     if removed:
         parts.append(f"removed {', '.join(o.patch_id for o in removed)} (no longer selected)")
     left_ids = [o.patch_id for o in left]

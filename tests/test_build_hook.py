@@ -392,11 +392,12 @@ demo-pkg = {{ path = "{wheel}" }}
 
 
 @pytest.mark.skipif(not shutil.which("script"), reason="needs util-linux `script` for a pty")
-def test_uv_sync_says_a_removal_or_refusal_once_without_verbose(
+def test_uv_sync_says_a_change_once_without_verbose(
         tmp_path: Path, demo_wheels: dict[str, Path]) -> None:
-    """`uv sync` (no -v) of a project whose hook removed demo-fix and refused demo-bad shows
-    one line saying so on the terminal (a real pty); with nothing removed or refused, and
-    without a terminal, it says nothing (uv keeps the build's output for -v)."""
+    """`uv sync` (no -v) of a project whose hook applied demo-fix shows one line saying so on
+    the terminal (a real pty), and so does one whose hook removed demo-fix and refused
+    demo-bad; a sync that changes nothing (the patch already in place), and any sync without a
+    terminal, says nothing (uv keeps the build's output for -v)."""
     catalog = write_demo_catalog(tmp_path / "catalog")
     bad = catalog / "demo-bad"
     bad.mkdir()
@@ -416,10 +417,14 @@ def test_uv_sync_says_a_removal_or_refusal_once_without_verbose(
         proc = run(command, cwd=project, env={**ENV, "HATCH_VLLM_PATCH_CATALOG": str(catalog)})
         return re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", proc.stdout + proc.stderr)  # no colours
 
-    quiet = sync('"demo-fix"', terminal=True)
-    assert "Built svc" in quiet and "vllm-patch:" not in quiet, quiet
+    first = sync('"demo-fix"', terminal=True)
+    applied = (f"vllm-patch: applied demo-fix in {project / '.venv'}; `vllm-patch status` "
+               "lists what is in place (the build's output: uv -v)")
+    assert first.count(applied) == 1 and first.count("vllm-patch:") == 1, first
     module = site_packages(project / ".venv") / "demo_pkg" / "core.py"
     assert "hatch-vllm-patch: demo-fix" in module.read_text()
+    quiet = sync('"demo-fix" ', terminal=True)  # a changed pyproject: rebuilt, already in place
+    assert "Built svc" in quiet and "vllm-patch:" not in quiet, quiet
     shown = sync('"demo-bad"', terminal=True)
     line = (f"vllm-patch: removed demo-fix (no longer selected); refused demo-bad "
             f"(unknown-shape) in {project / '.venv'}; `vllm-patch verify` says why and what to "
