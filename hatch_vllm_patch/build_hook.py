@@ -25,8 +25,9 @@ When it fails the build
 
 uv and pip show a build's output only with ``-v`` (or when the build fails): when the hook
 applied, removed or refused a patch it also says so in one line on the user's terminal
-(``/dev/tty``), so ``uv sync`` shows it without ``-v``; a build that changed nothing says nothing. Without a terminal (CI) ``strict = true`` or ``vllm-patch
-verify`` (exit 1) is the check, and the guard reports it in every vLLM process.
+(``/dev/tty``), so ``uv sync`` shows it without ``-v``; a build that changed nothing says
+nothing. Without a terminal (CI) ``strict = true`` or ``vllm-patch verify`` (exit 1) is the
+check, and the guard reports it in every vLLM process.
 """
 
 from __future__ import annotations
