@@ -33,13 +33,14 @@ fails the ownership rule, an unreadable catalog, any unexpected error), an ``err
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import sys
 import sysconfig
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -69,7 +70,9 @@ _checked = False
 
 class GuardStop(SystemExit):
     """Stops a vLLM process whose patches are not in place (``error`` mode). A SystemExit with a
-    message: Python prints the message, not a traceback, and vLLM does not swallow it."""
+    message: Python prints the message, not a traceback, and vLLM does not swallow it (in an
+    engine or worker process multiprocessing's bootstrap prints it). It is not logged as well:
+    the message appears once."""
 
 
 PROJECT_ENV = "HATCH_VLLM_PATCH_PROJECT"
@@ -90,6 +93,11 @@ def check() -> None:
     override = os.environ.get(GUARD_ENV, "").strip().lower() or None
     if override == "off":
         return
+    with _shown(logger):
+        _check_once(logger, override, started)
+
+
+def _check_once(logger: logging.Logger, override: str | None, started: float) -> None:
     if override is not None and override not in GUARD_MODES:
         logger.warning("hatch-vllm-patch: $%s=%r is not one of %s; using the recorded mode",
                        GUARD_ENV, override, ", ".join(GUARD_MODES))
@@ -104,6 +112,31 @@ def check() -> None:
         # after it is run by _guarded, which stops an error or apply process.
         logger.warning("hatch-vllm-patch: the guard could not check this environment (%s: %s); "
                        "run `vllm-patch verify`", type(exc).__name__, exc)
+
+
+@contextlib.contextmanager
+def _shown(logger: logging.Logger) -> Iterator[None]:
+    """While the guard checks: its lines reach stderr even where vLLM's logging is not set up
+    yet. vLLM 0.34 configures its loggers after it loads plugins: nothing handled the guard's
+    INFO line ("patches in place") there, and Python's last resort shows only warnings. When
+    nothing handles ``vllm.hatch_vllm_patch`` and vLLM's logging is not turned off
+    (``VLLM_CONFIGURE_LOGGING=0``), a handler of ours writes its lines to stderr at the level
+    vLLM uses (``VLLM_LOGGING_LEVEL``, INFO), for this check only."""
+    if logger.hasHandlers() or os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
+        yield
+        return
+    level = logging.getLevelName(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [guard] %(message)s",
+                                           "%m-%d %H:%M:%S"))
+    saved = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(level if isinstance(level, int) else logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved)
 
 
 def _check(logger: logging.Logger, override: str | None, started: float) -> None:
@@ -206,8 +239,7 @@ def _cannot(logger: logging.Logger, mode: str, why: str, reason: str) -> None:
         return
     message += ("\n  fix the above, or run: vllm-patch verify --python "
                 f"{sys.executable}; set HATCH_VLLM_PATCH_GUARD=warn to start anyway")
-    logger.error("%s", message)
-    raise GuardStop(message)
+    raise GuardStop(message)  # printed once, by Python (GuardStop)
 
 
 def _recorded_request(selection: Selection, logger: logging.Logger) -> Request:
@@ -385,8 +417,7 @@ def _full_check(logger: logging.Logger, mode: str, started: float, why: str,
     if mode == "warn":
         logger.warning("%s", message)
         return
-    logger.error("%s", message)
-    raise GuardStop(message)
+    raise GuardStop(message)  # printed once, by Python (GuardStop)
 
 
 def _without_edits(report: Report, editing: set[str]) -> Report:

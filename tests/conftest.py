@@ -109,12 +109,14 @@ def write_demo_project(root: Path, version: str = "1.0.0", source: str = DEMO_SO
 
 
 # What vLLM does in each process: load the entry points of vllm.general_plugins and call them.
-# `pre` imports the target module first, as vLLM's engine core does before loading plugins.
+# `pre` imports the target module first, as vLLM's engine core does before loading plugins;
+# `unconfigured` loads them before any logging is set up, as vLLM 0.34 does.
 DEMO_PROCESS = textwrap.dedent("""\
     import importlib.metadata, logging, sys
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format="%(levelname)s %(name)s: %(message)s")
-    if sys.argv[1:] == ["pre"]:
+    if "unconfigured" not in sys.argv:
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                            format="%(levelname)s %(name)s: %(message)s")
+    if "pre" in sys.argv[1:]:
         import demo_pkg.core
     for ep in importlib.metadata.entry_points(group="vllm.general_plugins"):
         ep.load()()

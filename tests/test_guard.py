@@ -95,6 +95,30 @@ def test_modes_after_a_reinstall_behind_our_back(guarded: Path, tmp_path: Path,
     assert "patches in place (demo-fix)" in again.stdout and "patched: True" in again.stdout
 
 
+def test_each_message_once_also_before_logging_is_set_up(
+        guarded: Path, tmp_path: Path, demo_wheels: dict[str, Path]) -> None:
+    """Where the process has set up no logging when plugins load (vLLM 0.34), the "in place"
+    line still reaches stderr at INFO, once (not with VLLM_CONFIGURE_LOGGING=0); a stop says
+    its message once, with logging set up or not."""
+    catalog = write_demo_catalog(tmp_path / "catalog")
+    cli_in(guarded, "apply", "--patch", "demo-fix", catalog=catalog, cwd=tmp_path)
+    bare = vllm_like(guarded, tmp_path, "unconfigured", catalog=catalog)
+    assert bare.returncode == 0 and "patched: True" in bare.stdout, bare.stdout + bare.stderr
+    lines = [line for line in bare.stderr.splitlines() if "hatch-vllm-patch" in line]
+    assert len(lines) == 1 and lines[0].startswith("INFO "), bare.stderr
+    assert "[guard] hatch-vllm-patch: patches in place (demo-fix) [guard error" in lines[0]
+    off = vllm_like(guarded, tmp_path, "unconfigured", catalog=catalog,
+                    env={"VLLM_CONFIGURE_LOGGING": "0"})
+    assert off.returncode == 0 and "hatch-vllm-patch" not in off.stdout + off.stderr
+    reinstall_demo(guarded, demo_wheels["1.0.0"])
+    for args in (("unconfigured",), ()):
+        stopped = vllm_like(guarded, tmp_path, *args, catalog=catalog)
+        both = stopped.stdout + stopped.stderr
+        assert stopped.returncode == 1 and "patched:" not in stopped.stdout, both
+        assert both.count("this vLLM is not patched as selected") == 1, (args, both)
+        assert both.count("demo-fix: missing in") == 1, (args, both)
+
+
 def test_silent_without_record_or_configuration(guarded: Path, tmp_path: Path) -> None:
     """A vLLM that merely has hatch-vllm-patch installed: no record, no pyproject.toml above the
     working directory: the guard says nothing and changes nothing."""
