@@ -854,3 +854,23 @@ def test_a_dropped_patch_over_two_modules_is_removed_from_both(tmp_path: Path,
     assert [f.read_text() for f in files] == [DUO_A, DUO_B]
     record = json.loads((site / RECORD).read_text())
     assert record["selection"]["patches"] == [] and record["files"] == {}
+
+
+@pytest.mark.slow
+def test_in_place_line_on_vllm_034(tmp_path: Path, project_wheel: Path) -> None:
+    """vLLM 0.34 (full, CPU torch, with hatch-vllm-patch installed) sets up no handler for its
+    loggers by the time it loads plugins; the guard's "patches in place" line reaches stderr
+    once all the same, at INFO, when vLLM's own load_general_plugins() calls it."""
+    from venvs import PLANNING_TORCH, vllm_venv
+
+    python = vllm_venv(tmp_path / "venv", "0.34.0", str(project_wheel), torch=PLANNING_TORCH)
+    run([str(python), "-m", "hatch_vllm_patch", "apply", "--python", str(python), "--patch",
+         "kv-cache-page-promotion"], cwd=tmp_path)
+    program = ("import logging, vllm.plugins\n"
+               "print('handlers:', len(logging.getLogger('vllm').handlers))\n"
+               "vllm.plugins.load_general_plugins()\n")
+    proc = run([str(python), "-c", program], cwd=tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    assert "handlers: 0" in proc.stdout, proc.stdout  # the case: nothing handles vLLM's logs
+    lines = [line for line in proc.stderr.splitlines() if "hatch-vllm-patch" in line]
+    assert len(lines) == 1 and lines[0].startswith("INFO "), proc.stderr
+    assert "patches in place (kv-cache-page-promotion) [guard error" in lines[0], lines
