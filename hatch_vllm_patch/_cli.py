@@ -816,8 +816,9 @@ def _init(args: argparse.Namespace, finish: Callable[..., int], written: list[Pa
         route = {"hook": "the build hook patches at every `uv sync`",
                  "companion": "no build hook: the companion command patches after a sync",
                  "requirements": "no build hook: `vllm-patch apply` after every install"}
-        where = plan.file or args.requirements
-        print(f"{plan.shape} project {where}: {route[plan.route]}", file=out)
+        what = (f"pip deployment {args.requirements}" if plan.file is None
+                else f"{plan.shape} project {plan.file}")
+        print(f"{what}: {route[plan.route]}", file=out)
         for change in plan.changes:
             print(f"  + {change}", file=out)
         for note in plan.notes:

@@ -471,3 +471,35 @@ def test_vllm_cpu_project_end_to_end(tmp_path: Path) -> None:
         assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
     assert "vllm-cpu 0.29.0 (installs vllm)" in done.stdout
     assert "vllm-patch verify: 1 applied, 1 not-needed" in done.stdout, done.stdout
+
+
+@pytest.mark.slow
+def test_requirements_deployment_end_to_end(tmp_path: Path) -> None:
+    """A pip deployment: init prints the line (a direct reference to this checkout) and the
+    commands; with the line added, the commands run in a pip venv holding vLLM 0.20.2's files
+    patch it and verify OK; init wrote nothing."""
+    import sys
+
+    folder = tmp_path / "svc"
+    shutil.copytree(GRANITE, folder / "models" / "granite")
+    (folder / "requirements.txt").write_text("# the service\n")
+    made = cli("init", "--requirements", "requirements.txt", "--model", "models/granite",
+               "--source", str(REPO), cwd=folder)
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["models", "requirements.txt"]
+    line = made.stdout.split("add to requirements.txt:\n", 1)[1].splitlines()[0].strip()
+    assert line == f"hatch-vllm-patch @ {REPO.as_uri()}"
+    commands = [c.strip() for c in made.stdout.split("\nnext:\n", 1)[1].splitlines()
+                if c.strip()]
+    assert commands[0] == "export HATCH_VLLM_PATCH_GUARD=apply"
+    with (folder / "requirements.txt").open("a") as f:
+        f.write(line + "\n")
+    run([sys.executable, "-m", "venv", str(folder / ".venv")])
+    run([UV, "pip", "install", "--quiet", "--offline", "--no-deps", "--python",
+         str(folder / ".venv" / "bin" / "python"), "vllm==0.20.2"])
+    script = "; ".join([f"export PATH={folder / '.venv' / 'bin'}:$PATH", *commands[:1],
+                        " && ".join(commands[1:])])
+    done = run(["bash", "-c", script], cwd=folder, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "vllm-patch verify: 2 applied" in done.stdout and "OK" in done.stdout, done.stdout
+    assert "pip deployment requirements.txt" in made.stdout
