@@ -64,6 +64,11 @@ _AUTHORING = {
     "check": "validate patch folders (default: the project's patch-dir)",
 }
 
+_INIT = ("set this project up by its shape: [tool.vllm-patch] and the build hook, or the "
+         "companion command; shows the diff, then writes it")
+_INIT_EPILOG = ("exit codes: 0 written, or nothing to change (or --dry-run); 2 usage: what "
+                "init cannot do without guessing, nothing written. docs: "
+                "docs/how-to/install.md#set-a-project-up-vllm-patch-init")
 _DOCTOR = ("will MODEL start on the installed vLLM, and which patch does it need? (runs vLLM's "
            "start-up KV steps in the target environment, on CPU, offline, without weights)")
 EXIT_PATCH_NEEDED = 3
@@ -181,6 +186,8 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
                                      "account: summary, why, links, when to remove it")
     if only is None or only == "doctor":
         _doctor_parser(sub, where)
+    if only is None or only == "init":
+        _init_parser(sub)
     for name, text in _AUTHORING.items():
         if only is not None and name != only:
             continue
@@ -518,14 +525,16 @@ def _main(argv: Sequence[str] | None, written: list[Path], operation: list[str],
     as_json = "--json" in arguments[:arguments.index("--")] if "--" in arguments else \
         "--json" in arguments
     command = next((a for a in arguments if not a.startswith("-")), None)
-    known = (command if command in _HELP or command in _AUTHORING or command == "doctor"
-             else None)
+    known = (command if command in _HELP or command in _AUTHORING
+             or command in ("doctor", "init") else None)
     finish = partial(_finish, as_json=as_json, final=final)
     try:
         args = _parser(known).parse_args(arguments)
     except _ArgumentError as exc:
         return finish(_Outcome(EXIT_USAGE, failure=_failure(exc)), known)
     operation.append(args.operation)
+    if args.operation == "init":
+        return _init(args, finish, written)
     from .trust import Rule
 
     project_rule = Rule.CHOSEN
@@ -742,6 +751,96 @@ def _author(args: argparse.Namespace, request: Request) -> int:
 
     _write(show_checks)
     return code
+
+
+# --- init ---------------------------------------------------------------------------------------
+
+
+def _init_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser("init", help=_INIT, description=_INIT, epilog=_INIT_EPILOG)
+    p.add_argument("--project", metavar="DIR", type=Path, default=None,
+                   help="the project's folder (default: the current directory; never a "
+                        "folder above it)")
+    p.add_argument("--model", metavar="DIR", action="append", default=[], dest="models",
+                   help="a model folder with config.json that the project serves "
+                        "(repeatable): models = [...], relative to the project")
+    p.add_argument("--architecture", metavar="NAME", action="append", default=[],
+                   dest="architectures",
+                   help="a model architecture the project serves (repeatable): "
+                        "[tool.vllm-patch.architectures.NAME]")
+    p.add_argument("--source", metavar="PATH|GIT-URL",
+                   help="where hatch-vllm-patch comes from: a clone or a wheel of it, or a git "
+                        "URL (git+https://.../hatch-vllm-patch@<commit>): its "
+                        "[tool.uv.sources] entry (with --requirements: the line's direct "
+                        "reference)")
+    p.add_argument("--requirements", metavar="FILE", type=Path, default=None,
+                   help="a pip deployment without pyproject.toml: print the line to add to "
+                        "FILE and the commands (writes nothing)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the diff and the next commands; write nothing")
+
+
+def _init(args: argparse.Namespace, finish: Callable[..., int], written: list[Path]) -> int:
+    """``init``: plan, show the diff, write it (unless --dry-run), name the next commands."""
+    from .init import InitRequest, plan_init, write_init
+
+    project = (args.project if args.project is not None else Path.cwd()).resolve()
+    try:
+        if not project.is_dir():
+            raise UsageError(f"--project {args.project}: not a directory")
+        request = InitRequest(
+            project_dir=project,
+            models=tuple(Path(m).expanduser().resolve() for m in args.models),
+            architectures=tuple(args.architectures),
+            source=args.source,
+            requirements=(args.requirements.expanduser().resolve()
+                          if args.requirements is not None else None))
+        plan = plan_init(request)
+        wrote = False
+        if not args.dry_run:
+            try:
+                wrote = write_init(plan)
+            except OSError as exc:
+                raise TargetEnvironmentError(
+                    f"init could not write {plan.file}: {exc.strerror or exc}; nothing "
+                    "written") from None
+            if wrote and plan.file is not None:
+                written.append(plan.file)
+    except (ConfigurationError, UsageError, TargetEnvironmentError, CatalogError) as exc:
+        failure = _failure(exc)
+        return finish(_Outcome(failure.code, failure=failure), "init", project=project)
+
+    def show() -> None:
+        out = sys.stdout
+        out.write(plan.diff())
+        route = {"hook": "the build hook patches at every `uv sync`",
+                 "companion": "no build hook: the companion command patches after a sync",
+                 "requirements": "no build hook: `vllm-patch apply` after every install"}
+        what = (f"pip deployment {args.requirements}" if plan.file is None
+                else f"{plan.shape} project {plan.file}")
+        print(f"{what}: {route[plan.route]}", file=out)
+        for change in plan.changes:
+            print(f"  + {change}", file=out)
+        for note in plan.notes:
+            print(f"note: {note}", file=out)
+        if plan.lines:
+            print(f"add to {args.requirements}:", file=out)
+            for line in plan.lines:
+                print(f"  {line}", file=out)
+        if plan.file is not None:
+            if not plan.changed:
+                print(f"nothing to change: {plan.file} has everything init writes", file=out)
+            elif args.dry_run:
+                print(f"dry run: nothing written (without --dry-run init writes {plan.file})",
+                      file=out)
+            elif wrote:
+                print(f"wrote {plan.file}", file=out)
+        print("next:", file=out)
+        for command in plan.commands:
+            print(f"  {command}", file=out)
+
+    _write(show)
+    return EXIT_OK
 
 
 # --- doctor -------------------------------------------------------------------------------------

@@ -13,7 +13,9 @@ the first writer (the environment's owner), opened without following a symlink a
 when it is a symlink, not a regular file, or open to group or others: no other local user can
 open it, so none can hold it (a ``flock`` on a directory, as before, could be held by anyone
 who could open the directory). Files outside any site-packages (an editable checkout) are
-covered by the lock of the environment that writes them. A user who cannot open the lock file
+covered by the lock of the environment that writes them. A whole ``revert`` that leaves nothing
+of ours removes the lock file while holding it (:func:`remove_lock_file`); whoever waited on it
+locks the file the name leads to afterwards. A user who cannot open the lock file
 and cannot write its directory either reads (and fails to write) without it: it cannot change
 anything there.
 """
@@ -307,17 +309,46 @@ def locked(
     held: list[int] = []
     try:
         for name in files:
-            fd = _open_lock(name, exclusive)
-            if fd is None:
-                continue
-            held.append(fd)
-            _acquire(fd, name, exclusive, limit, on_wait)
+            while True:
+                fd = _open_lock(name, exclusive)
+                if fd is None:
+                    break
+                held.append(fd)
+                _acquire(fd, name, exclusive, limit, on_wait)
+                if _still_named(fd, name):
+                    break
+                # The holder we waited for removed the lock file (a revert that left nothing
+                # of ours, :func:`remove_lock_file`): this lock is on a file nobody else will
+                # open again; take the one that the name leads to now.
+                held.pop()
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
         yield
     finally:
         for fd in reversed(held):
             with contextlib.suppress(OSError):
                 fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+
+def _still_named(fd: int, name: str) -> bool:
+    """Whether ``name`` still leads to the lock file open as ``fd``."""
+    try:
+        now = os.stat(name, follow_symlinks=False)
+    except OSError:
+        return False
+    info = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (info.st_dev, info.st_ino)
+
+
+def remove_lock_file(directory: Path | str) -> None:
+    """Remove the lock file covering ``directory`` (its site-packages'). Call only while
+    holding it exclusively, as the last step under it: a run that waited on it finds, once it
+    gets it, that the name no longer leads to it and takes the lock file made anew
+    (:func:`locked`), so two runs never both hold "the" lock."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(lock_file_of(directory, directory))
 
 
 def _open_lock(name: str, exclusive: bool) -> int | None:

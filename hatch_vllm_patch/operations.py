@@ -51,6 +51,7 @@ from .files import (
     TargetChanged,
     locked,
     read_identified,
+    remove_lock_file,
     replace_module_file,
     replace_module_files,
 )
@@ -68,6 +69,7 @@ from .record import (
     edit_state,
     merge_selection,
     read_record,
+    remove_record,
     save_record,
 )
 from .record import Selection as SelectionRecord
@@ -1108,6 +1110,20 @@ class _Session:
         if not self.writes:
             return []
         new = self.record.with_selection(self.selection_record(outcomes))
+        if self.revert_all and new.empty() and all(o.ok for o in outcomes):
+            # Nothing of ours is left: the record and its lock go too (a clean exit,
+            # docs/how-to/uninstall.md), under the lock, the lock file last.
+            try:
+                with _no_interrupt():
+                    for digest in self.ended:  # the sessions they belonged to are over
+                        drop_pristine(self.env.purelib, digest)
+                    remove_record(self.env.purelib)
+                    remove_lock_file(self.env.purelib)
+            except OSError as exc:
+                self.notes.append(f"could not remove the environment's record "
+                                  f"{self.env.purelib / RECORD_NAME} or its lock: "
+                                  f"{exc.strerror or exc} (it holds nothing; remove it by hand)")
+            return []
         if new.same_as(self.initial) and not self.rewrite:
             return []
         if not self.wrote_targets and not all(o.ok for o in outcomes):

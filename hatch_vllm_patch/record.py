@@ -378,6 +378,23 @@ def save_record(directory: Path, record: EnvironmentRecord) -> None:
     write_atomic(directory / RECORD_NAME, record.render())
 
 
+def remove_record(directory: Path) -> None:
+    """Remove the record of ``directory`` and what is kept beside it (an empty
+    ``.hatch-vllm-patch-edits/``, temporary files of killed runs), for a record that holds
+    nothing any more (:meth:`EnvironmentRecord.empty`). Call holding the environment's lock
+    exclusively; the lock file goes last (``files.remove_lock_file``)."""
+    from .files import remove_stale_temps
+
+    remove_stale_temps(directory)
+    edits = directory / EDITS_DIR
+    if edits.is_dir() and not edits.is_symlink():
+        remove_stale_temps(edits)
+        with contextlib.suppress(OSError):
+            edits.rmdir()  # only when empty: a pristine copy is never dropped here
+    with contextlib.suppress(FileNotFoundError):
+        (directory / RECORD_NAME).unlink()
+
+
 class EnvironmentRecord(_Value):
     """The parsed record; empty when there is none."""
 
@@ -404,6 +421,11 @@ class EnvironmentRecord(_Value):
 
     def with_selection(self, selection: Selection | None) -> EnvironmentRecord:
         return self._replace(selection=selection)
+
+    def empty(self) -> bool:
+        """Nothing patched, nothing selected, no edit open: a record with nothing to say."""
+        return not self.files and not self.edits and (
+            self.selection is None or not self.selection.patches)
 
     def to_json(self) -> dict[str, Any]:
         return {

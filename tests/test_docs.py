@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +79,20 @@ def test_reference_names_everything() -> None:
         assert (DOCS / "reference" / "catalog" / f"{patch_id}.md").is_file()
 
 
+# docs/how-to/install.md's `vllm-patch init` example
+HATCHLING_PROJECT = """\
+[project]
+name = "my-service"
+version = "0.1.0"
+requires-python = ">=3.11"
+dependencies = ["vllm==0.20.2"]
+
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+"""
+
+
 def _examples() -> list[tuple[str, str, str]]:
     found = []
     for page in sorted(DOCS.rglob("*.md")):
@@ -126,6 +141,10 @@ def test_console_example(page: str, setup: str, body: str, tmp_path: Path) -> No
         folder.mkdir(parents=True)
         (folder / "patch.toml").write_text(BAD_PATCH)
         (folder / "block.py").write_text("def get_kv_cache_groups(:\n")
+    elif setup == "hatchling-project":
+        (work / "pyproject.toml").write_text(HATCHLING_PROJECT)
+        shutil.copytree(REPO / "tests" / "fixtures" / "doctor" / "granite-4.0-h-tiny",
+                        work / "models" / "granite-4.0-h-tiny")
     else:
         assert setup == "empty", f"{page}: unknown example setup {setup!r}"
     env = {**scrubbed_environ(), "COLUMNS": "80", "NO_COLOR": "1"}

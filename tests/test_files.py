@@ -290,3 +290,43 @@ def test_several_files_keep_their_owner_group_and_mode(tmp_path: Path) -> None:
         info = path.stat()
         assert (info.st_uid, info.st_gid, info.st_mode & 0o777) == (NOBODY, NOBODY, 0o640 + i)
         assert path.read_bytes() == b"new\n"
+
+
+def test_a_run_waiting_on_a_removed_lock_file_takes_the_new_one(tmp_path: Path) -> None:
+    """A writer that waited on a lock file its holder removed (a revert that left nothing) locks
+    the file the name leads to afterwards, so two runs never both hold the lock."""
+    import fcntl
+    import threading
+
+    sp = tmp_path / "site-packages"
+    sp.mkdir()
+    lock = sp / LOCK_NAME
+    waiting, got = threading.Event(), threading.Event()
+    seen: list[tuple[int, bool]] = []
+
+    def second() -> None:
+        waiting.set()
+        with locked([sp], exclusive=True, timeout=20):
+            # a third run opening the name now must not get the lock while this one holds it
+            fd = os.open(lock, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                free = True
+            except BlockingIOError:
+                free = False
+            finally:
+                os.close(fd)
+            seen.append((lock.stat().st_ino, free))
+            got.set()
+
+    with locked([sp], exclusive=True):
+        thread = threading.Thread(target=second)
+        thread.start()
+        waiting.wait(10)
+        time.sleep(0.3)  # the second run is polling the first lock file by now
+        files.remove_lock_file(sp)
+    assert got.wait(20)
+    thread.join(20)
+    [(inode, free)] = seen
+    assert lock.exists() and not free  # the second run holds the lock file that is there
+    assert inode == lock.stat().st_ino  # (the inode number itself may be reused)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import os
@@ -649,3 +650,36 @@ def test_a_dropped_patch_whose_block_was_edited_is_refused_and_stays_recorded(
     assert "revert" in patches[0]["next_step"]
     assert target.read_bytes() == edited
     assert recorded(demo_venv) == {"demo-fix": [str(a / "pyproject.toml")]}
+
+
+def _tree(sp: Path) -> set[str]:
+    """Every file and folder under ``sp``, relative to it."""
+    return {str(p.relative_to(sp)) for p in sp.rglob("*")}
+
+
+@pytest.mark.slow
+def test_revert_leaves_exactly_what_vllms_record_lists(tmp_path: Path) -> None:
+    """After apply and a whole revert, site-packages holds what it held before (vLLM's RECORD's
+    files, with their RECORD bytes): the record and its lock file are gone too; a revert of a
+    clean environment leaves no lock file behind either."""
+    from venvs import _changed_modules, release_venv
+
+    python = release_venv(tmp_path / "venv", "vllm", "0.20.2")
+    sp = site_packages(tmp_path / "venv")
+    [dist_info] = sp.glob("vllm-*.dist-info")
+    with (dist_info / "RECORD").open(newline="") as f:
+        listed = {row[0] for row in csv.reader(f) if row}
+    before = _tree(sp)
+    assert {r for r in listed if not r.startswith("..")} <= before
+    applied = cli("apply", "--python", str(python), "--patch", "kv-cache-page-unification",
+                  cwd=tmp_path)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    assert {".hatch-vllm-patch.json", ".hatch-vllm-patch.lock"} <= _tree(sp) - before
+    assert _changed_modules(sp, "vllm") == ["vllm/v1/core/kv_cache_utils.py"]
+    reverted = cli("revert", "--python", str(python), cwd=tmp_path)
+    assert reverted.returncode == 0, reverted.stdout + reverted.stderr
+    assert _tree(sp) == before
+    assert _changed_modules(sp, "vllm") == []
+    again = cli("revert", "--python", str(python), cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert _tree(sp) == before

@@ -118,7 +118,12 @@ class Shared:
         return digest == record_sha256(self.sp, "demo-pkg", "demo_pkg/core.py")
 
     def recorded(self) -> dict[str, list[str]]:
-        data = json.loads((self.sp / ".hatch-vllm-patch.json").read_text())
+        """Each recorded patch's selectors; empty when there is no record (a whole revert
+        removes it)."""
+        path = self.sp / ".hatch-vllm-patch.json"
+        if not path.exists():
+            return {}
+        data = json.loads(path.read_text())
         return {p["id"]: p["selected_by"] for p in (data["selection"] or {}).get("patches", [])}
 
 
@@ -230,6 +235,7 @@ def test_revert_removes_every_block_and_names_whose(shared: Shared) -> None:
     for pid in ("demo-fix", "a-own"):
         assert str(a / "pyproject.toml") in whose[pid], whose
     assert shared.pristine() and not (shared.recorded())
+    assert not (shared.sp / ".hatch-vllm-patch.json").exists()  # nothing of ours is left
     assert verdicts(shared.cli(a, "apply")) == {"demo-fix": "applied", "a-own": "applied"}
     assert verdicts(shared.cli(b, "apply"))["b-own"] == "applied"
     assert shared.blocks() == {"demo-fix", "a-own", "demo-other", "b-own"}

