@@ -6,8 +6,9 @@ vLLM environment:
 
 With case:NAME=SIZES arguments (SIZES: kernel block sizes such as 16,32,64, or multiple-of-16),
 only those cases run, each a drafter of the "fixed-kernels" heads declaring SIZES (what doctor
-reports for a backend, tests/test_doctor_attention_backend.py). With MODULE=BLOCK.py arguments (another patch's blocks), every case runs again after those blocks
-are executed in their modules ("with_blocks" in the report): what the other patches change here.
+reports for a backend, tests/test_doctor_attention_backend.py). With MODULE=BLOCK.py arguments
+(another patch's blocks), every case runs again after those blocks are executed in their modules
+("with_blocks" in the report): what the other patches change here.
 One import of vLLM serves every case. Each case starts vLLM's real EngineCore (its KV-cache
 planning, its scheduler and block sizes, its prefix-cache hashing) with only the executor
 stubbed: the stub reports the KV-cache specs a worker reports for
