@@ -336,12 +336,13 @@ def _on_gpu(backend: Any, capability: tuple[int, int] | None) -> Any:
 def _backend_class(name: str) -> Any:
     import importlib
 
-    try:
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    except ImportError:
-        AttentionBackendEnum = None
-    if AttentionBackendEnum is not None and name in AttentionBackendEnum.__members__:
-        return AttentionBackendEnum[name].get_class()
+    for registry in ("vllm.v1.attention.backends.registry", "vllm.attention.backends.registry"):
+        try:
+            enum = importlib.import_module(registry).AttentionBackendEnum
+        except (ImportError, AttributeError):
+            continue
+        if name in enum.__members__:
+            return enum[name].get_class()
     if name not in _BACKEND_PATHS:
         raise ValueError(f"this vLLM has no attention backend {name}")
     module, _, cls = _BACKEND_PATHS[name].rpartition(".")
@@ -417,10 +418,13 @@ def backend_for(case: dict[str, Any] | None, config: Any = None) -> tuple[Any, d
 
 def kernel_block_sizes(backend: Any, config: Any) -> list[str]:
     """What ``backend`` declares, as vLLM's platform step asks it (the config current)."""
+    declared = getattr(backend, "get_supported_kernel_block_sizes", None)
+    if declared is None:  # a release before backends declared them
+        return []
     from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(config):
-        return [str(s) for s in backend.get_supported_kernel_block_sizes()]
+        return [str(s) for s in declared()]
 
 
 def _backend(platform: str, case: dict[str, Any] | None = None, config: Any = None) -> Any:

@@ -1523,9 +1523,12 @@ def run_doctor(request: DoctorRequest, *, project_dir: Path | None, python: str 
     return report
 
 
-# vLLM's enum of its attention backends (their names, as --attention-backend takes them).
-BACKENDS_REGISTRY = ModuleQuery("vllm", "vllm.v1.attention.backends.registry",
-                                "v1/attention/backends/registry.py")
+# vLLM's enum of its attention backends (their names, as --attention-backend takes them), and
+# where older releases may keep it.
+BACKENDS_REGISTRIES = (
+    ModuleQuery("vllm", "vllm.v1.attention.backends.registry",
+                "v1/attention/backends/registry.py"),
+    ModuleQuery("vllm", "vllm.attention.backends.registry", "attention/backends/registry.py"))
 
 
 def run_doctor_many(requests: Sequence[DoctorRequest], *, project_dir: Path | None,
@@ -1557,10 +1560,11 @@ def run_doctor_many(requests: Sequence[DoctorRequest], *, project_dir: Path | No
         raise TargetEnvironmentError(
             f"vllm is not installed in {status.environment.python} ({choice.reason}): doctor "
             "runs the installed vLLM's own code; pass --python for the environment that serves")
-    found = inspect_environment(choice, [_REGISTRY, BACKENDS_REGISTRY]).modules
+    found = inspect_environment(choice, [_REGISTRY, *BACKENDS_REGISTRIES]).modules
     registry = found[_REGISTRY.module].file
     if any(r.attention_backend for r in requests):
-        names = attention_backend_names(found[BACKENDS_REGISTRY.module].file)
+        names = next((n for q in BACKENDS_REGISTRIES
+                      if (n := attention_backend_names(found[q.module].file))), None)
         for request in requests:
             check_backend_name(request, names)
     selected = {p.id for p in selection.patches}
