@@ -936,6 +936,10 @@ class PrefixBug(NamedTuple):
     patch: str
     upstream: str
     what: str
+    # whether doctor's run with the patch shows its fix (the groups and blocks vLLM's start-up
+    # sets); bug 1's patch changes the scheduler's split and the runner's seeding, which
+    # doctor's facts do not replay, so its run cannot say
+    shown_by_run: bool = False
 
 
 PREFIX_BUGS = {
@@ -946,7 +950,7 @@ PREFIX_BUGS = {
     2: PrefixBug(2, "hybrid-prefix-drafter-window",
                  "https://github.com/vllm-project/vllm/pull/52804",
                  "a sliding-window drafter's block, scaled by page unification, inflates the "
-                 "scheduler's block (the lcm of the groups' blocks)"),
+                 "scheduler's block (the lcm of the groups' blocks)", shown_by_run=True),
     3: PrefixBug(3, "mamba-all-mode-chunk-align",
                  "https://github.com/vllm-project/vllm/issues/57266 (PR #57278)",
                  '"all" mode takes --mamba-block-size instead of the Mamba chunk size as the '
@@ -1015,9 +1019,10 @@ def _fix(bug: PrefixBug, patches: Mapping[str, Patch], verdicts: Mapping[str, Ve
          ) -> tuple[str | None, str | None, str]:
     """(the patch to select, its status here, the sentence that says what fixes it).
     ``patched``: what vLLM's start-up set with the patch's blocks executed (the child's run of
-    it), where doctor ran it: the patch is named to select only where that reuses correctly."""
+    it), where doctor ran it: for a bug whose fix that run shows (``shown_by_run``), the patch is
+    named to select only where that run reuses correctly."""
     status = verdicts.get(bug.patch) if bug.patch in patches else None
-    if status is Verdict.MISSING and patched:
+    if status is Verdict.MISSING and patched and bug.shown_by_run:
         with_it = judge_prefix(patched, {}, {}, platform)
         if with_it is not None and with_it.outcome == "correct":
             return bug.patch, status.value, (f"{bug.patch} fixes it (with it, doctor's run: "

@@ -420,3 +420,16 @@ def test_qwen3_5_model_class_on_0_34(tmp_path: Path) -> None:
     assert compared["layers"] == 40 and compared["same_specs"] is True
     assert compared["state_shapes"][0] == compared["state_shapes"][1]
     assert compared["state_page"][0] == compared["state_page"][1] == 1073152
+
+
+def test_bug_1_patch_named_whatever_its_run_gives() -> None:
+    """Bug 1's patch changes the scheduler's split and the runner's seeding, which doctor's facts
+    do not replay: its run is not asked, and the patch is named as before."""
+    pid = "hybrid-prefix-mamba-block"
+    groups = [{"type": "MambaSpec", "layers": 3, "block_size": 64},
+              {"type": "FullAttentionSpec", "layers": 1, "block_size": 32}]
+    wrong = _window_facts(mamba_block_size=64, engine_block_size=32, scheduler_block_size=64,
+                          hit_alignment=32, groups=groups)
+    verdict = judge_prefix(wrong, {pid: object()}, {pid: Verdict.MISSING}, "cuda", {pid: wrong})
+    assert verdict is not None and (verdict.outcome, verdict.patch) == ("wrong-state", pid)
+    assert verdict.fix.endswith(f"{pid} fixes it: select it")
