@@ -382,7 +382,7 @@ def _declared_backend(name: str, capability: tuple[int, int] | None, error: Base
                 lambda cls: record_layouts(layouts, capability))
     stand_in = type(record["class"], (AttentionBackend,), attrs)
     return stand_in, {"source": "record", "class": record["class"],
-                      "import_error": _error(error), "record": why}
+                      "import_error": _error(error), "record": why}  # or its declaration's
 
 
 def backend_for(case: dict[str, Any] | None, config: Any = None) -> tuple[Any, dict[str, Any]]:
@@ -403,15 +403,19 @@ def backend_for(case: dict[str, Any] | None, config: Any = None) -> tuple[Any, d
     try:
         backend = _backend_class(name)
         info.update(source="class", **{"class": f"{backend.__module__}.{backend.__qualname__}"})
-    except Exception as exc:  # its kernel package is absent on this machine
+        answer = (_on_gpu(backend, capability), info)
+        if config is not None:  # its declaration may need what this machine lacks (a GPU)
+            kernel_block_sizes(answer[0], config)
+    except Exception as exc:  # its kernel package is absent here, or its declaration failed
         if name not in DECLARED:
-            raise ValueError(f"the attention backend {name} does not import here "
-                             f"({type(exc).__name__}: {exc}), and doctor has no record of "
-                             "its kernel block sizes") from exc
+            raise ValueError(f"the attention backend {name} does not import or declare its "
+                             f"kernel block sizes here ({type(exc).__name__}: {exc}), and "
+                             "doctor has no record of its kernel block sizes") from exc
         backend, more = _declared_backend(name, capability, exc, config)
+        info = {k: v for k, v in info.items() if k in ("name", "gpu_capability")}
         info.update(more)
-    answer = (_on_gpu(backend, capability), info)
-    if info["source"] == "class":  # a record's stand-in depends on the config (its heads)
+        answer = (_on_gpu(backend, capability), info)
+    if info["source"] == "class" and config is None:  # else it depends on the config
         _BACKENDS[key] = answer
     return answer
 

@@ -604,8 +604,10 @@ def modelled_of(request: DoctorRequest, raw: Mapping[str, Any]) -> Modelled:
         source = f"(read from {info.get('class')})"
     elif info.get("source") == "record":
         error = _err(info.get("import_error")) or "?"
+        failed = "does not import" if "ImportError" in error or "ModuleNotFoundError" in error \
+            else "could not declare its sizes"
         source = (f"(doctor's record of vLLM's {info.get('class')}: {info.get('record')}; its "
-                  f"class does not import here: {error})")
+                  f"class {failed} here: {error})")
     else:
         source = ""
     model = raw.get("model_class") or {}

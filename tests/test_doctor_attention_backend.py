@@ -433,3 +433,42 @@ def test_bug_1_patch_named_whatever_its_run_gives() -> None:
     verdict = judge_prefix(wrong, {pid: object()}, {pid: Verdict.MISSING}, "cuda", {pid: wrong})
     assert verdict is not None and (verdict.outcome, verdict.patch) == ("wrong-state", pid)
     assert verdict.fix.endswith(f"{pid} fixes it: select it")
+
+
+def test_modelled_line_from_the_childs_answer() -> None:
+    """What was modelled, in the verdict's words: the backend and who chose it, its kernel block
+    sizes and where they were read (the class, or doctor's record with why the class could not
+    be asked), the GPU, the model class and, where vLLM picks model code by platform, which."""
+    from hatch_vllm_patch.doctor import modelled_of
+
+    raw = {"platform": {"attention_backend": {
+        "source": "record", "class": "FlashInferBackend", "record": "fixed sizes",
+        "import_error": {"type": "ModuleNotFoundError", "message": "No module named 'x'"},
+        "kernel_block_sizes": ["16", "32", "64"]}},
+        "model_class": {"module": "m.nvidia.model", "name": "C",
+                        "dispatch": {"registry_module": "m", "class": "C",
+                                     "cuda_module": "m.nvidia.model"},
+                        "other": {"module": "old", "name": "C", "same": True}}}
+    modelled = modelled_of(DoctorRequest("m", attention_backend="FLASHINFER", gpu="A100"), raw)
+    assert modelled.line == (
+        "modelled: FLASHINFER (--attention-backend), kernel block sizes [16, 32, 64] (doctor's "
+        "record of vLLM's FlashInferBackend: fixed sizes; its class does not import here: "
+        "ModuleNotFoundError: No module named 'x') on A100 (Ampere, compute capability 8.0); "
+        "model class m.nvidia.model.C (what a CUDA server loads: vLLM's m imports it when "
+        "current_platform.is_cuda(); elsewhere it loads old.C, whose state shapes and dtypes "
+        "are the same, so the same layer specs)")
+    document = modelled.to_json()
+    assert document["gpu"] == {"name": "A100", "generation": "Ampere",
+                               "compute_capability": "8.0"}
+    raw["model_class"] = {"module": "old", "name": "C", "dispatch": raw["model_class"]["dispatch"],
+                          "cuda_import_error": {"type": "ImportError", "message": "no GPU"}}
+    raw["platform"]["attention_backend"] = {"source": "class", "class": "a.FlashInferBackend",
+                                            "kernel_block_sizes": ["16"]}
+    line = modelled_of(DoctorRequest("m", gpu="B200"), raw).line
+    assert line.startswith("modelled: FLASHINFER (vLLM's first choice on this GPU), kernel "
+                           "block sizes [16] (read from a.FlashInferBackend) on B200 (Blackwell")
+    assert "on CUDA m loads m.nvidia.model.C, which does not import here (ImportError: no GPU)" \
+        in line
+    cpu = modelled_of(DoctorRequest("m", platform="cpu"), {})
+    assert cpu.line == "modelled: CPU_ATTN (the CPU platform's backend) on the CPU platform"
+    assert cpu.to_json()["gpu"] is None
