@@ -10,11 +10,15 @@ For every case of JOB.json it builds what vLLM builds at start-up, with vLLM's o
 1. ``config``: a real ``VllmConfig`` (``ModelConfig`` reads the config.json; vLLM's per-model
    config hooks run; ``SpeculativeConfig`` for a draft);
 2. ``platform``: the platform's block-size hook, ``update_block_size_for_backend`` of vLLM's
-   ``Platform`` class with FlashAttention's backend (``cuda``, the path of CUDA GPUs: it raises
-   the attention block until its page covers the state page and pads the state page) or of
+   ``Platform`` class with the case's attention backend (``cuda``, the path of CUDA GPUs: it
+   raises the attention block until its page covers the state page and pads the state page;
+   the backend is vLLM's class of the case's ``attention_backend``, FlashAttention by default,
+   whose declarations answer for the GPU of ``gpu_capability``: :func:`backend_for`) or of
    ``CpuPlatform`` with the CPU attention backend (``cpu``); ``none`` skips it. The hook asks
    the model's layers for their backend; the probe has no layers, so it answers that question
-   with the backend named here and lets vLLM's own method do the rest;
+   with the backend named here and lets vLLM's own method do the rest. On the CUDA path, where
+   vLLM's registry entry picks the model code by platform (0.34's Qwen3.5), the class a CUDA
+   server loads is the one every later step asks (:func:`cuda_model_class`);
 3. ``state shapes``: the model class's own ``get_mamba_state_shape_from_config`` /
    ``get_mamba_state_dtype_from_config`` (the state vLLM planned the page for), and the shapes
    the layers declare where they differ (a Mamba-2 mixer's draft rows, ``layer_state_shapes``);
@@ -274,6 +278,8 @@ def record_layouts(layouts: Any, capability: tuple[int, int] | None) -> tuple[An
 
         return tuple(KVCacheLayout[n] for n in DECLARED["FLASHINFER"]["blackwell_layouts"])
     return tuple(layouts())
+
+
 _BACKENDS: dict[tuple[Any, ...], tuple[Any, dict[str, Any]]] = {}
 
 
@@ -603,7 +609,7 @@ def platform_dispatch(architecture: str) -> dict[str, str] | None:
 
     from vllm.model_executor.models import ModelRegistry
 
-    entry = ModelRegistry.models.get(architecture)
+    entry = (getattr(ModelRegistry, "models", None) or {}).get(architecture)
     module_name = getattr(entry, "module_name", None)
     class_name = getattr(entry, "class_name", None)
     if not module_name or not class_name:
