@@ -247,7 +247,8 @@ def test_flashinfer_window_drafter_on_0_34(tmp_path: Path) -> None:
     drafter_window scenario), with a drafter declaring the kernel block sizes doctor reported for
     each backend, plans the same group blocks and scheduler block, and an identical 20,000-token
     resend hits 0 tokens with FlashInfer's sizes (19,968 with the patch's block) and 19,968 with
-    FlashAttention's."""
+    FlashAttention's. On a B200 without --attention-backend, doctor models vLLM's first choice
+    there, FlashInfer, with the large pages it declares on Blackwell."""
     from venvs import full_vllm_planning_env, run, site_packages
 
     python = full_vllm_planning_env("0.34.0")
@@ -303,6 +304,17 @@ def test_flashinfer_window_drafter_on_0_34(tmp_path: Path) -> None:
         assert (hit == FULL_HIT) == (prefix["outcome"] == "correct"), (backend, hit)
         assert report["with_blocks"][backend]["resend"]["hit"] == FULL_HIT, backend
     assert report["cases"]["FLASHINFER"]["resend"]["hit"] == 0
+
+    # a Blackwell without --attention-backend: vLLM's first choice there, FlashInfer, whose
+    # declaration on 10.x with grouped-query attention (18 heads on 9 KV heads) adds large pages
+    proc = _doctor(python, models, "--gpu", "B200", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    blackwell = json.loads(proc.stdout)["result"]["modelled"]
+    assert (blackwell["attention_backend"], blackwell["attention_backend_chosen_by"]) == (
+        "FLASHINFER", "vLLM's first choice on this GPU")
+    assert blackwell["gpu"] == {"name": "B200", "generation": "Blackwell",
+                                "compute_capability": "10.0"}
+    assert blackwell["kernel_block_sizes"] == ["16", "32", "64", "128", "256", "512", "1024"]
 
     # the text: the prefix line, and the verdict with what was modelled
     text = _doctor(python, models, "--attention-backend", "FLASHINFER", "--gpu", "9.0")
