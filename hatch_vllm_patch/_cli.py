@@ -733,7 +733,8 @@ def _doctor_parser(sub: argparse._SubParsersAction[_Parser],
                         "default) or cpu (vLLM's CPU platform and attention backend)")
     p.add_argument("--attention-backend", default=None, metavar="NAME",
                    help="the attention backend, by vLLM's name (FLASH_ATTN, FLASHINFER, "
-                        "TRITON_ATTN, ...; the installed vLLM's names are accepted): its kernel "
+                        "TRITON_ATTN, ...; the installed vLLM's names, in any case; auto: "
+                        "vLLM's choice): its kernel "
                         "block sizes as its class declares them on the GPU of --gpu (default: "
                         "vLLM's choice on that GPU: FLASH_ATTN, FLASHINFER on Blackwell 10.x)")
     p.add_argument("--gpu", default=None, metavar="NAME|X.Y",
@@ -780,7 +781,10 @@ def doctor_request(args: argparse.Namespace) -> DoctorRequest:
         enable_prefix_caching=args.enable_prefix_caching,
         mamba_cache_mode=args.mamba_cache_mode,
         mamba_block_size=args.mamba_block_size,
-        attention_backend=args.attention_backend,
+        # as vLLM takes it: its enum's name in any case, "auto" for its own choice
+        attention_backend=(None if args.attention_backend in (None, "")
+                           or args.attention_backend.lower() == "auto"
+                           else args.attention_backend.upper()),
         gpu=args.gpu,
     )
 

@@ -484,3 +484,16 @@ def test_modelled_line_from_the_childs_answer() -> None:
     cpu = modelled_of(DoctorRequest("m", platform="cpu"), {})
     assert cpu.line == "modelled: CPU_ATTN (the CPU platform's backend) on the CPU platform"
     assert cpu.to_json()["gpu"] is None
+
+
+@pytest.mark.parametrize(("given", "taken"), [
+    (None, None), ("auto", None), ("AUTO", None), ("flashinfer", "FLASHINFER"),
+    ("Flash_Attn", "FLASH_ATTN"), ("FLASHINFR", "FLASHINFR")])
+def test_backend_name_as_vllm_takes_it(given: str | None, taken: str | None) -> None:
+    """--attention-backend is read as vLLM reads its own option: the enum's name in any case,
+    "auto" (or nothing) for vLLM's choice; a wrong name stays wrong, for the check to name."""
+    from hatch_vllm_patch._cli import _parser, doctor_request
+
+    args = ["doctor", "--model", str(GRANITE)] + (
+        ["--attention-backend", given] if given is not None else [])
+    assert doctor_request(_parser().parse_args(args)).attention_backend == taken
