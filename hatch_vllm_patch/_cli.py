@@ -875,9 +875,18 @@ def _doctor_parser(sub: argparse._SubParsersAction[_Parser],
                         "run as the base architecture its model_type names)")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--platform", choices=("cuda", "cpu"), default="cuda",
-                   help="whose block-size rules: cuda (vLLM's hybrid alignment with "
-                        "FlashAttention's block sizes, the default) or cpu (vLLM's CPU "
-                        "platform and attention backend)")
+                   help="whose block-size rules: cuda (vLLM's hybrid alignment with the "
+                        "attention backend of --attention-backend on the GPU of --gpu, the "
+                        "default) or cpu (vLLM's CPU platform and attention backend)")
+    p.add_argument("--attention-backend", default=None, metavar="NAME",
+                   help="the attention backend, by vLLM's name (FLASH_ATTN, FLASHINFER, "
+                        "TRITON_ATTN, ...; the installed vLLM's names, in any case; auto: "
+                        "vLLM's choice): its kernel "
+                        "block sizes as its class declares them on the GPU of --gpu (default: "
+                        "vLLM's choice on that GPU: FLASH_ATTN, FLASHINFER on Blackwell 10.x)")
+    p.add_argument("--gpu", default=None, metavar="NAME|X.Y",
+                   help="the GPU the CUDA path models, by name (H100, A100, L40S, B200, ...) or "
+                        "compute capability (e.g. 9.0; default H100: Hopper)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None,
                    help="prefix caching on or off (default: vLLM's default, on): doctor then "
@@ -919,6 +928,11 @@ def doctor_request(args: argparse.Namespace) -> DoctorRequest:
         enable_prefix_caching=args.enable_prefix_caching,
         mamba_cache_mode=args.mamba_cache_mode,
         mamba_block_size=args.mamba_block_size,
+        # as vLLM takes it: its enum's name in any case, "auto" for its own choice
+        attention_backend=(None if args.attention_backend in (None, "")
+                           or args.attention_backend.lower() == "auto"
+                           else args.attention_backend.upper()),
+        gpu=args.gpu,
     )
 
 
@@ -1047,7 +1061,8 @@ def _print_doctor(report: DoctorReport, out: TextIO) -> None:
     for note in report.notes:
         print(f"note: {note}", file=out)
     _print_prefix(report, out)
-    print(f"verdict: {report.verdict}", file=out)
+    modelled = f"; {report.modelled.line}" if report.modelled else ""
+    print(f"verdict: {report.verdict}{modelled}", file=out)
     if report.config_lines:
         print("select it in pyproject.toml:", file=out)
         for line in report.config_lines:

@@ -10,11 +10,15 @@ For every case of JOB.json it builds what vLLM builds at start-up, with vLLM's o
 1. ``config``: a real ``VllmConfig`` (``ModelConfig`` reads the config.json; vLLM's per-model
    config hooks run; ``SpeculativeConfig`` for a draft);
 2. ``platform``: the platform's block-size hook, ``update_block_size_for_backend`` of vLLM's
-   ``Platform`` class with FlashAttention's backend (``cuda``, the path of CUDA GPUs: it raises
-   the attention block until its page covers the state page and pads the state page) or of
+   ``Platform`` class with the case's attention backend (``cuda``, the path of CUDA GPUs: it
+   raises the attention block until its page covers the state page and pads the state page;
+   the backend is vLLM's class of the case's ``attention_backend``, FlashAttention by default,
+   whose declarations answer for the GPU of ``gpu_capability``: :func:`backend_for`) or of
    ``CpuPlatform`` with the CPU attention backend (``cpu``); ``none`` skips it. The hook asks
    the model's layers for their backend; the probe has no layers, so it answers that question
-   with the backend named here and lets vLLM's own method do the rest;
+   with the backend named here and lets vLLM's own method do the rest. On the CUDA path, where
+   vLLM's registry entry picks the model code by platform (0.34's Qwen3.5), the class a CUDA
+   server loads is the one every later step asks (:func:`cuda_model_class`);
 3. ``state shapes``: the model class's own ``get_mamba_state_shape_from_config`` /
    ``get_mamba_state_dtype_from_config`` (the state vLLM planned the page for), and the shapes
    the layers declare where they differ (a Mamba-2 mixer's draft rows, ``layer_state_shapes``);
@@ -285,14 +289,197 @@ def _build_config(case: dict[str, Any]) -> Any:
     return config
 
 
-def _backend(platform: str) -> Any:
-    if platform == "cuda":
-        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+# --- the attention backend and the GPU it runs on ---------------------------------------------
 
-        return FlashAttentionBackend
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+# The backend of each path when the case names none: FlashAttention (the CUDA platform's first
+# choice on GPUs before Blackwell; the parent names the choice for the case's GPU), the CPU one.
+DEFAULT_BACKEND = {"cuda": "FLASH_ATTN", "cpu": "CPU_ATTN"}
+DEFAULT_GPU = (9, 0)  # Hopper
+# Backends named before vLLM had an enum of them (and should the registry not import).
+_BACKEND_PATHS = {"FLASH_ATTN": "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend",
+                  "CPU_ATTN": "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"}
+# What a backend declares (``get_supported_kernel_block_sizes``) where its class does not import
+# on this machine because its kernel package is absent (flashinfer-python), read in the released
+# sources 0.27.0 - 0.34.0 (vllm/v1/attention/backends/flashinfer.py): fixed sizes, and on compute
+# capability 10.x with grouped-query attention and TRT-LLM attention usable, large pages too.
+# Its KV-cache layouts (0.33+), as its ``supported_kv_cache_layouts`` says: on 10.x the layouts
+# of the TRT-LLM kernels (LBHNC, BLHNC), elsewhere what vLLM's ``get_flashinfer_kv_cache_layouts``
+# gives (the layouts FlashInfer has a name for).
+DECLARED: dict[str, dict[str, Any]] = {
+    "FLASHINFER": {"class": "FlashInferBackend", "sizes": [16, 32, 64],
+                   "blackwell_gqa": [16, 32, 64, 128, 256, 512, 1024],
+                   "layouts": "get_flashinfer_kv_cache_layouts",
+                   "blackwell_layouts": ["LBHNC", "BLHNC"]}}
 
-    return CPUAttentionBackend
+
+def record_layouts(layouts: Any, capability: tuple[int, int] | None) -> tuple[Any, ...]:
+    """The KV-cache layouts :data:`DECLARED` records for FlashInfer on ``capability``."""
+    if capability and capability[0] == 10:
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        return tuple(KVCacheLayout[n] for n in DECLARED["FLASHINFER"]["blackwell_layouts"])
+    return tuple(layouts())
+
+
+_BACKENDS: dict[tuple[Any, ...], tuple[Any, dict[str, Any]]] = {}
+
+
+@contextlib.contextmanager
+def modelled_gpu(capability: tuple[int, int] | None) -> Iterator[None]:
+    """vLLM's current platform answers its device-capability questions (``has_device_capability``,
+    ``is_device_capability_family``, ...) for a GPU of ``capability`` while this runs: its own
+    methods, with the capability it reads replaced (this machine has no GPU)."""
+    if capability is None:
+        yield
+        return
+    import vllm.platforms as platforms
+
+    platform = platforms.current_platform
+    cls = type(platform)
+    try:
+        from vllm.platforms.interface import DeviceCapability
+
+        answer: Any = DeviceCapability(*capability)
+    except ImportError:
+        answer = capability
+    gpu = type("ModelledGPU", (cls,), {
+        "get_device_capability": classmethod(lambda c, device_id=0: answer)})
+    names = [n for n in ("get_device_capability", "has_device_capability",
+                         "is_device_capability", "is_device_capability_family")
+             if hasattr(cls, n)]
+    saved = {n: vars(platform)[n] for n in names if n in vars(platform)}
+    for name in names:
+        setattr(platform, name, getattr(gpu, name))
+    try:
+        yield
+    finally:
+        for name in names:
+            if name in saved:
+                setattr(platform, name, saved[name])
+            else:
+                delattr(platform, name)
+
+
+def _on_gpu(backend: Any, capability: tuple[int, int] | None) -> Any:
+    """``backend`` whose block-size and spec declarations run on the modelled GPU."""
+    if capability is None:
+        return backend
+    attrs: dict[str, Any] = {"__module__": backend.__module__,
+                             "__qualname__": backend.__qualname__}
+    for name in ("get_supported_kernel_block_sizes", "get_preferred_block_size",
+                 "supports_block_size", "customize_spec"):
+        original = getattr(backend, name, None)
+        if original is None:
+            continue
+
+        def call(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            with modelled_gpu(capability):
+                return _original(*args, **kwargs)
+
+        attrs[name] = staticmethod(call)
+    return type(backend.__name__, (backend,), attrs)
+
+
+def _backend_class(name: str) -> Any:
+    import importlib
+
+    for registry in ("vllm.v1.attention.backends.registry", "vllm.attention.backends.registry"):
+        try:
+            enum = importlib.import_module(registry).AttentionBackendEnum
+        except (ImportError, AttributeError):
+            continue
+        if name in enum.__members__:
+            return enum[name].get_class()
+    if name not in _BACKEND_PATHS:
+        raise ValueError(f"this vLLM has no attention backend {name}")
+    module, _, cls = _BACKEND_PATHS[name].rpartition(".")
+    return getattr(importlib.import_module(module), cls)
+
+
+def _declared_backend(name: str, capability: tuple[int, int] | None, error: BaseException,
+                      config: Any) -> tuple[Any, dict[str, Any]]:
+    """A stand-in for a backend whose class does not import here: vLLM's base class with the
+    kernel block sizes :data:`DECLARED` records for it."""
+    record = DECLARED[name]
+    try:
+        from vllm.v1.attention.backend import AttentionBackend
+    except ImportError:  # before 0.28
+        from vllm.attention.backends.abstract import AttentionBackend
+    sizes = list(record["sizes"])
+    why = "fixed sizes"
+    if capability and capability[0] == 10 and config is not None:
+        heads = config.model_config.get_num_attention_heads(config.parallel_config)
+        kv = config.model_config.get_num_kv_heads(config.parallel_config)
+        if kv and heads // kv > 1:
+            sizes, why = list(record["blackwell_gqa"]), ("compute capability 10.x with "
+                                                        "grouped-query attention, TRT-LLM "
+                                                        "attention taken as usable")
+
+    def declared(kv_cache_spec: Any = None) -> list[Any]:
+        return list(sizes)
+
+    attrs: dict[str, Any] = {"get_name": staticmethod(lambda: name),
+                             "get_supported_kernel_block_sizes": staticmethod(declared)}
+    if hasattr(AttentionBackend, "supported_kv_cache_layouts"):  # 0.33+: its KV layouts too
+        from vllm.v1.attention.backends import utils
+
+        layouts = getattr(utils, record.get("layouts", ""), None)
+        if callable(layouts):
+            attrs["supported_kv_cache_layouts"] = classmethod(
+                lambda cls: record_layouts(layouts, capability))
+    stand_in = type(record["class"], (AttentionBackend,), attrs)
+    return stand_in, {"source": "record", "class": record["class"],
+                      "import_error": _error(error), "record": why}  # or its declaration's
+
+
+def backend_for(case: dict[str, Any] | None, config: Any = None) -> tuple[Any, dict[str, Any]]:
+    """The attention backend of the case's path, on its GPU (``gpu_capability``): the class vLLM
+    registers under ``attention_backend`` (vLLM's name), whose declarations run on the modelled
+    GPU (:func:`modelled_gpu`); where the class does not import here, a stand-in with what
+    :data:`DECLARED` records; with what was modelled and from where."""
+    case = case or {}
+    platform = "cuda" if case.get("platform", "cuda") == "cuda" else "cpu"
+    name = case.get("attention_backend") or DEFAULT_BACKEND[platform]
+    capability = (tuple(case.get("gpu_capability") or DEFAULT_GPU)
+                  if platform == "cuda" else None)
+    key = (platform, name, capability)
+    if key in _BACKENDS:
+        return _BACKENDS[key]
+    info: dict[str, Any] = {"name": name,
+                            "gpu_capability": list(capability) if capability else None}
+    try:
+        backend = _backend_class(name)
+        info.update(source="class", **{"class": f"{backend.__module__}.{backend.__qualname__}"})
+        answer = (_on_gpu(backend, capability), info)
+        if config is not None:  # its declaration may need what this machine lacks (a GPU)
+            kernel_block_sizes(answer[0], config)
+    except Exception as exc:  # its kernel package is absent here, or its declaration failed
+        if name not in DECLARED:
+            raise ValueError(f"the attention backend {name} does not import or declare its "
+                             f"kernel block sizes here ({type(exc).__name__}: {exc}), and "
+                             "doctor has no record of its kernel block sizes") from exc
+        backend, more = _declared_backend(name, capability, exc, config)
+        info = {k: v for k, v in info.items() if k in ("name", "gpu_capability")}
+        info.update(more)
+        answer = (_on_gpu(backend, capability), info)
+    if info["source"] == "class" and config is None:  # else it depends on the config
+        _BACKENDS[key] = answer
+    return answer
+
+
+def kernel_block_sizes(backend: Any, config: Any) -> list[str]:
+    """What ``backend`` declares, as vLLM's platform step asks it (the config current)."""
+    declared = getattr(backend, "get_supported_kernel_block_sizes", None)
+    if declared is None:  # a release before backends declared them
+        return []
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(config):
+        return [str(s) for s in declared()]
+
+
+def _backend(platform: str, case: dict[str, Any] | None = None, config: Any = None) -> Any:
+    return backend_for({**(case or {}), "platform": platform}, config)[0]
 
 
 @contextlib.contextmanager
@@ -366,7 +553,7 @@ def align_for_platform(config: Any, platform: str,
     if not hasattr(base, "update_block_size_for_backend"):
         return {"hook": None, "note": f"{base.__name__} has no update_block_size_for_backend "
                                       "in this vLLM", **before}
-    backend = _backend(platform)
+    backend, info = backend_for({**(case or {}), "platform": platform}, config)
 
     class _Platform(base):  # type: ignore[misc]
         @classmethod
@@ -380,6 +567,8 @@ def align_for_platform(config: Any, platform: str,
     with loaded_layers(config, case, backend):
         _Platform.update_block_size_for_backend(config)
     return {"hook": f"{base.__name__}.update_block_size_for_backend", "backend": backend.__name__,
+            "attention_backend": {**info, "kernel_block_sizes": kernel_block_sizes(backend,
+                                                                                   config)},
             "block_size_before": before["block_size"], "block_size": cache.block_size,
             "mamba_block_size": getattr(cache, "mamba_block_size", None),
             "mamba_page_size_padded": getattr(cache, "mamba_page_size_padded", None)}
@@ -448,6 +637,105 @@ def _mamba_type(model_type: str) -> Any:
     except ImportError:
         return name
     return MambaAttentionBackendEnum[_MAMBA_ENUM_NAMES[name]]
+
+
+def platform_dispatch(architecture: str) -> dict[str, str] | None:
+    """Where vLLM's registry entry for ``architecture`` picks its model code by platform (0.34's
+    ``vllm/models/qwen3_5/__init__.py``: ``if current_platform.is_cuda(): from .nvidia.model
+    import ...``, else the old ``vllm/model_executor/models/qwen3_5.py``): the registry module,
+    the class, and the module its ``is_cuda()`` branch imports the class from (read in its
+    source: that branch does not run on this CPU); None where the entry has no such branch."""
+    import ast
+    import importlib.util
+
+    from vllm.model_executor.models import ModelRegistry
+
+    entry = (getattr(ModelRegistry, "models", None) or {}).get(architecture)
+    module_name = getattr(entry, "module_name", None)
+    class_name = getattr(entry, "class_name", None)
+    if not module_name or not class_name:
+        return None
+    try:
+        spec = importlib.util.find_spec(module_name)
+        origin = Path(spec.origin) if spec is not None and spec.origin else None
+        text = origin.read_text(encoding="utf-8") if origin is not None else ""
+        tree = ast.parse(text)
+    except (ImportError, OSError, SyntaxError, ValueError):
+        return None
+    package = module_name if origin is not None and origin.name == "__init__.py" \
+        else module_name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.If)
+                and "is_cuda()" in (ast.get_source_segment(text, node.test) or "")):
+            continue
+        for statement in node.body:
+            if isinstance(statement, ast.ImportFrom) and any(
+                    (a.asname or a.name) == class_name for a in statement.names):
+                cuda = importlib.util.resolve_name(
+                    "." * statement.level + (statement.module or ""), package) \
+                    if statement.level else str(statement.module)
+                return {"registry_module": module_name, "class": class_name,
+                        "cuda_module": cuda}
+    return None
+
+
+@contextlib.contextmanager
+def cuda_model_class(config: Any, platform: str) -> Iterator[dict[str, Any]]:
+    """On the CUDA path, the model class a CUDA server loads (:func:`platform_dispatch`) in
+    vLLM's registry while this runs, so that vLLM's own steps (the platform hook's state page,
+    the state shapes) ask it; with what was done, for the report. Where that class does not
+    import here, the registry keeps the class it resolves on this CPU, and the report says so."""
+    from vllm.model_executor.models import registry
+
+    info: dict[str, Any] = {}
+    dispatch = platform_dispatch(config.model_config.architecture) \
+        if platform == "cuda" else None
+    if dispatch is None:
+        yield info
+        return
+    import importlib
+
+    info["dispatch"] = dispatch
+    entry = importlib.import_module(dispatch["registry_module"])
+    here = getattr(entry, dispatch["class"])
+    try:
+        cuda = getattr(importlib.import_module(dispatch["cuda_module"]), dispatch["class"])
+    except Exception as exc:
+        info["cuda_import_error"] = _error(exc)
+        yield info
+        return
+    if cuda is here:
+        yield info
+        return
+    info["other"] = {"module": here.__module__, "name": here.__qualname__, "cls": here}
+
+    def forget() -> None:
+        for cached in (getattr(registry, "_try_load_model_cls", None),
+                       getattr(registry, "_try_inspect_model_cls", None)):
+            if cached is not None and hasattr(cached, "cache_clear"):
+                cached.cache_clear()
+
+    setattr(entry, dispatch["class"], cuda)
+    forget()
+    try:
+        yield info
+    finally:
+        setattr(entry, dispatch["class"], here)
+        forget()
+
+
+def compare_state(config: Any, model_cls: Any, other: Any) -> dict[str, Any]:
+    """The state shapes and dtypes of ``other`` (the class the registry resolves off CUDA) beside
+    those of ``model_cls``: equal ones mean equal layer specs and pages."""
+    out: dict[str, Any] = {}
+    for key, cls in (("inspected", model_cls), ("other", other)):
+        if not hasattr(cls, "get_mamba_state_shape_from_config"):
+            out[key] = None
+            continue
+        out[key] = {"shapes": [list(s) for s in cls.get_mamba_state_shape_from_config(config)],
+                    "dtypes": [str(d) for d in cls.get_mamba_state_dtype_from_config(config)]}
+    out["same"] = out["inspected"] == out["other"]
+    return out
 
 
 def state_shapes(config: Any) -> tuple[Any, tuple[Any, ...], tuple[Any, ...]]:
@@ -591,7 +879,7 @@ def layer_specs(config: Any, case: dict[str, Any], shapes: tuple[Any, ...],
         window = draft_window(draft_model)
         if window:  # a sliding-window drafter: its layers pick their own block
             draft_attention = window_spec(config, draft_attention, window, draft_cache_dtype,
-                                          case.get("platform", "cuda"))
+                                          case.get("platform", "cuda"), case)
         if "is_draft" in getattr(type(draft_attention), "__dataclass_fields__", {}):
             from dataclasses import replace
 
@@ -625,7 +913,8 @@ def draft_window(draft_model: Any) -> int | None:
     return int(window) if isinstance(window, int) and window > 0 else None
 
 
-def window_spec(config: Any, full: Any, window: int, cache_dtype: str, platform: str) -> Any:
+def window_spec(config: Any, full: Any, window: int, cache_dtype: str, platform: str,
+                case: dict[str, Any] | None = None) -> Any:
     """A sliding-window draft layer's spec as vLLM's own ``Attention.get_kv_cache_spec``
     builds it (the layer picks its block from the backend's kernel block sizes, not the
     engine's block size), asked of a stand-in layer with the draft's heads, dtype and the
@@ -637,7 +926,7 @@ def window_spec(config: Any, full: Any, window: int, cache_dtype: str, platform:
 
     layer = types.SimpleNamespace(
         attn_type=AttentionType.DECODER, kv_cache_dtype=cache_dtype, sliding_window=window,
-        attn_backend=_backend(platform), num_kv_heads=full.num_kv_heads,
+        attn_backend=_backend(platform, case, config), num_kv_heads=full.num_kv_heads,
         head_size=full.head_size, head_size_v=getattr(full, "head_size_v", full.head_size),
         kv_cache_torch_dtype=full.dtype)
     with set_current_vllm_config(config):
@@ -658,7 +947,8 @@ def _kind(spec: Any) -> str:
     return "state" if isinstance(spec, MambaSpec) else "attention"
 
 
-def resolve_layout(config: Any, specs: dict[str, Any], platform: str) -> str | None:
+def resolve_layout(config: Any, specs: dict[str, Any], platform: str,
+                   case: dict[str, Any] | None = None) -> str | None:
     """The engine core's KV-cache layout resolution, in releases that have one (0.29: it must
     run before the KV-cache config), for the attention backend of the platform path."""
     try:
@@ -667,7 +957,7 @@ def resolve_layout(config: Any, specs: dict[str, Any], platform: str) -> str | N
         return None
     if not hasattr(utils, "resolve_kv_cache_layout"):
         return None
-    backend = _backend("cuda" if platform == "cuda" else "cpu")
+    backend = _backend("cuda" if platform == "cuda" else "cpu", case, config)
     names = [layout.name for layout in utils.get_supported_kv_cache_layouts([backend])]
     layout = utils.resolve_kv_cache_layout(config, [names], list(specs.values()))
     utils.record_kv_cache_layout(config.cache_config, layout.name)
@@ -709,7 +999,7 @@ def kv_steps(config: Any, stages: list[dict[str, Any]], case: dict[str, Any]
             raise StepFailed("page unification") from exc
 
     try:
-        out["kv_layout"] = resolve_layout(config, merged, case.get("platform", "cuda"))
+        out["kv_layout"] = resolve_layout(config, merged, case.get("platform", "cuda"), case)
     except BaseException as exc:
         raise StepFailed("kv layout") from exc
     if unify is not None:
@@ -775,42 +1065,18 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     """Every step for one case, until the first that raises."""
     result: dict[str, Any] = {"steps": []}
     steps: list[dict[str, Any]] = result["steps"]
+    current = ["config"]
 
     def done(name: str, detail: Any = None) -> None:
         steps.append({"step": name, "ok": True, **({"detail": detail} if detail else {})})
 
-    step = "config"
     try:
         config = build_config(case)
         done("config", {"max_model_len": config.model_config.max_model_len,
                         "architecture": config.model_config.architecture})
-        step = "platform"
-        result["platform"] = align_for_platform(config, case.get("platform", "cuda"), case)
-        done("platform", result["platform"])
-        step = "state shapes"
-        model_cls, shapes, dtypes = state_shapes(config)
-        layer_shapes = layer_state_shapes(config, model_cls, shapes)
-        done("state shapes", {"shapes": [list(s) for s in shapes],
-                              "dtypes": [str(d) for d in dtypes],
-                              **({"layer_shapes": [list(s) for s in layer_shapes]}
-                                 if layer_shapes != shapes else {})})
-        step = "layer specs"
-        stages, facts = layer_specs(config, case, shapes, dtypes, layer_shapes)
-        result["facts"] = facts
-        result["layers"] = [[_kind(s), s.page_size_bytes] for st in stages for s in st.values()]
-        done("layer specs", {"layers": len(result["layers"]), "stages": len(stages)})
-        step = "grouping"
-        kv = kv_steps(config, stages, case)
-        if kv.get("kv_layout"):
-            done("kv layout", {"layout": kv["kv_layout"]})
-        result["kv"] = kv
-        done("grouping", {"groups": len(kv["groups"])})
-        if kv["unification_called"]:
-            done("page unification", {"pages": kv["pages"]})
-        done("kv config", {k: kv[k] for k in ("num_blocks_per_gib", "max_concurrency")
-                           if k in kv})
-        result["failed"] = None
-        result["prefix"] = prefix_caching(config, stages, case, kv)
+        current[0] = "platform"
+        with cuda_model_class(config, case.get("platform", "cuda")) as model_class:
+            _steps(config, case, result, done, current, model_class)
     except StepFailed as failed:
         cause = failed.__cause__ or failed
         if failed.step == "page unification":
@@ -819,10 +1085,49 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         result["failed"] = {"step": failed.step, **_error(cause)}
         result["traceback"] = "".join(traceback.format_exception(cause))[-4000:]
     except Exception as exc:
-        steps.append({"step": step, "ok": False, "error": _error(exc)})
-        result["failed"] = {"step": step, **_error(exc)}
+        steps.append({"step": current[0], "ok": False, "error": _error(exc)})
+        result["failed"] = {"step": current[0], **_error(exc)}
         result["traceback"] = traceback.format_exc()[-4000:]
     return result
+
+
+def _steps(config: Any, case: dict[str, Any], result: dict[str, Any], done: Any,
+           current: list[str], model_class: dict[str, Any]) -> None:
+    """Steps 2-6 and the prefix-caching facts of :func:`run_case` (``current``: the step
+    running, for the error)."""
+    result["platform"] = align_for_platform(config, case.get("platform", "cuda"), case)
+    done("platform", result["platform"])
+    current[0] = "state shapes"
+    model_cls, shapes, dtypes = state_shapes(config)
+    result["model_class"] = {
+        "module": model_cls.__module__, "name": model_cls.__qualname__,
+        **{k: v for k, v in model_class.items() if k != "other"}}
+    if model_class.get("other"):
+        other = model_class["other"]
+        result["model_class"]["other"] = {"module": other["module"], "name": other["name"],
+                                          **compare_state(config, model_cls, other["cls"])}
+    layer_shapes = layer_state_shapes(config, model_cls, shapes)
+    done("state shapes", {"shapes": [list(s) for s in shapes],
+                          "dtypes": [str(d) for d in dtypes],
+                          **({"layer_shapes": [list(s) for s in layer_shapes]}
+                             if layer_shapes != shapes else {})})
+    current[0] = "layer specs"
+    stages, facts = layer_specs(config, case, shapes, dtypes, layer_shapes)
+    result["facts"] = facts
+    result["layers"] = [[_kind(s), s.page_size_bytes] for st in stages for s in st.values()]
+    done("layer specs", {"layers": len(result["layers"]), "stages": len(stages)})
+    current[0] = "grouping"
+    kv = kv_steps(config, stages, case)
+    if kv.get("kv_layout"):
+        done("kv layout", {"layout": kv["kv_layout"]})
+    result["kv"] = kv
+    done("grouping", {"groups": len(kv["groups"])})
+    if kv["unification_called"]:
+        done("page unification", {"pages": kv["pages"]})
+    done("kv config", {k: kv[k] for k in ("num_blocks_per_gib", "max_concurrency")
+                       if k in kv})
+    result["failed"] = None
+    result["prefix"] = prefix_caching(config, stages, case, kv)
 
 
 # --- prefix caching: what the engine core's start-up sets ----------------------------------------
@@ -886,7 +1191,8 @@ def engine_kv_caches(config: Any, stages: list[dict[str, Any]], case: dict[str, 
         from vllm.v1.attention.backends import utils
 
         if hasattr(utils, "get_supported_kv_cache_layouts"):
-            backend = _backend("cuda" if case.get("platform", "cuda") == "cuda" else "cpu")
+            backend = _backend("cuda" if case.get("platform", "cuda") == "cuda" else "cpu",
+                               case, config)
             layouts = [layout.name for layout in utils.get_supported_kv_cache_layouts([backend])]
     except ImportError:
         pass

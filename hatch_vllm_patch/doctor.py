@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .catalog import ELSEWHERE, Patch
 from .engine import Verdict
-from .environment import TargetEnvironment, last_line, run_target_python
+from .environment import ModuleQuery, TargetEnvironment, last_line, run_target_python
 from .errors import ConfigurationError, TargetEnvironmentError, UsageError
 from .files import write_atomic
 from .models import FAMILY_BY_MODEL_TYPE, model_above, read_model
@@ -66,6 +66,10 @@ class DoctorRequest(NamedTuple):
     enable_prefix_caching: bool | None = None
     mamba_cache_mode: str | None = None  # all (releases before 0.33), align, none
     mamba_block_size: int | None = None
+    # the attention backend, by vLLM's name (None: vLLM's choice on the GPU), and the GPU
+    # (a name or a compute capability; None: DEFAULT_GPU), on the CUDA path
+    attention_backend: str | None = None
+    gpu: str | None = None
 
 
 class Step(NamedTuple):
@@ -161,6 +165,68 @@ class MemoryAdvice(NamedTuple):
                 "line": self.line}
 
 
+class Gpu(NamedTuple):
+    """The GPU doctor models on the CUDA path: what it was named, its compute capability."""
+
+    name: str | None  # as named (None: given as a compute capability)
+    capability: tuple[int, int]
+
+    @property
+    def generation(self) -> str:
+        major, minor = self.capability
+        if major >= 10:
+            return "Blackwell"
+        if major == 9:
+            return "Hopper"
+        if (major, minor) == (8, 9):
+            return "Ada Lovelace"
+        if major == 8:
+            return "Ampere"
+        return {7: "Volta/Turing", 6: "Pascal"}.get(major, "an older generation")
+
+    @property
+    def label(self) -> str:
+        version = f"{self.capability[0]}.{self.capability[1]}"
+        return f"{self.name or 'a GPU'} ({self.generation}, compute capability {version})"
+
+
+class Modelled(NamedTuple):
+    """What doctor modelled of the serving machine and the model code: the attention backend
+    (vLLM's name; its kernel block sizes, read from its class or from doctor's record where the
+    class does not import here), the GPU, and the model class vLLM's steps asked."""
+
+    platform: str
+    backend: str
+    backend_chosen_by: str  # "--attention-backend", or why vLLM would choose it
+    gpu: Gpu | None
+    kernel_block_sizes: tuple[str, ...] = ()
+    backend_source: str = ""  # the class, or doctor's record (with the import error)
+    model_class: str = ""  # module.name
+    model_class_note: str = ""
+
+    @property
+    def line(self) -> str:
+        backend = f"{self.backend} ({self.backend_chosen_by})"
+        if self.kernel_block_sizes:
+            backend += (f", kernel block sizes [{', '.join(self.kernel_block_sizes)}] "
+                        f"{self.backend_source}")
+        where = f" on {self.gpu.label}" if self.gpu else " on the CPU platform"
+        model = f"; model class {self.model_class}" if self.model_class else ""
+        note = f" ({self.model_class_note})" if self.model_class_note else ""
+        return f"modelled: {backend}{where}{model}{note}"
+
+    def to_json(self) -> dict[str, object]:
+        return {"platform": self.platform, "attention_backend": self.backend,
+                "attention_backend_chosen_by": self.backend_chosen_by,
+                "kernel_block_sizes": list(self.kernel_block_sizes),
+                "kernel_block_sizes_from": self.backend_source,
+                "gpu": None if self.gpu is None else {
+                    "name": self.gpu.name, "generation": self.gpu.generation,
+                    "compute_capability": f"{self.gpu.capability[0]}.{self.gpu.capability[1]}"},
+                "model_class": self.model_class, "model_class_note": self.model_class_note,
+                "line": self.line}
+
+
 class DoctorReport(NamedTuple):
     environment: TargetEnvironment
     vllm: str
@@ -178,6 +244,7 @@ class DoctorReport(NamedTuple):
     neuron_note: str | None = None
     memory: MemoryAdvice | None = None
     prefix: PrefixVerdict | None = None
+    modelled: Modelled | None = None
 
     @property
     def installed(self) -> Run:
@@ -222,7 +289,8 @@ class DoctorReport(NamedTuple):
                         "kv_cache_memory": r.kv_cache_memory,
                         "enable_prefix_caching": r.enable_prefix_caching,
                         "mamba_cache_mode": r.mamba_cache_mode,
-                        "mamba_block_size": r.mamba_block_size},
+                        "mamba_block_size": r.mamba_block_size,
+                        "attention_backend": r.attention_backend, "gpu": r.gpu},
             "runs": [run.to_json() for run in self.runs],
             "candidates": list(self.candidates),
             "in_place": list(self.in_place),
@@ -232,6 +300,7 @@ class DoctorReport(NamedTuple):
             "neuron_note": self.neuron_note,
             "memory": self.memory.to_json() if self.memory else None,
             "prefix_caching": self.prefix.to_json() if self.prefix else None,
+            "modelled": self.modelled.to_json() if self.modelled else None,
             "notes": list(self.notes),
             "errors": [],
         }
@@ -268,6 +337,108 @@ def parse_json_object(option: str, text: str) -> dict[str, Any]:
         raise UsageError(f"{option} {shown(text)}: expected a JSON object, e.g. "
                          "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'")
     return value
+
+
+# GPUs by name (upper case, without spaces and dashes) -> compute capability (NVIDIA's tables).
+GPUS: dict[str, tuple[int, int]] = {
+    "V100": (7, 0), "T4": (7, 5), "A100": (8, 0), "A800": (8, 0), "A30": (8, 0),
+    "A10": (8, 6), "A10G": (8, 6), "A40": (8, 6), "A6000": (8, 6), "RTX3090": (8, 6),
+    "L4": (8, 9), "L40": (8, 9), "L40S": (8, 9), "RTX4090": (8, 9), "RTX6000ADA": (8, 9),
+    "H100": (9, 0), "H200": (9, 0), "H800": (9, 0), "H20": (9, 0), "GH200": (9, 0),
+    "B200": (10, 0), "GB200": (10, 0), "B300": (10, 3), "GB300": (10, 3),
+    "RTX5090": (12, 0), "RTXPRO6000": (12, 0),
+}
+# The GPU modelled when --gpu is not given: a Hopper, the most common data-centre GPU serving
+# vLLM (an Ampere gets the same backend and the same kernel block sizes).
+DEFAULT_GPU = "H100"
+# The backend of the CPU path (vLLM's CPU platform has one).
+CPU_BACKEND = "CPU_ATTN"
+# vLLM's backends of other platforms than CUDA, by their names' prefixes: not for the CUDA path.
+NOT_CUDA = ("CPU_", "AMX_", "ROCM_", "XPU_")
+
+
+def parse_gpu(text: str | None) -> Gpu:
+    """``--gpu``: a name of :data:`GPUS` (any case, spaces and dashes ignored) or a compute
+    capability such as ``9.0``; UsageError otherwise, naming what is accepted."""
+    if text is None:
+        return Gpu(DEFAULT_GPU, GPUS[DEFAULT_GPU])
+    match = re.fullmatch(r"\s*(\d{1,2})\.(\d)\s*", text)
+    if match:
+        return Gpu(None, (int(match.group(1)), int(match.group(2))))
+    key = re.sub(r"[\s_-]", "", text).upper().removeprefix("NVIDIA")
+    if key in GPUS:
+        return Gpu(text.strip(), GPUS[key])
+    raise UsageError(f"--gpu {text!r}: expected a compute capability such as 9.0 or 8.6, or one "
+                     f"of {', '.join(GPUS)}")
+
+
+def vllm_backend_choice(gpu: Gpu) -> str:
+    """The attention backend vLLM's CUDA platform picks first for a decoder model's attention
+    (not MLA) on ``gpu``: FlashInfer on compute capability 10.x, FlashAttention elsewhere
+    (``_get_backend_priorities`` in vllm/platforms/cuda.py, the same in 0.27 - 0.34; that module
+    needs a CUDA driver to import, so the rule is read here, not asked)."""
+    return "FLASHINFER" if gpu.capability[0] == 10 else "FLASH_ATTN"
+
+
+def attention_backend_names(registry_file: Path | None) -> dict[str, str] | None:
+    """vLLM's names of its attention backends and their class paths: the members of
+    ``AttentionBackendEnum`` in the installed ``vllm/v1/attention/backends/registry.py`` (read,
+    not imported); members without a class (a tag for vision encoders) left out. None when the
+    file is not there or holds no such enum."""
+    import ast
+
+    if registry_file is None:
+        return None
+    try:
+        tree = ast.parse(registry_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "AttentionBackendEnum":
+            names = {}
+            for statement in node.body:
+                if (isinstance(statement, ast.Assign) and len(statement.targets) == 1
+                        and isinstance(statement.targets[0], ast.Name)
+                        and isinstance(statement.value, ast.Constant)
+                        and isinstance(statement.value.value, str) and statement.value.value):
+                    names[statement.targets[0].id] = statement.value.value
+            return names or None
+    return None
+
+
+def check_path_options(request: DoctorRequest) -> None:
+    """UsageError for --gpu that names no GPU, and for --gpu or a GPU backend on the CPU path
+    (which runs vLLM's CPU backend)."""
+    backend = request.attention_backend
+    if request.platform == "cpu":
+        if request.gpu is not None:
+            raise UsageError(f"--gpu {request.gpu}: the CPU path (--platform cpu) models no GPU; "
+                             "leave --gpu out, or use --platform cuda")
+        if backend is not None and backend != CPU_BACKEND:
+            raise UsageError(f"--attention-backend {backend}: the CPU path (--platform cpu) runs "
+                             f"vLLM's CPU backend, {CPU_BACKEND}; use --platform cuda for a GPU "
+                             "backend")
+        return
+    parse_gpu(request.gpu)
+
+
+def check_backend_name(request: DoctorRequest, names: Mapping[str, str] | None) -> None:
+    """UsageError for an --attention-backend the installed vLLM does not name (``names``, from
+    :func:`attention_backend_names`; None: it has no enum of them, FLASH_ATTN alone is taken),
+    listing the names it does."""
+    backend = request.attention_backend
+    if backend is None or request.platform == "cpu":
+        return
+    known = sorted(n for n in names if not n.startswith(NOT_CUDA)) if names else ["FLASH_ATTN"]
+    if backend not in known:
+        import difflib
+
+        close = difflib.get_close_matches(backend.upper(), known, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        where = ("the installed vLLM's backends" if names else
+                 "the one this vLLM's backends can be read as (no AttentionBackendEnum found)")
+        raise UsageError(f"--attention-backend {backend}: not a name of {where}{hint}; "
+                         f"expected one of {', '.join(known)}")
 
 
 def hub_caches(environ: Mapping[str, str] | None = None) -> list[Path]:
@@ -403,7 +574,71 @@ def case_of(request: DoctorRequest, model_dir: Path, hf_overrides: Mapping[str, 
         "kv_cache_memory": request.kv_cache_memory,
         "platform": request.platform,
         **prefix_options(request),
+        **backend_options(request),
     }
+
+
+def backend_of(request: DoctorRequest) -> tuple[str, str, Gpu | None]:
+    """(the attention backend modelled, who chose it, the GPU modelled; None on the CPU path)."""
+    if request.platform == "cpu":
+        return CPU_BACKEND, "the CPU platform's backend", None
+    gpu = parse_gpu(request.gpu)
+    if request.attention_backend:
+        return request.attention_backend, "--attention-backend", gpu
+    return vllm_backend_choice(gpu), "vLLM's first choice on this GPU", gpu
+
+
+def backend_options(request: DoctorRequest) -> dict[str, Any]:
+    """The child's case keys of the attention backend and the GPU."""
+    backend, _, gpu = backend_of(request)
+    return {"attention_backend": backend,
+            **({"gpu_capability": list(gpu.capability)} if gpu else {})}
+
+
+def modelled_of(request: DoctorRequest, raw: Mapping[str, Any]) -> Modelled:
+    """What was modelled, from the request and the child's answer as installed (``raw``):
+    the backend's declared kernel block sizes and their source, the model class."""
+    backend, chosen_by, gpu = backend_of(request)
+    info = (raw.get("platform") or {}).get("attention_backend") or {}
+    if info.get("source") == "class":
+        source = f"(read from {info.get('class')})"
+    elif info.get("source") == "record":
+        error = _err(info.get("import_error")) or "?"
+        failed = "does not import" if "ImportError" in error or "ModuleNotFoundError" in error \
+            else "could not declare its sizes"
+        source = (f"(doctor's record of vLLM's {info.get('class')}: {info.get('record')}; its "
+                  f"class {failed} here: {error})")
+    else:
+        source = ""
+    model = raw.get("model_class") or {}
+    name = f"{model['module']}.{model['name']}" if model.get("module") else ""
+    note = ""
+    dispatch = model.get("dispatch") or {}
+    other = model.get("other") or {}
+    if other:
+        same = ("whose state shapes and dtypes are the same, so the same layer specs" if
+                other.get("same") else "whose state shapes or dtypes DIFFER: "
+                f"{other.get('other')} there, {other.get('inspected')} on CUDA")
+        note = (f"what a CUDA server loads: vLLM's {dispatch.get('registry_module')} imports it "
+                f"when current_platform.is_cuda(); elsewhere it loads "
+                f"{other.get('module')}.{other.get('name')}, {same}")
+    elif model.get("cuda_import_error"):
+        note = (f"the code vLLM loads off CUDA: on CUDA {dispatch.get('registry_module')} loads "
+                f"{dispatch.get('cuda_module')}.{dispatch.get('class')}, which does not import "
+                f"here ({_err(model['cuda_import_error'])}), so its state shapes were not "
+                "compared")
+    return Modelled(request.platform, backend, chosen_by, gpu,
+                    tuple(info.get("kernel_block_sizes") or ()), source, name, note)
+
+
+def backend_unavailable(raw: Mapping[str, Any]) -> str | None:
+    """The child's message when the case's attention backend could not be modelled at all (its
+    class does not import and doctor has no record of it), else None."""
+    failed = raw.get("failed") or {}
+    message = str(failed.get("message") or "")
+    if failed.get("step") == "platform" and "doctor has no record of its kernel" in message:
+        return message
+    return None
 
 
 def run_child(python: Path, job: dict[str, Any], *, timeout: float = PROBE_TIMEOUT,
@@ -703,6 +938,10 @@ class PrefixBug(NamedTuple):
     patch: str
     upstream: str
     what: str
+    # whether doctor's run with the patch shows its fix (the groups and blocks vLLM's start-up
+    # sets); bug 1's patch changes the scheduler's split and the runner's seeding, which
+    # doctor's facts do not replay, so its run cannot say
+    shown_by_run: bool = False
 
 
 PREFIX_BUGS = {
@@ -713,7 +952,7 @@ PREFIX_BUGS = {
     2: PrefixBug(2, "hybrid-prefix-drafter-window",
                  "https://github.com/vllm-project/vllm/pull/52804",
                  "a sliding-window drafter's block, scaled by page unification, inflates the "
-                 "scheduler's block (the lcm of the groups' blocks)"),
+                 "scheduler's block (the lcm of the groups' blocks)", shown_by_run=True),
     3: PrefixBug(3, "mamba-all-mode-chunk-align",
                  "https://github.com/vllm-project/vllm/issues/57266 (PR #57278)",
                  '"all" mode takes --mamba-block-size instead of the Mamba chunk size as the '
@@ -777,10 +1016,24 @@ def group_blocks(groups: Iterable[Mapping[str, Any]]) -> list[dict[str, object]]
     return list(merged.values())
 
 
-def _fix(bug: PrefixBug, patches: Mapping[str, Patch], verdicts: Mapping[str, Verdict]
+def _fix(bug: PrefixBug, patches: Mapping[str, Patch], verdicts: Mapping[str, Verdict],
+         patched: Mapping[str, Any] | None = None, platform: str = "cuda"
          ) -> tuple[str | None, str | None, str]:
-    """(the patch to select, its status here, the sentence that says what fixes it)."""
+    """(the patch to select, its status here, the sentence that says what fixes it).
+    ``patched``: what vLLM's start-up set with the patch's blocks executed (the child's run of
+    it), where doctor ran it: for a bug whose fix that run shows (``shown_by_run``), the patch is
+    named to select only where that run reuses correctly."""
     status = verdicts.get(bug.patch) if bug.patch in patches else None
+    if status is Verdict.MISSING and patched and bug.shown_by_run:
+        with_it = judge_prefix(patched, {}, {}, platform)
+        if with_it is not None and with_it.outcome == "correct":
+            return bug.patch, status.value, (f"{bug.patch} fixes it (with it, doctor's run: "
+                                             f"{with_it.what.removeprefix('prefix caching: ')}"
+                                             f"; {with_it.blocks}): select it")
+        got = with_it.what.removeprefix("prefix caching: ") if with_it else "no verdict"
+        return None, status.value, (f"the catalog's {bug.patch} applies here but does not fix "
+                                    f"this case (with it, doctor's run: {got}); upstream: "
+                                    f"{bug.upstream}")
     if status is Verdict.MISSING:
         return bug.patch, status.value, f"{bug.patch} fixes it: select it"
     if status is Verdict.APPLIED:
@@ -792,7 +1045,9 @@ def _fix(bug: PrefixBug, patches: Mapping[str, Patch], verdicts: Mapping[str, Ve
 
 
 def judge_prefix(facts: Mapping[str, Any] | None, patches: Mapping[str, Patch],
-                 verdicts: Mapping[str, Verdict], platform: str) -> PrefixVerdict | None:
+                 verdicts: Mapping[str, Verdict], platform: str,
+                 patched: Mapping[str, Mapping[str, Any]] | None = None
+                 ) -> PrefixVerdict | None:
     """Will a request that shares a prefix with an earlier one reuse the right Mamba state?
 
     From what vLLM's own start-up set in the child (``facts``): the Mamba block ``M`` (states
@@ -801,7 +1056,8 @@ def judge_prefix(facts: Mapping[str, Any] | None, patches: Mapping[str, Patch],
     multiples of it) and the runner's seeding of a resumed request. Align mode is right when
     ``B == M`` and ``A`` is a multiple of ``M`` no larger than the largest group block; "all"
     mode when ``M`` is a multiple of the Mamba chunk size. None when the child computed nothing
-    (the start-up failed earlier)."""
+    (the start-up failed earlier). ``patched``: the same facts from the child's run with each
+    patch (by id) that it ran, which say whether the bug's patch fixes it here."""
     if not facts:
         return None
     if facts.get("error"):
@@ -825,7 +1081,8 @@ def judge_prefix(facts: Mapping[str, Any] | None, patches: Mapping[str, Patch],
 
     def bugged(outcome: str, number: int, what: str) -> PrefixVerdict:
         bug = PREFIX_BUGS[number]
-        patch, status, fix = _fix(bug, patches, verdicts)
+        patch, status, fix = _fix(bug, patches, verdicts, (patched or {}).get(bug.patch),
+                                  platform)
         return PrefixVerdict(outcome, f"prefix caching: {what}", facts, bug, patch, status,
                              blocks, f"bug {number}: {bug.what}; {fix}")
 
@@ -862,9 +1119,10 @@ def judge_prefix(facts: Mapping[str, Any] | None, patches: Mapping[str, Patch],
     largest = max(int(g["block_size"]) for g in groups)
     if a > largest:
         sizes = ", ".join(str(x) for x in sorted({int(g["block_size"]) for g in groups}))
-        return bugged("no-hits", 2, f"gets no hits below {a} tokens: hits land only on "
-                      f"multiples of {a}, the lcm of the groups' blocks ({sizes}), "
-                      "larger than any group's block; a prompt shorter than that never hits")
+        return bugged("no-hits", 2, f"LOSES REUSE: hits land only on multiples of {a} "
+                      f"tokens, the lcm of the groups' blocks ({sizes}), larger than any "
+                      "group's block: a prompt shorter than that never hits, a longer one "
+                      "only where a state was cached on that grid")
     if a % m:
         return PrefixVerdict("loses-reuse", f"prefix caching: loses reuse: hits land on "
                              f"multiples of {a}, off the Mamba grid of {m}", facts,
@@ -1059,6 +1317,10 @@ def _conclude(prepared: _Prepared, vllm: str, answer: dict[str, Any], env: Targe
     """Judge one case's answer (``answer``: its entry of the child's ``cases``)."""
     request, architecture = prepared.request, prepared.architecture
     candidates, notes = prepared.candidates, list(prepared.notes)
+    unavailable = backend_unavailable(answer["variants"][INSTALLED])
+    if unavailable:
+        raise TargetEnvironmentError(f"--attention-backend {backend_of(request)[0]}: doctor "
+                                     f"cannot model it in {env.python}: {unavailable}")
     needed, verdict, runs, notes = _recommend(prepared.case, answer, candidates, patches, env,
                                               timeout, notes)
     if INSPECTION_FAILED in json.dumps(answer["variants"][INSTALLED]):
@@ -1090,11 +1352,14 @@ def _conclude(prepared: _Prepared, vllm: str, answer: dict[str, Any], env: Targe
         verdict = f"{verdict}; for memory, recommended: {memory.line}"
     lines = config_lines(needed or memory.recommended if memory else needed, architecture,
                          request.model, prepared.model_is_dir)
+    patched = {name: raw["prefix"] for name, raw in answer["variants"].items()
+               if name != INSTALLED and name in patches and raw.get("prefix")}
     prefix = judge_prefix(answer["variants"][INSTALLED].get("prefix"), patches, verdicts,
-                          request.platform)
+                          request.platform, patched)
     return DoctorReport(env, vllm, request, prepared.model_dir, architecture, runs,
                         tuple(p.id for p in candidates), prepared.in_place, needed, lines,
-                        verdict, tuple(notes), neuron, neuron_line(env), memory, prefix)
+                        verdict, tuple(notes), neuron, neuron_line(env), memory, prefix,
+                        modelled_of(request, answer["variants"][INSTALLED]))
 
 
 def _recommend(case: dict[str, Any], answer: dict[str, Any], candidates: Sequence[Patch],
@@ -1265,6 +1530,14 @@ def run_doctor(request: DoctorRequest, *, project_dir: Path | None, python: str 
     return report
 
 
+# vLLM's enum of its attention backends (their names, as --attention-backend takes them), and
+# where older releases may keep it.
+BACKENDS_REGISTRIES = (
+    ModuleQuery("vllm", "vllm.v1.attention.backends.registry",
+                "v1/attention/backends/registry.py"),
+    ModuleQuery("vllm", "vllm.attention.backends.registry", "attention/backends/registry.py"))
+
+
 def run_doctor_many(requests: Sequence[DoctorRequest], *, project_dir: Path | None,
                     python: str | None, timeout: float = PROBE_TIMEOUT,
                     project_rule: Rule = Rule.CHOSEN, everything: bool = False,
@@ -1286,6 +1559,7 @@ def run_doctor_many(requests: Sequence[DoctorRequest], *, project_dir: Path | No
         if request.platform not in PLATFORMS:
             raise UsageError(f"--platform {request.platform}: expected one of "
                              f"{', '.join(PLATFORMS)}")
+        check_path_options(request)
     base = Request(project_dir=project_dir, python=python, project_rule=project_rule)
     catalog, config, selection, choice, *_ = resolve(base)
     status, verdicts = catalog_status(base, catalog)
@@ -1293,7 +1567,13 @@ def run_doctor_many(requests: Sequence[DoctorRequest], *, project_dir: Path | No
         raise TargetEnvironmentError(
             f"vllm is not installed in {status.environment.python} ({choice.reason}): doctor "
             "runs the installed vLLM's own code; pass --python for the environment that serves")
-    registry = inspect_environment(choice, [_REGISTRY]).modules[_REGISTRY.module].file
+    found = inspect_environment(choice, [_REGISTRY, *BACKENDS_REGISTRIES]).modules
+    registry = found[_REGISTRY.module].file
+    if any(r.attention_backend for r in requests):
+        names = next((n for q in BACKENDS_REGISTRIES
+                      if (n := attention_backend_names(found[q.module].file))), None)
+        for request in requests:
+            check_backend_name(request, names)
     selected = {p.id for p in selection.patches}
     reports = diagnose_many(requests, status.environment, catalog, verdicts,
                             registered_architectures(registry), timeout=timeout,

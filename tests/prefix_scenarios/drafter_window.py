@@ -2,10 +2,13 @@
 drafter, for tests/test_hybrid_prefix_drafter_window.py. Run with the interpreter of a full
 vLLM environment:
 
-    python drafter_window.py OUT.json [MODULE=BLOCK.py ...]
+    python drafter_window.py OUT.json [MODULE=BLOCK.py ...] [case:NAME=SIZES ...]
 
-With MODULE=BLOCK.py arguments (another patch's blocks), every case runs again after those blocks
-are executed in their modules ("with_blocks" in the report): what the other patches change here.
+With case:NAME=SIZES arguments (SIZES: kernel block sizes such as 16,32,64, or multiple-of-16),
+only those cases run, each a drafter of the "fixed-kernels" heads declaring SIZES (what doctor
+reports for a backend, tests/test_doctor_attention_backend.py). With MODULE=BLOCK.py arguments
+(another patch's blocks), every case runs again after those blocks are executed in their modules
+("with_blocks" in the report): what the other patches change here.
 One import of vLLM serves every case. Each case starts vLLM's real EngineCore (its KV-cache
 planning, its scheduler and block sizes, its prefix-cache hashing) with only the executor
 stubbed: the stub reports the KV-cache specs a worker reports for
@@ -221,9 +224,22 @@ def _case(model_dir: Path, drafter: tuple[Any, int, int] | None) -> dict[str, An
     return case
 
 
-def _cases(model_dir: Path) -> dict[str, Any]:
+def cases_from_argv(argv: list[str]) -> dict[str, tuple[Any, int, int] | None]:
+    """`case:NAME=SIZES` arguments as cases of :data:`CASES`' kind (the fixed-kernels drafter's
+    heads and head size, the kernel block sizes given)."""
+    cases: dict[str, tuple[Any, int, int] | None] = {}
+    _, heads, head_size = CASES["fixed-kernels"] or ((), 2, 64)
+    for arg in argv:
+        name, _, sizes = arg.removeprefix("case:").partition("=")
+        kernels: Any = sizes if sizes.startswith("multiple-of-") else [
+            int(x) for x in sizes.split(",")]
+        cases[name] = (kernels, heads, head_size)
+    return cases
+
+
+def _cases(model_dir: Path, chosen: dict[str, Any] | None = None) -> dict[str, Any]:
     cases: dict[str, Any] = {}
-    for name, drafter in CASES.items():
+    for name, drafter in (chosen or CASES).items():
         try:
             cases[name] = _case(model_dir, drafter)
         except Exception as exc:
@@ -268,11 +284,12 @@ def main() -> int:
             from vllm.v1.core import kv_cache_utils as planning  # type: ignore[no-redef]
         grouping = planning._get_kv_cache_groups_uniform_page_size
         report["grouping_patch_id"] = getattr(grouping, "_hvp_patch_id", None)
-        report["cases"] = _cases(model_dir)
-        others = engine.blocks_from_argv(sys.argv[2:])
+        chosen = cases_from_argv([a for a in sys.argv[2:] if a.startswith("case:")])
+        report["cases"] = _cases(model_dir, chosen)
+        others = engine.blocks_from_argv([a for a in sys.argv[2:] if not a.startswith("case:")])
         if others:
             engine.apply_blocks(others)
-            report["with_blocks"] = _cases(model_dir)
+            report["with_blocks"] = _cases(model_dir, chosen)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(report, indent=1, sort_keys=True))
     os.replace(tmp, out)
