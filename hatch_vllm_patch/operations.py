@@ -391,6 +391,15 @@ def run(operation: str, request: Request) -> Report:
         session.carriers[pid] = (*session.carriers.get(pid, ()), selector)
     outcomes, errors = session.carry_out()
     notes += session.notes
+    # a patch missing after a `uv run`, or just applied where uv will undo it at the next one
+    undone = {Verdict.MISSING} if operation in {"verify", "status"} else \
+        {Verdict.APPLIED} if operation == "apply" else set()
+    owners = {p.id: p.target.distribution for p in patches}
+    if any(o.verdict in undone for o in outcomes):
+        from .resync import every_sync_notes
+
+        notes += every_sync_notes(env, [owners[o.patch_id] for o in outcomes
+                                        if o.verdict in undone and o.patch_id in owners])
     left = [o.patch_id for o in outcomes if o.next_step == session.leftover_step(o.patch_id)]
     if left:
         notes.append(

@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from .environment import TargetEnvironment
 
 _MAX_METADATA = 1 << 20  # bytes: a WHEEL or entry_points.txt is a few hundred
 
@@ -124,3 +128,33 @@ def mark_changed(scripts_dir: Path, names: Iterable[str]) -> list[Path]:
                 continue
             marked.append(candidate)
     return marked
+
+
+def every_sync_notes(env: TargetEnvironment, distributions: Iterable[str]) -> list[str]:
+    """One note per distribution of ``distributions`` (names as patches give them: ``vllm``)
+    that uv installed in ``env`` and reinstalls on every sync: why a patch went missing after a
+    `uv run`, or why one just applied will not last. Only when this interpreter is ``env``'s
+    (``uv run vllm-patch``): the tags are this interpreter's."""
+    if os.path.realpath(sys.prefix) != os.path.realpath(env.prefix):
+        return []
+    notes: list[str] = []
+    supported: frozenset[str] | None = None
+    for name in dict.fromkeys(distributions):
+        info = env.distributions.get(name)
+        if info is None or not info.location:
+            continue
+        dist_info = Path(info.location)
+        if (_read_small(dist_info / "INSTALLER") or "").strip() != "uv":
+            continue
+        supported = supported_tags() if supported is None else supported
+        found = mismatch(dist_info, info.label(), supported)
+        if found is None:
+            continue
+        notes.append(
+            f"uv reinstalls {found.distribution} on every `uv sync` and every `uv run` that "
+            f"syncs (its WHEEL says {', '.join(found.tags)}, which Python "
+            f"{env.python_version} does not support), which puts its original files back: keep "
+            "it patched with uv's two-phase setting and the `.venv/bin/vllm` cache key (the "
+            "build hook then patches after each reinstall; hatch-vllm-patch's "
+            "docs/how-to/cpu-build.md), or use `uv run --no-sync` after `vllm-patch apply`")
+    return notes

