@@ -134,6 +134,9 @@ class Request(NamedTuple):
     # (patch id, selector) pairs: who the record names as selecting a patch this run applies
     # from the command line (``create``'s new patch: the project's pyproject.toml).
     selected_by: tuple[tuple[str, str], ...] = ()
+    # a note when uv reinstalls the patched distribution on every sync (``resync.py``); the
+    # build hook, which acts on it, says it its own way
+    reinstall_notes: bool = True
 
     @property
     def command_line_selection(self) -> bool:
@@ -395,7 +398,7 @@ def run(operation: str, request: Request) -> Report:
     undone = {Verdict.MISSING} if operation in {"verify", "status"} else \
         {Verdict.APPLIED} if operation == "apply" else set()
     owners = {p.id: p.target.distribution for p in patches}
-    if any(o.verdict in undone for o in outcomes):
+    if request.reinstall_notes and any(o.verdict in undone for o in outcomes):
         from .resync import every_sync_notes
 
         notes += every_sync_notes(env, [owners[o.patch_id] for o in outcomes
