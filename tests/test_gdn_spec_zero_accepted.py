@@ -31,7 +31,8 @@ What is proven, by layer:
   report's 0 is not reached by structured output on this path (sync scheduling, vLLM's CPU
   default). Patched, the same tokens as released. Found on the way and asserted as measured
   (not this patch's bug, not fixed): a greedy request batched with a sampled one (temperature
-  0.8) gets other tokens under MTP than with it off, its first token aside.
+  0.8) gets other tokens under MTP than with it off, its first token aside (measured in 5 of 5
+  runs; which tokens varies from run to run with the sampled request's draws).
   vLLM's CPU questions are answered as on an AVX2 CPU in the serving process too.
 
 Not proven: the report's trigger itself (a 0 reaching the step in a served engine), the AMX
@@ -342,12 +343,13 @@ def test_served_structured_output_with_mtp_as_released(served: dict) -> None:
 def test_served_mixed_batch_as_released(served: dict) -> None:
     """Not this patch's bug, asserted as measured: with MTP, a greedy request batched with a
     sampled one gets other tokens than with speculative decoding off (its first token is
-    right), while every GDN spec step sees one accepted token."""
+    right), while no GDN spec step sees a 0 (the sampled request's drafts are accepted now
+    and then: 1 or 2 accepted tokens, which varies from run to run)."""
     mtp, off = served["released"]["mixed-mtp"], served["released"]["mixed-off"]
     assert mtp["started"] and off["started"] and "error" not in mtp, mtp
     greedy, reference = mtp["tokens"][1], off["tokens"][1]
     assert greedy[0] == reference[0] and greedy != reference, (greedy, reference)
-    assert set(mtp["accepted"]) == {"1"}, mtp["accepted"]
+    assert mtp["accepted"] and min(int(n) for n in mtp["accepted"]) >= 1, mtp["accepted"]
 
 
 @pytest.mark.slow
