@@ -47,6 +47,7 @@ EXPECTED: dict[str, tuple[tuple[str, str], ...]] = {
     "kv-cache-exact-groups": (("0.16.0", "unknown-shape"), ("0.27.0", "missing")),
     "hybrid-prefix-drafter-window": (("0.16.0", "unknown-shape"), ("0.27.0", "missing")),
     "hybrid-prefix-mamba-block": (("0.16.0", "unknown-shape"), ("0.29.0", "missing")),
+    "gdn-spec-zero-accepted": (("0.16.0", "unknown-shape"), ("0.27.0", "missing")),
     "mamba-all-mode-chunk-align": (("0.16.0", "unknown-shape"), ("0.28.0", "missing"),
                                    ("0.32.0", "not-needed")),
 }
