@@ -229,7 +229,7 @@ def cli_page() -> str:
            "\nEvery command also takes `-h`/`--help`; `vllm-patch --version` prints the "
            "version and the catalog's: the built-in catalog's version is the package's, "
            "followed by its patch count and the first 12 hex digits of the sha256 of its "
-           "files (e.g. `vllm-patch 0.3.0 (catalog 0.3.0: 14 patches, sha256 71c5b79c3c94)`; "
+           "files (e.g. `vllm-patch 0.3.0 (catalog 0.3.0: 15 patches, sha256 <12 hex digits>)`; "
            "between two releases every commit carries one version number, the digest tells "
            "them apart; a catalog named by `$HATCH_VLLM_PATCH_CATALOG` is shown as "
            "`catalog from $HATCH_VLLM_PATCH_CATALOG`).\n"]
