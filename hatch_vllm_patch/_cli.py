@@ -1061,6 +1061,8 @@ def _print_doctor(report: DoctorReport, out: TextIO) -> None:
     for note in report.notes:
         print(f"note: {note}", file=out)
     _print_prefix(report, out)
+    for advice in report.runtime:
+        print(advice.line, file=out)
     modelled = f"; {report.modelled.line}" if report.modelled else ""
     print(f"verdict: {report.verdict}{modelled}", file=out)
     if report.config_lines:

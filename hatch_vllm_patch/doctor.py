@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .catalog import ELSEWHERE, Patch
+from .catalog import ELSEWHERE, RUNTIME_SETTINGS, Patch
 from .engine import Verdict
 from .environment import ModuleQuery, TargetEnvironment, last_line, run_target_python
 from .errors import ConfigurationError, TargetEnvironmentError, UsageError
@@ -227,6 +227,24 @@ class Modelled(NamedTuple):
                 "line": self.line}
 
 
+class RuntimeAdvice(NamedTuple):
+    """A patch whose bug needs a serving setting the request has (patch.toml ``runtime``), in a
+    step doctor's start-up steps never run: named from the setup, not measured."""
+
+    patch: str
+    setting: str  # a key of catalog.RUNTIME_SETTINGS
+    status: str  # the patch's verdict in this environment (missing, applied, ...)
+    line: str
+
+    @property
+    def to_select(self) -> bool:
+        return self.status == Verdict.MISSING.value
+
+    def to_json(self) -> dict[str, object]:
+        return {"patch": self.patch, "setting": self.setting, "status": self.status,
+                "measured": False, "line": self.line}
+
+
 class DoctorReport(NamedTuple):
     environment: TargetEnvironment
     vllm: str
@@ -245,6 +263,7 @@ class DoctorReport(NamedTuple):
     memory: MemoryAdvice | None = None
     prefix: PrefixVerdict | None = None
     modelled: Modelled | None = None
+    runtime: tuple[RuntimeAdvice, ...] = ()
 
     @property
     def installed(self) -> Run:
@@ -301,6 +320,7 @@ class DoctorReport(NamedTuple):
             "memory": self.memory.to_json() if self.memory else None,
             "prefix_caching": self.prefix.to_json() if self.prefix else None,
             "modelled": self.modelled.to_json() if self.modelled else None,
+            "runtime": [a.to_json() for a in self.runtime],
             "notes": list(self.notes),
             "errors": [],
         }
@@ -815,6 +835,34 @@ def judge_neuron(budgets: Sequence[NeuronBudget]) -> tuple[tuple[str, ...], str]
     return tuple(b.name for b in changing), "; ".join(parts)
 
 
+def runtime_advice(patches: Mapping[str, Patch], verdicts: Mapping[str, Verdict],
+                   names: Collection[str], request: DoctorRequest) -> tuple[RuntimeAdvice, ...]:
+    """The patches whose bug needs a serving setting ``request`` has, for a model run as one of
+    ``names`` (patch.toml ``runtime`` and ``architectures``), each with its status here."""
+    has = {"speculative-decoding": bool(request.speculative_config)}
+    out = []
+    for pid, patch in sorted(patches.items()):
+        if patch.runtime is None or not has.get(patch.runtime) \
+                or not any(a in names for a in patch.architectures):
+            continue
+        verdict = verdicts.get(pid)
+        status = verdict.value if verdict is not None else "unknown"
+        setting = RUNTIME_SETTINGS[patch.runtime]
+        why = (f"its bug needs {setting}, in a step doctor's start-up steps do not run: named "
+               "from the setup, not measured")
+        if verdict is Verdict.MISSING:
+            line = f"runtime: {pid} not in place; {why}: {patch.summary}"
+        elif verdict is Verdict.APPLIED:
+            line = f"runtime: {pid} in place ({setting})"
+        elif verdict is Verdict.NOT_NEEDED:
+            line = f"runtime: {pid} not needed: the installed vLLM has the fix ({setting})"
+        else:
+            line = (f"runtime: {pid} is {status} here, so it cannot be selected for {setting} "
+                    "(`vllm-patch status --patch " + pid + "` says why)")
+        out.append(RuntimeAdvice(pid, patch.runtime, status, line))
+    return tuple(out)
+
+
 def config_lines(needed: Sequence[str], architecture: str, model: str,
                  model_is_dir: bool) -> tuple[str, ...]:
     if not needed:
@@ -1192,6 +1240,7 @@ class _Prepared(NamedTuple):
     missing: tuple[Patch, ...]
     in_place: tuple[str, ...]
     notes: tuple[str, ...]
+    runtime: tuple[RuntimeAdvice, ...] = ()
 
 
 def diagnose(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[str, Patch],
@@ -1307,7 +1356,8 @@ def _prepare(request: DoctorRequest, env: TargetEnvironment, patches: Mapping[st
     case["native_config"] = loaded_from != model_dir
     case["variants"] = job_variants
     return _Prepared(request, model_dir, model_is_dir, architecture, case, tuple(candidates),
-                     tuple(missing), in_place, tuple(notes))
+                     tuple(missing), in_place, tuple(notes),
+                     runtime_advice(patches, verdicts, names, request))
 
 
 def _conclude(prepared: _Prepared, vllm: str, answer: dict[str, Any], env: TargetEnvironment,
@@ -1350,7 +1400,13 @@ def _conclude(prepared: _Prepared, vllm: str, answer: dict[str, Any], env: Targe
         if not needed and runs[0].starts:  # the table's layouts are weighed by the memory line
             verdict = "starts as installed: nothing needed to start"
         verdict = f"{verdict}; for memory, recommended: {memory.line}"
-    lines = config_lines(needed or memory.recommended if memory else needed, architecture,
+    runtime = tuple(a.patch for a in prepared.runtime if a.to_select)
+    if runtime:
+        settings = sorted({RUNTIME_SETTINGS[a.setting] for a in prepared.runtime if a.to_select})
+        verdict = (f"{verdict}; for {' and '.join(settings)}, select: {', '.join(runtime)} "
+                   "(named from the setup, not measured: see the runtime line)")
+    selected = needed or memory.recommended if memory else needed
+    lines = config_lines((*selected, *(p for p in runtime if p not in selected)), architecture,
                          request.model, prepared.model_is_dir)
     patched = {name: raw["prefix"] for name, raw in answer["variants"].items()
                if name != INSTALLED and name in patches and raw.get("prefix")}
@@ -1359,7 +1415,7 @@ def _conclude(prepared: _Prepared, vllm: str, answer: dict[str, Any], env: Targe
     return DoctorReport(env, vllm, request, prepared.model_dir, architecture, runs,
                         tuple(p.id for p in candidates), prepared.in_place, needed, lines,
                         verdict, tuple(notes), neuron, neuron_line(env), memory, prefix,
-                        modelled_of(request, answer["variants"][INSTALLED]))
+                        modelled_of(request, answer["variants"][INSTALLED]), prepared.runtime)
 
 
 def _recommend(case: dict[str, Any], answer: dict[str, Any], candidates: Sequence[Patch],
