@@ -810,14 +810,13 @@ def _init(args: argparse.Namespace, finish: Callable[..., int], written: list[Pa
         wrote: list[Path] = []
         if not args.dry_run:
             try:
-                wrote = write_init(plan)
+                wrote = write_init(plan, written)
             except OSError as exc:
                 where = f" {exc.filename}" if exc.filename else ""
                 raise TargetEnvironmentError(
                     f"init could not write{where}: {exc.strerror or exc}; files it had "
-                    f"written: {', '.join(map(str, written)) or 'none'}") from None
-            finally:
-                written.extend(wrote)
+                    f"written (each whole): {', '.join(map(str, written)) or 'none'}; fix "
+                    "that, then run init again") from None
     except (ConfigurationError, UsageError, TargetEnvironmentError, CatalogError) as exc:
         failure = _failure(exc)
         return finish(_Outcome(failure.code, failure=failure), "init", project=project)

@@ -787,11 +787,10 @@ def _plan_requirements(request: InitRequest, source: Source | None, notes: list[
                          "docs/how-to/install.md)")
     rel = os.path.relpath(file, project_dir)
     commands = (f"pip install -r {rel} && vllm-patch apply", "vllm-patch verify")
-    notes.append(f"the configuration is [tool.vllm-patch] in {path} (a pyproject.toml without "
-                 "[project]: nothing builds or installs it; `vllm-patch apply` and `verify` "
-                 f"read it when run in {project_dir}); no build hook, so run `vllm-patch "
-                 "apply` after every pip install, and guard = \"apply\" (recorded by apply) "
-                 "makes every vLLM process heal a vLLM that an install replaced")
+    notes.append(f"the configuration: [tool.vllm-patch] in {path}, a file without [project] "
+                 f"(nothing builds it), read by `vllm-patch apply` and `verify` run in "
+                 f"{project_dir}; no build hook, so run `vllm-patch apply` after every pip "
+                 "install (guard = \"apply\" heals a vLLM that a later install replaced)")
     return InitPlan(REQUIREMENTS_SHAPE, REQUIREMENTS_ROUTE, path, before, after, changes,
                     tuple(notes), lines, commands, created=created)
 
@@ -877,10 +876,12 @@ def plan_files(plan: InitPlan, request: InitRequest, source: Source | None) -> I
     return plan._replace(files=tuple(files), notes=tuple(notes))
 
 
-def write_init(plan: InitPlan) -> list[Path]:
+def write_init(plan: InitPlan, written: list[Path] | None = None) -> list[Path]:
     """Write ``plan``'s files (each atomically, a file's mode kept); the files written, none
-    when nothing changes. Every file must still hold what was planned on, and none may be a
-    file init refuses to overwrite (UsageError otherwise, before anything is written)."""
+    when nothing changes, each also appended to ``written`` as soon as it is (what a failed or
+    interrupted write leaves is named). Every file must still hold what was planned on, and
+    none may be a file init refuses to overwrite (UsageError otherwise, before anything is
+    written)."""
     from .files import write_atomic
 
     refused = plan.refused
@@ -900,9 +901,12 @@ def write_init(plan: InitPlan) -> list[Path]:
             raise UsageError(f"{path} cannot be read: {exc}") from None
         if now != before:
             raise UsageError(f"{path} changed while init ran; nothing written: run init again")
-    written = []
-    for path, _, after in todo:
+    for path, _, _ in todo:  # every folder first: one that cannot be made stops all writes
         path.parent.mkdir(parents=True, exist_ok=True)
+    done: list[Path] = []
+    for path, _, after in todo:
         write_atomic(path, after)
-        written.append(path)
-    return written
+        done.append(path)
+        if written is not None:
+            written.append(path)
+    return done

@@ -542,6 +542,18 @@ def test_cli_json_dry_run_then_write_then_refusal(tmp_path: Path) -> None:
     assert "init does not overwrite it" in refused["errors"][0]
 
 
+def test_cli_a_folder_it_cannot_make_stops_every_write(tmp_path: Path) -> None:
+    """`.github` is a file, so the workflow's folder cannot be made: one error line naming
+    it, no traceback, and pyproject.toml is not written either."""
+    folder = project(tmp_path, VIRTUAL)
+    (folder / ".github").write_text("")
+    proc = cli("init", "--model", "models/granite", "--ci", "github", cwd=folder)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("vllm-patch: error: init could not write"), proc.stderr
+    assert str(folder / ".github") in proc.stderr and "written (each whole): none" in proc.stderr
+    assert (folder / "pyproject.toml").read_text() == VIRTUAL
+
+
 def test_cli_dry_run_shows_the_new_files(tmp_path: Path) -> None:
     """--dry-run with --ci github --docker: the pyproject.toml diff, then each new file in
     full as a diff from /dev/null; nothing written."""
