@@ -10,13 +10,18 @@ What a project needs depends on how it is built and installed:
   would build other files under hatchling): the dependency and the companion command
   ``uv sync && uv run vllm-patch apply``, with ``guard = "apply"``: no hook re-patches after a
   sync, so every vLLM process heals a vLLM that a sync reinstalled;
-* **a requirements.txt deployment**: nothing is written; the line to add and the commands are
-  printed.
+* **a requirements.txt deployment**: only ``[tool.vllm-patch]`` (with ``guard = "apply"``) in
+  the folder's pyproject.toml, made when absent — a configuration file without ``[project]``,
+  which nothing builds and ``vllm-patch`` reads from the folder it runs in; the line to add to
+  the requirements file and the commands are printed.
+
+With ``--ci github`` / ``--docker`` also a workflow and a Dockerfile that install with the
+route's commands and verify (:mod:`.init_files` renders them; :func:`plan_files`).
 
 Pure planning first (:func:`plan_pyproject` edits a text with tomlkit, keeping comments and
 layout); the effects are reading the project, building its wheel twice to compare
-(:func:`compare_wheels`) and one atomic write (:func:`write_init`). Anything init cannot do
-without guessing raises :class:`~.errors.UsageError` and writes nothing.
+(:func:`compare_wheels`) and atomic writes, each file whole (:func:`write_init`). Anything init
+cannot do without guessing raises :class:`~.errors.UsageError` and writes nothing.
 """
 
 from __future__ import annotations
@@ -104,7 +109,7 @@ class InitPlan(NamedTuple):
 
     shape: str
     route: str
-    file: Path | None  # the pyproject.toml it edits; None for a requirements.txt deployment
+    file: Path | None  # the pyproject.toml it edits (a pip deployment's: its config file)
     before: str
     after: str
     changes: tuple[str, ...]  # one line per thing added
