@@ -774,10 +774,20 @@ def _init_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
                         "[tool.uv.sources] entry (with --requirements: the line's direct "
                         "reference)")
     p.add_argument("--requirements", metavar="FILE", type=Path, default=None,
-                   help="a pip deployment without pyproject.toml: print the line to add to "
-                        "FILE and the commands (writes nothing)")
+                   help="a pip deployment (requirements file, no project): write only "
+                        "[tool.vllm-patch] into the folder's pyproject.toml (made when absent), "
+                        "print the line to add to FILE and the commands")
+    p.add_argument("--ci", choices=("github",), default=None,
+                   help="also write .github/workflows/vllm-patch.yml: install as a fresh clone "
+                        "and verify the patches")
+    p.add_argument("--docker", action="store_true",
+                   help="also write a Dockerfile that installs the project, patches and "
+                        "verifies while the image is built")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the diff and the next commands; write nothing")
+                   help="print the diffs and the next commands; write nothing")
+    p.add_argument("--json", action="store_true",
+                   help="print one machine-readable JSON object (result: what was or would "
+                        "be written, shape, route, commands)")
 
 
 def _init(args: argparse.Namespace, finish: Callable[..., int], written: list[Path]) -> int:
@@ -794,29 +804,46 @@ def _init(args: argparse.Namespace, finish: Callable[..., int], written: list[Pa
             architectures=tuple(args.architectures),
             source=args.source,
             requirements=(args.requirements.expanduser().resolve()
-                          if args.requirements is not None else None))
+                          if args.requirements is not None else None),
+            ci=args.ci, docker=args.docker)
         plan = plan_init(request)
-        wrote = False
+        wrote: list[Path] = []
         if not args.dry_run:
             try:
-                wrote = write_init(plan)
+                wrote = write_init(plan, written)
             except OSError as exc:
+                where = f" {exc.filename}" if exc.filename else ""
                 raise TargetEnvironmentError(
-                    f"init could not write {plan.file}: {exc.strerror or exc}; nothing "
-                    "written") from None
-            if wrote and plan.file is not None:
-                written.append(plan.file)
+                    f"init could not write{where}: {exc.strerror or exc}; files it had "
+                    f"written (each whole): {', '.join(map(str, written)) or 'none'}; fix "
+                    "that, then run init again") from None
     except (ConfigurationError, UsageError, TargetEnvironmentError, CatalogError) as exc:
         failure = _failure(exc)
         return finish(_Outcome(failure.code, failure=failure), "init", project=project)
+    targets = [*([plan.file] if plan.file is not None else []), *(f.path for f in plan.files)]
+    if args.json:
+        actions = {plan.file: ("create" if plan.created else
+                               "update" if plan.changed else "unchanged")} \
+            if plan.file is not None else {}
+        actions.update({f.path: f.action for f in plan.files})
+        result: dict[str, object] = {
+            "shape": plan.shape, "route": plan.route, "dry_run": args.dry_run,
+            "files": [{"path": str(path), "action": actions[path], "written": path in wrote}
+                      for path in targets],
+            "changes": list(plan.changes), "requirements_lines": list(plan.lines),
+            "commands": list(plan.commands)}
+        return finish(_Outcome(EXIT_OK, result=result, notes=plan.notes), "init",
+                      project=project)
 
     def show() -> None:
         out = sys.stdout
         out.write(plan.diff())
+        for planned in plan.files:
+            out.write(planned.diff())
         route = {"hook": "the build hook patches at every `uv sync`",
                  "companion": "no build hook: the companion command patches after a sync",
                  "requirements": "no build hook: `vllm-patch apply` after every install"}
-        what = (f"pip deployment {args.requirements}" if plan.file is None
+        what = (f"pip deployment {args.requirements}" if plan.route == "requirements"
                 else f"{plan.shape} project {plan.file}")
         print(f"{what}: {route[plan.route]}", file=out)
         for change in plan.changes:
@@ -827,14 +854,16 @@ def _init(args: argparse.Namespace, finish: Callable[..., int], written: list[Pa
             print(f"add to {args.requirements}:", file=out)
             for line in plan.lines:
                 print(f"  {line}", file=out)
-        if plan.file is not None:
-            if not plan.changed:
-                print(f"nothing to change: {plan.file} has everything init writes", file=out)
-            elif args.dry_run:
-                print(f"dry run: nothing written (without --dry-run init writes {plan.file})",
-                      file=out)
-            elif wrote:
-                print(f"wrote {plan.file}", file=out)
+        changed = ([plan.file] if plan.file is not None and plan.changed else []) + [
+            f.path for f in plan.files if f.changed and not f.conflict]
+        if not changed:
+            print(f"nothing to change: {', '.join(map(str, targets))} "
+                  f"{'has' if len(targets) == 1 else 'have'} everything init writes", file=out)
+        elif args.dry_run:
+            print("dry run: nothing written (without --dry-run init writes "
+                  f"{', '.join(map(str, changed))})", file=out)
+        for path in wrote:
+            print(f"wrote {path}", file=out)
         print("next:", file=out)
         for command in plan.commands:
             print(f"  {command}", file=out)
