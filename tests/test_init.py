@@ -604,7 +604,9 @@ def _real_project(folder: Path, how: str) -> None:
 def test_real_project_end_to_end(tmp_path: Path, how: str, route: str) -> None:
     """A real project of each shape with vLLM 0.20.2: init (path source to this checkout) with
     the Granite-4.0-H-like model, then the commands it printed, offline: verify OK with both
-    patches applied; a second init changes nothing."""
+    patches applied; vLLM reinstalled behind the tool's back, verify fails naming apply, and
+    the next `uv sync` (hook) or the printed commands (companion) heal it; a second init
+    changes nothing."""
     folder = tmp_path / "svc"
     _real_project(folder, how)
     made = cli("init", "--model", "models/granite", "--source", str(REPO), cwd=folder)
@@ -620,6 +622,24 @@ def test_real_project_end_to_end(tmp_path: Path, how: str, route: str) -> None:
         done = run(["bash", "-c", command], cwd=folder, env=env, check=False)
         assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
     assert "vllm-patch verify: 2 applied" in done.stdout and "OK" in done.stdout, done.stdout
+
+    # vLLM reinstalled behind the tool's back: verify names what to run; the hook route's next
+    # `uv sync` heals (the .venv/bin/vllm cache key), the companion route's printed command does
+    python = folder / ".venv" / "bin" / "python"
+    run([UV, "pip", "install", "--python", str(python), "--reinstall", "--no-deps",
+         "vllm==0.20.2"], cwd=folder, env=env)
+    broken = run([UV, "run", "--no-sync", "vllm-patch", "verify"], cwd=folder, env=env,
+                 check=False)
+    assert broken.returncode == 1 and "2 missing" in broken.stdout, broken.stdout
+    assert f"run: vllm-patch apply --python {python}" in broken.stdout, broken.stdout
+    heal = ["uv sync"] if route == "hook" else commands[:-1]
+    for command in heal:
+        done = run(["bash", "-c", command], cwd=folder, env=env, check=False)
+        assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+    healed = run([UV, "run", "--no-sync", "vllm-patch", "verify"], cwd=folder, env=env,
+                 check=False)
+    assert healed.returncode == 0 and "2 applied" in healed.stdout, (heal, healed.stdout)
+
     before = (folder / "pyproject.toml").read_text()
     second = cli("init", "--model", "models/granite", "--source", str(REPO), cwd=folder)
     assert second.returncode == 0 and "nothing to change" in second.stdout, second.stdout
