@@ -24,14 +24,16 @@ from ..config import Config
 from ..report import Report
 from .command import run
 from .execute import edit_states, live_edit_files
-from .plan import _DECIDES, _FINE, _REGISTRY, OPERATIONS
+from .plan import _DECIDES, _FINE, _REGISTRY, OPERATIONS, TABLE, Operation
 from .request import Request, Resolved, resolve
 
 __all__ = [
     "OPERATIONS",
+    "TABLE",
     "_DECIDES",
     "_FINE",
     "_REGISTRY",
+    "Operation",
     "Request",
     "Resolved",
     "apply",

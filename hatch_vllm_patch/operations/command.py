@@ -31,7 +31,7 @@ from ..selection import (
 )
 from . import judge
 from .execute import carry_out
-from .plan import _FINE, _REGISTRY, OPERATIONS, Context
+from .plan import _REGISTRY, OPERATIONS, TABLE, Context
 from .request import Request, resolve
 
 GUARD_ENTRY_POINT = "hatch_vllm_patch"  # our name in vllm.general_plugins (pyproject.toml)
@@ -83,7 +83,7 @@ def run(operation: str, request: Request) -> Report:
     outcomes = _deepened(ctx, outcomes)
     if operation == "status":  # the other outcomes (blocks found, not planned): by verdict
         outcomes = [o if o.in_place is not None else
-                    o._replace(in_place=o.verdict in _FINE["verify"]) for o in outcomes]
+                    o._replace(in_place=o.verdict in TABLE["verify"].fine) for o in outcomes]
     warnings = shared_environment_warnings(env) if operation in {"apply", "verify"} else []
     config = scope.config
     return Report(operation, env, tuple(outcomes), tuple(notes), request.project_dir,

@@ -25,7 +25,7 @@ from ..record import (
 from ..report import PatchOutcome, TargetOutcome, one_per_patch
 from . import judge, recording
 from .plan import (
-    _FINE,
+    TABLE,
     Context,
     PatchPlan,
     blocks_in,
@@ -265,7 +265,7 @@ def _remove_unknown(ctx: Context, ws: Workspace, name: str, content: bytes,
         plan = _write(ctx, ws, plan, path, entry.distribution if entry else "unknown")
     return [PatchOutcome(pid, plan.verdict,
                          f"{plan.reason} ({judge.whose_block(ctx.catalog, ws.record, pid)})",
-                         plan.verdict in _FINE["revert"], path) for pid in unknown]
+                         plan.verdict in TABLE["revert"].fine, path) for pid in unknown]
 
 
 # --- convergence: what the configuration no longer selects --------------------------------------

@@ -33,25 +33,49 @@ from .request import Request
 # the bytes of a file as the run knows them, or None with why it could not be read
 Reader = Callable[[Path], tuple[bytes | None, str | None]]
 
-OPERATIONS = ("apply", "verify", "revert", "status", "diff")
 _REGISTRY = ModuleQuery("vllm", "vllm.model_executor.models.registry",
                         "model_executor/models/registry.py")
-_WRITES = frozenset({"apply", "revert"})
 
-# Verdicts that mean "nothing is wrong" for each operation.
-_FINE = {
-    "apply": {Verdict.APPLIED, Verdict.ALREADY_APPLIED, Verdict.NOT_NEEDED, Verdict.NOT_APPLICABLE,
-              Verdict.REMOVED, Verdict.NOT_SELECTED},
-    "verify": {Verdict.APPLIED, Verdict.NOT_NEEDED, Verdict.NOT_APPLICABLE,
-               Verdict.NOT_SELECTED},  # not-selected fails verify --strict
-    "revert": {Verdict.REVERTED, Verdict.NOT_APPLIED, Verdict.NOT_INSTALLED},
-    "diff": {Verdict.WOULD_APPLY, Verdict.ALREADY_APPLIED, Verdict.NOT_NEEDED,
-             Verdict.NOT_APPLICABLE},
-    "status": set(Verdict),  # informational
+
+def _plan_diff(patch: Patch, facts: FileFacts) -> Plan:
+    """What apply would write: would-apply, the new text kept for the diff."""
+    planned = plan_apply(patch, facts)
+    if planned.verdict is Verdict.APPLIED and planned.new_content is not None:
+        return planned._replace(verdict=Verdict.WOULD_APPLY,
+                                reason=f"would apply: {planned.reason}")
+    return planned
+
+
+class Operation(NamedTuple):
+    """One command as a row of the table: how it plans a target, whether it writes, the
+    verdicts that mean "nothing is wrong" for it, and the verdicts of a target that let its
+    patch stand (the all-or-nothing rule over a patch's targets)."""
+
+    plan: Callable[[Patch, FileFacts], Plan]
+    writes: bool
+    fine: frozenset[Verdict]
+    decides: frozenset[Verdict]
+
+
+_VERIFY_FINE = frozenset({Verdict.APPLIED, Verdict.NOT_NEEDED, Verdict.NOT_APPLICABLE,
+                          Verdict.NOT_SELECTED})  # not-selected fails verify --strict
+_APPLY_FINE = frozenset({Verdict.APPLIED, Verdict.ALREADY_APPLIED, Verdict.NOT_NEEDED,
+                         Verdict.NOT_APPLICABLE, Verdict.REMOVED, Verdict.NOT_SELECTED})
+_REVERT_FINE = frozenset({Verdict.REVERTED, Verdict.NOT_APPLIED, Verdict.NOT_INSTALLED})
+_DIFF_FINE = frozenset({Verdict.WOULD_APPLY, Verdict.ALREADY_APPLIED, Verdict.NOT_NEEDED,
+                        Verdict.NOT_APPLICABLE})
+TABLE = {
+    "apply": Operation(plan_apply, True, _APPLY_FINE, _APPLY_FINE),
+    "verify": Operation(plan_verify, False, _VERIFY_FINE, _VERIFY_FINE),
+    "revert": Operation(plan_revert, True, _REVERT_FINE, _REVERT_FINE),
+    # status is informational: every verdict is fine, and a patch stands as verify judges it
+    "status": Operation(plan_verify, False, frozenset(Verdict), _VERIFY_FINE),
+    "diff": Operation(_plan_diff, False, _DIFF_FINE, _DIFF_FINE),
 }
-# Verdicts of a target that let its patch stand (the all-or-nothing rule over a patch's
-# targets): status, informational, judges a patch as verify does.
-_DECIDES = {**_FINE, "status": _FINE["verify"]}
+OPERATIONS = tuple(TABLE)
+# The table's columns by operation, as other modules (and tests) read them.
+_FINE = {name: set(op.fine) for name, op in TABLE.items()}
+_DECIDES = {name: set(op.decides) for name, op in TABLE.items()}
 
 
 @dataclass(frozen=True)
@@ -78,18 +102,22 @@ class Context:
     nothing_selected: bool = False
 
     @property
+    def op(self) -> Operation:
+        return TABLE[self.operation]
+
+    @property
     def writes(self) -> bool:
-        return self.operation in _WRITES
+        return self.op.writes
 
     def fine(self, patch: Patch, verdict: Verdict) -> bool:
         """Whether ``verdict`` of this target is fine for the operation."""
-        return verdict in _FINE[self.operation] or (
+        return verdict in self.op.fine or (
             verdict is Verdict.NOT_INSTALLED and patch.target.optional)
 
     def decides(self, patch: Patch, plan: Plan) -> bool:
-        """Whether this target lets its patch stand (``_DECIDES``; an optional target's
-        distribution may be absent)."""
-        return plan.verdict in _DECIDES[self.operation] or (
+        """Whether this target lets its patch stand (``Operation.decides``; an optional
+        target's distribution may be absent)."""
+        return plan.verdict in self.op.decides or (
             plan.verdict is Verdict.NOT_INSTALLED and patch.target.optional)
 
 
@@ -227,7 +255,6 @@ def target_facts(ctx: Context, record: EnvironmentRecord, read: Reader, patch: P
 def plan_target(ctx: Context, record: EnvironmentRecord, stale: Mapping[str, str],
                 patch: Patch, facts: FileFacts) -> Plan:
     """One target's plan for the operation (its verdict, and the new bytes of its file)."""
-    op = ctx.operation
     refused = ctx.env.modules[patch.target.module].refused
     if refused is not None:  # confined to its distribution: never read, never written
         return Plan(Verdict.OUTSIDE, f"refused: {patch.target.module} resolves to "
@@ -242,17 +269,7 @@ def plan_target(ctx: Context, record: EnvironmentRecord, stale: Mapping[str, str
                                      "or written until the edit ends: finish with "
                                      "`vllm-patch create ID`, or end it with `vllm-patch "
                                      "edit MODULE --discard`")
-    if op == "revert":
-        return plan_revert(patch, facts)
-    if op == "diff":  # what apply would write: would-apply, the new text kept for the diff
-        planned = plan_apply(patch, facts)
-        if planned.verdict is Verdict.APPLIED and planned.new_content is not None:
-            return planned._replace(verdict=Verdict.WOULD_APPLY,
-                                    reason=f"would apply: {planned.reason}")
-        return planned
-    if op == "apply":
-        return plan_apply(patch, facts)
-    return plan_verify(patch, facts)
+    return ctx.op.plan(patch, facts)
 
 
 def plan_patch(ctx: Context, record: EnvironmentRecord, stale: Mapping[str, str],

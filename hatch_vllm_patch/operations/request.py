@@ -98,16 +98,7 @@ def resolve(request: Request, config_problems: list[str] | None = None, carried:
     ``unknown_patches``: when given, the ``--patch`` ids the catalog does not know go there
     instead of being a usage error (``revert --patch`` of a block no catalog here knows)."""
     catalog = request.catalog or load_catalog()
-    project_dir = request.project_dir
-    project = None
-    if project_dir is not None:
-        what = ("the project found above the working directory"
-                if request.project_rule is Rule.RULE else "the project")
-        try:
-            project = admit_project(project_dir, what, request.project_rule)
-        except UntrustedPath as exc:
-            raise UsageError(f"{exc}; or run in that folder, or name it with --project"
-                             ) from None
+    project = _admitted_project(request)
     names = project.rule.for_named if project is not None else Rule.OWNER
     config = request.config
     if config is None and project is not None:
@@ -119,15 +110,9 @@ def resolve(request: Request, config_problems: list[str] | None = None, carried:
             config_problems += exc.errors
     if config is not None and config.catalog is not None:
         catalog = config.catalog
-    for folder in request.extra_patch_dirs:
-        try:
-            catalog = catalog.merged(load_patch_folders(
-                admit_folder(folder, "the project's patch folder", names)))
-        except UntrustedPath:
-            raise
-        except CatalogError as exc:
-            raise ConfigurationError([f"{folder}: {exc}"]) from None
-    choice = choose_interpreter(project_dir, request.python, config.python if config else None)
+    catalog = _with_project_folders(catalog, request.extra_patch_dirs, names)
+    choice = choose_interpreter(request.project_dir, request.python,
+                                config.python if config else None)
     interpreter = admit_interpreter(choice.python, f"the interpreter ({choice.reason})",
                                     _interpreter_rule(choice, names))
     if carried and config is None and not request.command_line_selection:
@@ -138,20 +123,50 @@ def resolve(request: Request, config_problems: list[str] | None = None, carried:
             config = joined.config
             assert config.catalog is not None
             catalog = config.catalog
+    selection = _select(request, catalog, config, unknown_patches)
+    if not overlap_ok:
+        refuse_overlaps(selection, config, command_line=request.command_line_selection
+                        and request.config is None)
+    return Resolved(catalog, config, selection, choice, project, interpreter, catalog.admitted)
+
+
+def _admitted_project(request: Request) -> AdmittedPath | None:
+    """The project the request names, admitted as the user's choice or by the whole rule."""
+    if request.project_dir is None:
+        return None
+    what = ("the project found above the working directory"
+            if request.project_rule is Rule.RULE else "the project")
+    try:
+        return admit_project(request.project_dir, what, request.project_rule)
+    except UntrustedPath as exc:
+        raise UsageError(f"{exc}; or run in that folder, or name it with --project") from None
+
+
+def _with_project_folders(catalog: Catalog, folders: tuple[Path, ...], names: Rule) -> Catalog:
+    """``catalog`` with the patches of the project's own patch folders (``create``'s)."""
+    for folder in folders:
+        try:
+            catalog = catalog.merged(load_patch_folders(
+                admit_folder(folder, "the project's patch folder", names)))
+        except UntrustedPath:
+            raise
+        except CatalogError as exc:
+            raise ConfigurationError([f"{folder}: {exc}"]) from None
+    return catalog
+
+
+def _select(request: Request, catalog: Catalog, config: Config | None,
+            unknown_patches: list[str] | None) -> Selection:
+    """What the request selects: the command line's, else the configuration's."""
     patches = request.patches
     if unknown_patches is not None:
         unknown_patches += [p for p in patches if p not in catalog]
         patches = tuple(p for p in patches if p in catalog)
     if request.command_line_selection and not (patches or request.architectures
                                                or request.models):
-        selection = select(catalog, None)  # only unknown ids: the command line selects none
-    else:
-        selection = select(catalog, config, patches=patches,
-                           architectures=request.architectures, models=request.models)
-    if not overlap_ok:
-        refuse_overlaps(selection, config, command_line=request.command_line_selection
-                        and request.config is None)
-    return Resolved(catalog, config, selection, choice, project, interpreter, catalog.admitted)
+        return select(catalog, None)  # only unknown ids: the command line selects none
+    return select(catalog, config, patches=patches,
+                  architectures=request.architectures, models=request.models)
 
 
 def _interpreter_rule(choice: InterpreterChoice, names: Rule) -> Rule:
