@@ -24,22 +24,39 @@ What is proven, by layer:
   the second sequence from the first sequence's last state slot (3), the patched one from its own
   column 0 (4).
 - served (tests/served_harness/gdn_spec.py: a tiny seeded Qwen3-Next-like model with an MTP head,
-  bfloat16 with a float32 SSM state, greedy; a regex request whose forced tokens the random draft
-  head does not propose, and two plain prompts; MTP with 2 drafts vs no speculative decoding).
-  As released, every request's tokens equal speculative decoding off, and every GDN spec step
-  sees num_accepted_tokens == 1 (every draft rejected, the corrected token accepted): the
-  report's 0 is not reached by structured output on this path (sync scheduling, vLLM's CPU
-  default). Patched, the same tokens as released. Found on the way and asserted as measured
-  (not this patch's bug, not fixed): a greedy request batched with a sampled one (temperature
-  0.8) gets other tokens under MTP than with it off, its first token aside (measured in 5 of 5
-  runs; which tokens varies from run to run with the sampled request's draws).
-  vLLM's CPU questions are answered as on an AVX2 CPU in the serving process too.
+  bfloat16 with a float32 SSM state, greedy; vLLM's CPU questions answered as on an AVX2 CPU in
+  the serving process too).
+  - a regex request whose forced tokens the random draft head does not propose, batched with two
+    plain prompts, MTP with 2 drafts vs off, on 0.29.0: as released every request's tokens equal
+    speculative decoding off, and every GDN spec step sees num_accepted_tokens == 1 (every draft
+    rejected, the corrected token accepted). Patched, the same tokens as released.
+  - the report's trigger, reduced: one request alone whose output a regex constrains, MTP with
+    4 drafts. The grammar refuses the first draft, so the request decodes without drafts. On
+    0.29.0 that step has no spec row: the non-spec decode branch (``_spec_aware_nonspec``) hands
+    the C++ SSM kernel a one-element state index of stride num_spec + 1 (column 0 of the wide
+    block table; ``.contiguous()`` keeps a one-element view as it is) and the engine dies at the
+    first decode (RuntimeError "tensormust be contiguous at last dimension"), before any spec
+    step: no num_accepted_tokens is involved. From 0.32.0 such a decode is a spec row of query
+    length 1 with one accepted token: it completes, but its tokens leave speculative decoding
+    off's after the second. Patched, both the same as released: not this patch's bug.
+  No served run reached num_accepted_tokens == 0, and on the CPU build none can through the
+  paths read (patch.toml: the count is the non-placeholder entries of the rejection sampler's
+  row, which always holds the first position; async scheduling, the one path that counts
+  otherwise, is off on every CPU). Also tried once, not kept as tests (0.29.0, 4 drafts): choice
+  and terminating regexes, six concurrent requests with chunked prefill at 32 batched tokens, a
+  KV cache of 14 - 20 MiB (no preemption happened; the 14 MiB run stopped with the error
+  above, in a step with one decode and no spec row): counts of 1 and 5 only. Noted on the way,
+  not asserted: a greedy request batched with a sampled one (temperature 0.8) gets other tokens
+  under MTP than with it off (5 of 5 runs, which tokens varies with the sampled draws); in the
+  chunked run, a greedy 60-token prompt did too, from its sixth token (once, not analysed).
 
-Not proven: the report's trigger itself (a 0 reaching the step in a served engine), the AMX
-conv kernel, the Triton conv kernel and the KDA copies, a GPU.
+Not proven: a 0 reaching the step in a served engine (see above), the AMX conv kernel (the
+report's CPU; the non-spec decode branch first hands the same strided index to
+``causal_conv1d_update_cpu``, the kernel the report names), the Triton conv kernel and the KDA
+copies, a GPU, async scheduling.
 
-Cost (2 cores): about 5 minutes: two step processes per release, one serving process per
-environment (four engine starts), a scratch venv of torch and triton, two interpreter runs.
+Cost (2 cores): about 4 minutes (243 s, warm caches): two step processes per release, four serving processes (ten
+engine starts of 20 - 40 s), a scratch venv of torch and triton, two interpreter runs.
 """
 
 from __future__ import annotations
