@@ -39,6 +39,14 @@ What is proven, by layer:
     step: no num_accepted_tokens is involved. From 0.32.0 such a decode is a spec row of query
     length 1 with one accepted token: it completes, but its tokens leave speculative decoding
     off's after the second. Patched, both the same as released: not this patch's bug.
+  - the same with a head whose drafts fit (``qwen3-next-mtp-w10``: target and head both pick w10
+    unconstrained) and a regex of seven w10 then w11, repeated: the first spec step accepts 5,
+    the grammar keeps 1 of the next 4 drafts, and the next step's query of 2 stops
+    ``_spec_forward`` on 0.29.0 and 0.32.0: its torch conv loop keeps state_len - q history
+    columns, which past the accepted offset are only 2, and the rolled buffer does not fit
+    (RuntimeError, size 7 vs 4). On an AMX CPU the C++ conv kernel would refuse the batch by its
+    own check, "num_accepted_tokens must be in [1, seqlen]" (in the library's strings; not run),
+    which is the report's wording: a count above the query length, not 0. Patched, the same.
   No served run reached num_accepted_tokens == 0, and on the CPU build none can through the
   paths read (patch.toml: the count is the non-placeholder entries of the rejection sampler's
   row, which always holds the first position; async scheduling, the one path that counts
@@ -51,13 +59,11 @@ What is proven, by layer:
   chunked run, a greedy 60-token prompt did too, from its sixth token (once, not analysed).
 
 Not proven: a 0 reaching the step in a served engine (see above), the AMX conv kernel (the
-report's CPU; the non-spec decode branch first hands the same strided index to
-``causal_conv1d_update_cpu``, the kernel the report names), the Triton conv kernel and the KDA
-copies, a GPU, async scheduling.
+report's CPU), the Triton conv kernel and the KDA copies, a GPU, async scheduling, a real model
+and the OpenAI server's strict tool calls (the regexes stand in for the tool call's grammar).
 
-Cost (2 cores): about 4 minutes (243 s, warm caches): two step processes per release, four
-serving processes (ten engine starts of 20 - 40 s), a scratch venv of torch and triton, two
-interpreter runs.
+Cost (2 cores): about 6 minutes: two step processes per release, four serving processes
+(fifteen engine starts of 20 - 40 s), a scratch venv of torch and triton, two interpreter runs.
 """
 
 from __future__ import annotations
