@@ -62,7 +62,7 @@ Not proven: a 0 reaching the step in a served engine (see above), the AMX conv k
 report's CPU), the Triton conv kernel and the KDA copies, a GPU, async scheduling, a real model
 and the OpenAI server's strict tool calls (the regexes stand in for the tool call's grammar).
 
-Cost (2 cores): about 6 minutes: two step processes per release, four serving processes
+Cost (2 cores): about 7 minutes (421 s): two step processes per release, four serving processes
 (fifteen engine starts of 20 - 40 s), a scratch venv of torch and triton, two interpreter runs.
 """
 
