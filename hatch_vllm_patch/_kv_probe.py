@@ -475,7 +475,17 @@ def kernel_block_sizes(backend: Any, config: Any) -> list[str]:
     from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(config):
-        return [str(s) for s in declared()]
+        return [_block_size_text(s) for s in declared()]
+
+
+def _block_size_text(size: Any) -> str:
+    """A declared kernel block size as vLLM 0.32+ prints it: ``16``, or ``MultipleOf(16)`` for
+    vLLM's ``MultipleOf`` (which has no ``__repr__`` before 0.32: its default one would print
+    an object address)."""
+    base = getattr(size, "base", None)
+    if not isinstance(size, int) and isinstance(base, int):
+        return f"MultipleOf({base})"
+    return str(size)
 
 
 def _backend(platform: str, case: dict[str, Any] | None = None, config: Any = None) -> Any:

@@ -48,11 +48,14 @@ ELSEWHERE = "elsewhere"
 # The keys of patch.toml, by table (the reference page docs/reference/patch-toml.md is checked
 # against these).
 PATCH_KEYS = frozenset({"id", "summary", "description", "links", "removal", "architectures",
-                        "target", "targets", "applies", "replaces", "opt-in"})
+                        "target", "targets", "applies", "replaces", "opt-in", "runtime"})
 APPLIES_KEYS = frozenset({"fixed-in", "fixed-shapes", "shapes", "classifier", "removed-in"})
 TARGET_KEYS = frozenset({"distribution", "module", "symbol", "symbols", "optional", "version",
                          "install-from", "adds"})
 TARGETS_ONLY_KEYS = frozenset({"shapes", "block"})  # only in [[targets]]
+# patch.toml ``runtime``: the serving settings doctor knows a bug can need, in a step its
+# start-up steps never run (the value: what the setting is, as doctor says it)
+RUNTIME_SETTINGS = {"speculative-decoding": "speculative decoding (--speculative-config)"}
 
 
 class Target(NamedTuple):
@@ -115,6 +118,10 @@ class Patch(NamedTuple):
     # patch.toml ``opt-in = true``: ``architectures`` say which models it concerns (doctor tries
     # it for them), but no architecture selects it by default; a project selects it by id.
     opt_in: bool = False
+    # patch.toml ``runtime``: the serving setting its bug needs, in a step doctor's start-up
+    # steps never run (one of RUNTIME_SETTINGS); doctor names the patch when the request has
+    # that setting and the model is among ``architectures``, from the setup, not measured.
+    runtime: str | None = None
     # patch.toml ``applies.removed-in``: the first release without the target (vLLM removed
     # the model): where its module is gone from that release on, ``not-applicable``.
     removed_in: str | None = None
@@ -558,6 +565,13 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
     if not isinstance(opt_in, bool):
         errors.append(f"{where}: opt-in must be true or false")
         opt_in = False
+    runtime = data.get("runtime")
+    if runtime is not None and runtime not in RUNTIME_SETTINGS:
+        errors.append(f"{where}: runtime {shown(runtime)} must be one of "
+                      f"{', '.join(sorted(RUNTIME_SETTINGS))}")
+        runtime = None
+    elif runtime is not None and not architectures:
+        errors.append(f"{where}: runtime needs `architectures` (the models whose bug it is)")
     for i, other in enumerate(replaces):
         if not is_patch_id(other) or other == patch_id:
             errors.append(f"{where}: replaces[{i}] {shown(other)} must be another patch's id")
@@ -582,6 +596,7 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
         block_name=block_name,
         replaces=replaces,
         opt_in=opt_in,
+        runtime=runtime,
         removed_in=removed_in,
     ) for (target, shapes, block_name), block in zip(parsed_targets, blocks, strict=True))
     return members[0]._replace(members=members) if several else members[0]

@@ -10,13 +10,18 @@ What a project needs depends on how it is built and installed:
   would build other files under hatchling): the dependency and the companion command
   ``uv sync && uv run vllm-patch apply``, with ``guard = "apply"``: no hook re-patches after a
   sync, so every vLLM process heals a vLLM that a sync reinstalled;
-* **a requirements.txt deployment**: nothing is written; the line to add and the commands are
-  printed.
+* **a requirements.txt deployment**: only ``[tool.vllm-patch]`` (with ``guard = "apply"``) in
+  the folder's pyproject.toml, made when absent — a configuration file without ``[project]``,
+  which nothing builds and ``vllm-patch`` reads from the folder it runs in; the line to add to
+  the requirements file and the commands are printed.
+
+With ``--ci github`` / ``--docker`` also a workflow and a Dockerfile that install with the
+route's commands and verify (:mod:`.init_files` renders them; :func:`plan_files`).
 
 Pure planning first (:func:`plan_pyproject` edits a text with tomlkit, keeping comments and
 layout); the effects are reading the project, building its wheel twice to compare
-(:func:`compare_wheels`) and one atomic write (:func:`write_init`). Anything init cannot do
-without guessing raises :class:`~.errors.UsageError` and writes nothing.
+(:func:`compare_wheels`) and atomic writes, each file whole (:func:`write_init`). Anything init
+cannot do without guessing raises :class:`~.errors.UsageError` and writes nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .errors import ConfigurationError, UsageError
+from .init_files import PlannedFile
 
 DIST = "hatch-vllm-patch"
 HATCHLING = "hatchling>=1.24"
@@ -87,6 +93,8 @@ class InitRequest(NamedTuple):
     source: str | None = None  # a path (clone or wheel) or a git URL, as given
     requirements: Path | None = None  # a requirements.txt deployment: the file, absolute
     environ: Mapping[str, str] | None = None  # default os.environ (UV_PROJECT_ENVIRONMENT)
+    ci: str | None = None  # "github": write a workflow that installs and verifies
+    docker: bool = False  # write a Dockerfile that installs, patches and verifies
 
 
 class WheelComparison(NamedTuple):
@@ -101,17 +109,24 @@ class InitPlan(NamedTuple):
 
     shape: str
     route: str
-    file: Path | None  # the pyproject.toml it edits; None for a requirements.txt deployment
+    file: Path | None  # the pyproject.toml it edits (a pip deployment's: its config file)
     before: str
     after: str
     changes: tuple[str, ...]  # one line per thing added
     notes: tuple[str, ...]  # why this route, what was kept as it was
     lines: tuple[str, ...]  # requirements.txt lines to add (requirements route)
     commands: tuple[str, ...]  # what to run next, in order
+    files: tuple[PlannedFile, ...] = ()  # the workflow and the Dockerfile (--ci, --docker)
+    created: bool = False  # ``file`` does not exist yet (a pip deployment's new pyproject.toml)
 
     @property
     def changed(self) -> bool:
-        return self.after != self.before
+        return self.after != self.before or self.created
+
+    @property
+    def refused(self) -> tuple[PlannedFile, ...]:
+        """Files that exist with other content: init overwrites none of them."""
+        return tuple(f for f in self.files if f.conflict)
 
     def diff(self) -> str:
         """The change as a unified diff (empty when there is none)."""
@@ -120,7 +135,7 @@ class InitPlan(NamedTuple):
         name = self.file.name
         return "".join(difflib.unified_diff(
             self.before.splitlines(keepends=True), self.after.splitlines(keepends=True),
-            f"a/{name}", f"b/{name}"))
+            "/dev/null" if self.created else f"a/{name}", f"b/{name}"))
 
 
 # --- what the project is (pure) --------------------------------------------------------------
@@ -337,34 +352,8 @@ def plan_pyproject(text: str, *, project_dir: Path, route: str, switch_backend: 
     doc = edit.doc
     project = check_project(doc)
     name = project.get("name")
-
-    table = edit.table("tool", "vllm-patch")
-    if models:
-        listed = edit.array(table, "models", "tool.vllm-patch.models")
-        for entry in models:
-            edit.add_value(listed, entry, "tool.vllm-patch.models", lambda old, new: (
-                isinstance(old, str) and os.path.normpath(project_dir / old)
-                == os.path.normpath(project_dir / new)))
-    for arch in architectures:
-        archs = edit.table("tool", "vllm-patch", "architectures", holder=True)
-        if arch not in archs:
-            import tomlkit
-
-            archs[arch] = tomlkit.table()
-            edit.changes.append(f"[tool.vllm-patch.architectures.{arch}]: added (the "
-                                "catalog's patches for it)")
-    if route == COMPANION_ROUTE:
-        guard = table.get("guard")
-        if guard is None:
-            table["guard"] = COMPANION_GUARD
-            edit.changes.append(f'tool.vllm-patch.guard: set to "{COMPANION_GUARD}" (no build '
-                                "hook re-patches after a sync: every vLLM process heals a "
-                                "vLLM a sync reinstalled)")
-        elif _plain(guard) != COMPANION_GUARD:
-            edit.notes.append(f"kept tool.vllm-patch.guard = {_shown(_plain(guard))}; without "
-                              f'the build hook, "{COMPANION_GUARD}" heals a vLLM that a sync '
-                              "reinstalled")
-
+    _add_selection(edit, project_dir, models, architectures,
+                   guard=COMPANION_GUARD if route == COMPANION_ROUTE else None)
     deps_where = "project.dependencies"
     if route == HOOK_ROUTE:
         if not isinstance(name, str) or not name.strip():
@@ -419,6 +408,57 @@ def plan_pyproject(text: str, *, project_dir: Path, route: str, switch_backend: 
                              f"not {_shown(source.entry)}: init does not replace it; change it "
                              "by hand, or run init without --source")
     return edit.text(), tuple(edit.changes), tuple(edit.notes)
+
+
+def plan_config_table(text: str, *, project_dir: Path, models: Sequence[str] = (),
+                      architectures: Sequence[str] = ()
+                      ) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """A pip deployment's configuration file: ``text`` (a pyproject.toml, or "" for a new one)
+    with ``[tool.vllm-patch]`` (what is served, ``guard = "apply"``) and nothing else added;
+    pure, as :func:`plan_pyproject`. A pyproject.toml that holds only ``[tool.*]`` tables is no
+    project (nothing builds it, pip never reads it for ``-r``): the configuration file ruff and
+    black read the same way, and the one ``vllm-patch`` finds from the folder it runs in."""
+    edit = _Editor(text)
+    _add_selection(edit, project_dir, models, architectures, guard=COMPANION_GUARD)
+    after = edit.text()
+    if not text:  # a new file: say what it is for, above the table
+        after = ("# hatch-vllm-patch's configuration for this pip deployment (`vllm-patch "
+                 "apply` and\n# `vllm-patch verify` read it from this folder): no [project], so "
+                 "nothing builds it.\n" + after.lstrip("\n"))
+    return after, tuple(edit.changes), tuple(edit.notes)
+
+
+def _add_selection(edit: _Editor, project_dir: Path, models: Sequence[str],
+                   architectures: Sequence[str], guard: str | None) -> None:
+    """``[tool.vllm-patch]``: the models and architectures served, and ``guard`` unless the
+    table has one (then a note when it differs)."""
+    table = edit.table("tool", "vllm-patch")
+    if models:
+        listed = edit.array(table, "models", "tool.vllm-patch.models")
+        for entry in models:
+            edit.add_value(listed, entry, "tool.vllm-patch.models", lambda old, new: (
+                isinstance(old, str) and os.path.normpath(project_dir / old)
+                == os.path.normpath(project_dir / new)))
+    for arch in architectures:
+        archs = edit.table("tool", "vllm-patch", "architectures", holder=True)
+        if arch not in archs:
+            import tomlkit
+
+            archs[arch] = tomlkit.table()
+            edit.changes.append(f"[tool.vllm-patch.architectures.{arch}]: added (the "
+                                "catalog's patches for it)")
+    if guard is not None:
+        found = table.get("guard")
+        if found is None:
+            table["guard"] = guard
+            edit.changes.append(f'tool.vllm-patch.guard: set to "{guard}" (no build hook '
+                                "re-patches after an install: every vLLM process heals a vLLM "
+                                "that a sync or an install replaced)")
+        elif _plain(found) != guard:
+            edit.notes.append(f"kept tool.vllm-patch.guard = {_shown(_plain(found))}; without "
+                              f'the build hook, "{guard}" heals a vLLM that a sync or an '
+                              "install replaced")
+
 
 
 # --- the wheels (effects) --------------------------------------------------------------------
@@ -606,7 +646,7 @@ def plan_init(request: InitRequest,
     source = (parse_source(request.source, project_dir) if request.source is not None
               else None)
     if request.requirements is not None:
-        return _plan_requirements(request, source, notes)
+        return plan_files(_plan_requirements(request, source, notes), request, source)
     path = project_dir / "pyproject.toml"
     if not path.is_file():
         raise UsageError(f"no pyproject.toml in {project_dir}: run init in a project's folder "
@@ -680,63 +720,198 @@ def plan_init(request: InitRequest,
                      "later `uv run` reinstalls")
     else:
         commands = (COMPANION_COMMAND, "uv run vllm-patch verify")
-    return InitPlan(shape, route, path, before, after, changes, tuple(notes), (), commands)
+    return plan_files(InitPlan(shape, route, path, before, after, changes, tuple(notes), (),
+                               commands), request, source)
 
 
 _REQUIREMENT_LINE = re.compile(r"\s*hatch[-_.]vllm[-_.]patch\b", re.IGNORECASE)
 
 
+def requirement_line(source: Source | None) -> str:
+    """The requirements.txt line of ``source``: a path inside the project as a relative path
+    (pip reads it from the folder it runs in, so a clone and an image's build context hold
+    it), anything else as a PEP 508 direct reference; ``hatch-vllm-patch`` without one."""
+    if source is None:
+        return DIST
+    path = source.entry.get("path")
+    if isinstance(path, str) and not path.startswith(".."):
+        return "./" + Path(path).as_posix()
+    return source.requirement
+
+
 def _plan_requirements(request: InitRequest, source: Source | None, notes: list[str]
                        ) -> InitPlan:
-    """A pip deployment: nothing is written; the line to add and the commands."""
+    """A pip deployment: ``[tool.vllm-patch]`` in the folder's pyproject.toml (made when
+    absent; nothing else of it touched), the line to add to the requirements file, and the
+    commands."""
+    from .authoring.toml_edit import through_link
+
     assert request.requirements is not None
-    if not request.models and not request.architectures:
-        raise UsageError("say what you serve: --model DIR (a model folder with config.json; "
-                         "repeatable) and/or --architecture NAME (repeatable)")
+    project_dir = request.project_dir
     file = request.requirements
     try:
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"--requirements {file}: cannot be read "
                          f"({getattr(exc, 'strerror', None) or exc})") from None
+    path = through_link(project_dir / "pyproject.toml")
+    created = not path.exists()
+    before = ""
+    if not created:
+        try:
+            before = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"{path} cannot be read: {exc}") from None
+    from . import _toml
+
+    try:
+        data = _toml.loads(before)
+    except _toml.TOMLDecodeError as exc:
+        raise UsageError(f"{path} is not valid TOML ({exc}); fix it first") from None
+    table = _get(data, "tool", "vllm-patch")
+    says_what = isinstance(table, dict) and any(table.get(k) for k in
+                                                ("models", "architectures", "patches"))
+    if not request.models and not request.architectures and not says_what:
+        raise UsageError("say what you serve: --model DIR (a model folder with config.json; "
+                         "repeatable) and/or --architecture NAME (repeatable)")
+    after, changes, kept = plan_config_table(
+        before, project_dir=project_dir,
+        models=[model_entry(m, project_dir) for m in request.models],
+        architectures=request.architectures)
+    _check_table(after, path)
+    notes += kept
     present = any(_REQUIREMENT_LINE.match(line) for line in text.splitlines())
     lines: tuple[str, ...] = ()
     if present:
         notes.append(f"{file.name} lists {DIST} already")
     else:
-        lines = (source.requirement if source else DIST,)
+        lines = (requirement_line(source),)
         if source is None:
             notes.append(f"{DIST} is not on PyPI: pass --source PATH|GIT-URL for a direct "
                          "reference, or give pip a folder of wheels (--find-links; "
                          "docs/how-to/install.md)")
-    cwd = Path.cwd()
-    selection = " ".join(
-        [f"--model {os.path.relpath(m, cwd)}" for m in request.models]
-        + [f"--architecture {a}" for a in request.architectures])
-    rel = os.path.relpath(file, cwd)
-    commands = (f"export HATCH_VLLM_PATCH_GUARD={COMPANION_GUARD}",
-                f"pip install -r {rel} && vllm-patch apply {selection}",
-                f"vllm-patch verify {selection}")
-    notes.append(f"no pyproject.toml, no build hook: run `vllm-patch apply` after every pip "
-                 f"install; HATCH_VLLM_PATCH_GUARD={COMPANION_GUARD} (in the service's "
-                 "environment, e.g. ENV in a Dockerfile) makes every vLLM process heal a vLLM "
-                 "that an install replaced")
-    return InitPlan(REQUIREMENTS_SHAPE, REQUIREMENTS_ROUTE, None, text, text, (), tuple(notes),
-                    lines, commands)
+    rel = os.path.relpath(file, project_dir)
+    commands = (f"pip install -r {rel} && vllm-patch apply", "vllm-patch verify")
+    notes.append(f"the configuration: [tool.vllm-patch] in {path}, a file without [project] "
+                 f"(nothing builds it), read by `vllm-patch apply` and `verify` run in "
+                 f"{project_dir}; no build hook, so run `vllm-patch apply` after every pip "
+                 "install (guard = \"apply\" heals a vLLM that a later install replaced)")
+    return InitPlan(REQUIREMENTS_SHAPE, REQUIREMENTS_ROUTE, path, before, after, changes,
+                    tuple(notes), lines, commands, created=created)
 
 
-def write_init(plan: InitPlan) -> bool:
-    """Write ``plan``'s file (atomically, its mode kept); False when nothing changes. The file
-    must still hold what was planned on (UsageError otherwise, nothing written)."""
+def plan_files(plan: InitPlan, request: InitRequest, source: Source | None) -> InitPlan:
+    """``plan`` with the workflow (``request.ci``) and the Dockerfile (``request.docker``) it
+    writes, each compared with what is there; UsageError for what they could not reach from a
+    fresh clone or the image's build context (a path source, the requirements file or a model
+    folder outside the project). Reads the files; writes nothing."""
+    from . import _toml
+    from .init_files import (
+        CI_SYSTEMS,
+        DOCKERFILE,
+        SOURCE_FIX,
+        WORKFLOW,
+        dockerfile,
+        github_workflow,
+        inside_context,
+        python_for,
+    )
+
+    if request.ci is None and not request.docker:
+        return plan
+    if request.ci is not None and request.ci not in CI_SYSTEMS:
+        raise UsageError(f"--ci {request.ci}: init writes a workflow for "
+                         f"{', '.join(CI_SYSTEMS)} only")
+    project_dir = request.project_dir
+    flags = " and ".join(f for f in ("--ci" if request.ci else "",
+                                     "--docker" if request.docker else "") if f)
+    data = _toml.loads(plan.after)
+    entry = source.entry if source is not None else _get(data, "tool", "uv", "sources", DIST)
+    if plan.route != REQUIREMENTS_ROUTE and isinstance(entry, dict) \
+            and isinstance(entry.get("path"), str):
+        inside_context(project_dir, project_dir / entry["path"],
+                       "hatch-vllm-patch's path source", flags, SOURCE_FIX)
+    if plan.route == REQUIREMENTS_ROUTE and source is not None and "path" in source.entry:
+        inside_context(project_dir, project_dir / source.entry["path"], "--source", flags,
+                       SOURCE_FIX)
+    requirements = None
+    if request.requirements is not None:
+        requirements = inside_context(
+            project_dir, request.requirements, "--requirements", flags,
+            "run init in the folder that holds the requirements file (--project DIR)")
+    from .models import is_hub_id
+
+    for raw in _get(data, "tool", "vllm-patch", "models") or []:
+        folder = project_dir / raw
+        if isinstance(raw, str) and (folder.is_dir() or not is_hub_id(raw)):
+            inside_context(project_dir, folder, "the model folder", flags,
+                           "copy the model's folder into the project (its config.json is "
+                           "all the selection reads), or name its architecture instead "
+                           "(--architecture NAME)")
+    python = python_for(_get(data, "project", "requires-python"))
+    wanted = []
+    if request.ci == "github":
+        wanted.append((WORKFLOW, github_workflow(plan.route, python, requirements)))
+    if request.docker:
+        wanted.append((DOCKERFILE, dockerfile(plan.route, python, requirements)))
+    files = []
+    for relative, text in wanted:
+        path = project_dir / relative
+        try:
+            before = path.read_text(encoding="utf-8") if path.exists() else None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"{path} cannot be read: {exc}") from None
+        files.append(PlannedFile(path, relative.as_posix(), before, text))
+    notes = list(plan.notes)
+    if plan.route != REQUIREMENTS_ROUTE and not (project_dir / "uv.lock").is_file():
+        notes.append("no uv.lock yet: the workflow and the Dockerfile install with "
+                     "`uv sync --locked`; run `uv lock` (or the `uv sync` below) and commit "
+                     "uv.lock")
+    elif plan.route != REQUIREMENTS_ROUTE:
+        notes.append("the workflow and the Dockerfile install with `uv sync --locked`: commit "
+                     "uv.lock, and lock again after changing the dependencies")
+    if request.docker:
+        notes.append("Dockerfile: COPY takes the whole build context; build from a clean "
+                     "checkout or list .venv in .dockerignore")
+    for planned in files:
+        if planned.conflict:
+            notes.append(f"{planned.path} exists and differs from what init writes: init does "
+                         "not overwrite it (the diff above shows the difference); move it aside "
+                         "or merge it by hand")
+    return plan._replace(files=tuple(files), notes=tuple(notes))
+
+
+def write_init(plan: InitPlan, written: list[Path] | None = None) -> list[Path]:
+    """Write ``plan``'s files (each atomically, a file's mode kept); the files written, none
+    when nothing changes, each also appended to ``written`` as soon as it is (what a failed or
+    interrupted write leaves is named). Every file must still hold what was planned on, and
+    none may be a file init refuses to overwrite (UsageError otherwise, before anything is
+    written)."""
     from .files import write_atomic
 
-    if plan.file is None or not plan.changed:
-        return False
-    try:
-        now = plan.file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{plan.file} cannot be read: {exc}") from None
-    if now != plan.before:
-        raise UsageError(f"{plan.file} changed while init ran; nothing written: run init again")
-    write_atomic(plan.file, plan.after)
-    return True
+    refused = plan.refused
+    if refused:
+        names = ", ".join(str(f.path) for f in refused)
+        raise UsageError(f"{names} exists with other content; init does not overwrite it and "
+                         "wrote nothing: move it aside or merge it by hand (--dry-run shows "
+                         "the difference), then run init again")
+    todo: list[tuple[Path, str | None, str]] = []
+    if plan.file is not None and plan.changed:
+        todo.append((plan.file, None if plan.created else plan.before, plan.after))
+    todo += [(f.path, f.before, f.after) for f in plan.files if f.changed]
+    for path, before, _ in todo:
+        try:
+            now = path.read_text(encoding="utf-8") if path.exists() else None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"{path} cannot be read: {exc}") from None
+        if now != before:
+            raise UsageError(f"{path} changed while init ran; nothing written: run init again")
+    for path, _, _ in todo:  # every folder first: one that cannot be made stops all writes
+        path.parent.mkdir(parents=True, exist_ok=True)
+    done: list[Path] = []
+    for path, _, after in todo:
+        write_atomic(path, after)
+        done.append(path)
+        if written is not None:
+            written.append(path)
+    return done

@@ -141,10 +141,17 @@ def test_console_example(page: str, setup: str, body: str, tmp_path: Path) -> No
         folder.mkdir(parents=True)
         (folder / "patch.toml").write_text(BAD_PATCH)
         (folder / "block.py").write_text("def get_kv_cache_groups(:\n")
-    elif setup == "hatchling-project":
-        (work / "pyproject.toml").write_text(HATCHLING_PROJECT)
+    elif setup in ("hatchling-project", "set-up-project", "pip-deployment"):
         shutil.copytree(REPO / "tests" / "fixtures" / "doctor" / "granite-4.0-h-tiny",
                         work / "models" / "granite-4.0-h-tiny")
+        if setup == "pip-deployment":
+            (work / "requirements.txt").write_text("vllm==0.20.2\n")
+        else:
+            (work / "pyproject.toml").write_text(HATCHLING_PROJECT)
+        if setup == "set-up-project":  # as `vllm-patch init --model ...` left it
+            subprocess.run([sys.executable, "-I", "-m", "hatch_vllm_patch", "init", "--model",
+                            "models/granite-4.0-h-tiny"], cwd=work, check=True,
+                           capture_output=True, env=scrubbed_environ())
     else:
         assert setup == "empty", f"{page}: unknown example setup {setup!r}"
     env = {**scrubbed_environ(), "COLUMNS": "80", "NO_COLOR": "1"}

@@ -37,11 +37,6 @@ EXAMPLE = re.compile(
     r"<!-- example-vllm: (?P<setup>[\w.-]+) -->\n```console\n(?P<body>.*?)\n```", re.S)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known break, 2026-12-06: since gdn-spec-zero-accepted joined the catalog (it concerns "
-    "Qwen3.5) cpu-build.md's doctor example prints an extra trial line, and in that run the "
-    "Qwen3.6 config failed vLLM's model inspection; the page and the cause are the next "
-    "session's first fix (closing note)"))
 def test_cpu_route_for_0_33(tmp_path: Path, project_wheel: Path) -> None:
     """The page's pyproject.toml locks and syncs vLLM 0.33.0 with the CPU torch and without
     torchvision; its doctor examples on a Qwen3.6-like model print what the page shows: the

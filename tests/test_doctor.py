@@ -399,8 +399,8 @@ def test_environment_without_vllm_exits_1() -> None:
 def test_human_output_reads_in_ten_seconds() -> None:
     """The printed report: the platform step, the installed chain with vLLM's error, one line
     per patch (the same failure said once), the cost table, the verdict and the lines."""
-    from hatch_vllm_patch._cli import _print_doctor
     from hatch_vllm_patch.doctor import DoctorReport, DoctorRequest
+    from hatch_vllm_patch.doctor.render import print_report as _print_doctor
     from hatch_vllm_patch.environment import TargetEnvironment
 
     env = TargetEnvironment(Path("/venv/bin/python"), "given with --python", "/venv/bin/python",
@@ -524,10 +524,10 @@ def test_memory_verdict_is_one_with_its_cost_and_tries_the_planning_patches(
     groups) are tried alone, never in the together run; where one holds more tokens the
     verdict says so with its group count and step-time cost beside the gain (no "optional"),
     and the table shows the memory line's figure for each state, not a second one."""
-    from hatch_vllm_patch import doctor
-    from hatch_vllm_patch._cli import _print_doctor
     from hatch_vllm_patch.catalog import load_catalog
     from hatch_vllm_patch.doctor import DoctorRequest, diagnose
+    from hatch_vllm_patch.doctor import run as doctor_run
+    from hatch_vllm_patch.doctor.render import print_report as _print_doctor
     from hatch_vllm_patch.engine import Verdict
     from hatch_vllm_patch.environment import TargetEnvironment
 
@@ -558,7 +558,7 @@ def test_memory_verdict_is_one_with_its_cost_and_tries_the_planning_patches(
                 "facts": {**QWEN36_FACTS, "state_bytes": 1073152}}
         return {"vllm": "0.33.0", "cases": [{"variants": variants}]}
 
-    monkeypatch.setattr(doctor, "run_child", child)
+    monkeypatch.setattr(doctor_run, "run_child", child)  # the module that calls it
     env = TargetEnvironment(Path("/venv/bin/python"), "given with --python",
                             "/venv/bin/python", "/venv", "3.11.7",
                             Path("/venv/lib/python3.11/site-packages"))
