@@ -511,6 +511,8 @@ def test_cpu_step_patched_report_trigger_gives_the_tokens_of_spec_off(
 
 @pytest.mark.slow
 def test_cpu_step_patched_mixed_batch_equals_released(served: dict) -> None:
-    """gdn-spec-cpu-step patched, the mixed batch under MTP (three requests, one of them whose
-    drafts the grammar refuses) gives every request the released engine's tokens."""
+    """gdn-spec-cpu-step patched, the mixed batch under MTP (three requests, one of them
+    regex-constrained; every spec row full, so the wrapper calls vLLM's function as it is) gives
+    every request the released engine's tokens."""
+    assert set(served["released"]["mtp"]["query_lens"]) == {"3"}
     assert served["cpu-step"]["mtp"]["tokens"] == served["released"]["mtp"]["tokens"]

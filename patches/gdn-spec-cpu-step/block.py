@@ -42,7 +42,7 @@ def _hvp_wrap_spec_aware(original):  # type: ignore[no-untyped-def]
         if md.spec_sequence_masks is None or not n or starts is None:
             return original(layer, md, mixed_qkv, b, a, core_attn_out, width, state_len)
         bounds = [int(s) for s in starts[: n + 1].tolist()]
-        lens = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+        lens = [bounds[i + 1] - bounds[i] for i in range(n)]
         if not any(0 < q < full for q in lens):
             return original(layer, md, mixed_qkv, b, a, core_attn_out, width, state_len)
         padded_lens = [full if 0 < q < full else q for q in lens]
@@ -54,10 +54,9 @@ def _hvp_wrap_spec_aware(original):  # type: ignore[no-untyped-def]
             # vLLM takes the batch's rows as the spec tokens in row order: lay the padded rows
             # out in that order, the rows past the last spec row (if any) after them.
             source: list[int] = []
-            for lo, q, p in zip(bounds, lens, padded_lens):
+            for lo, q, p in zip(bounds[:-1], lens, padded_lens, strict=True):
                 source += list(range(lo, lo + q)) + [lo + q - 1] * (p - q)
-            place = [padded_starts[i] + j for i, (lo, q) in enumerate(zip(bounds, lens))
-                     for j in range(q)]
+            place = [padded_starts[i] + j for i, q in enumerate(lens) for j in range(q)]
             source += list(range(bounds[-1], rows))
             place += list(range(padded_starts[-1], padded_starts[-1] + rows - bounds[-1]))
             take = torch.tensor(source, dtype=torch.long, device=mixed_qkv.device)
@@ -74,7 +73,7 @@ def _hvp_wrap_spec_aware(original):  # type: ignore[no-untyped-def]
         order = [int(t) for t in md.spec_token_indx.tolist()]
         indx: list[int] = []
         extra: list[int] = []
-        for lo, q, p in zip(bounds, lens, padded_lens):
+        for lo, q, p in zip(bounds[:-1], lens, padded_lens, strict=True):
             indx += order[lo: lo + q]
             for _ in range(p - q):
                 indx.append(rows + len(extra))
