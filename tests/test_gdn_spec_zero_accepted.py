@@ -58,12 +58,17 @@ What is proven, by layer:
   under MTP than with it off (5 of 5 runs, which tokens varies with the sampled draws); in the
   chunked run, a greedy 60-token prompt did too, from its sixth token (once, not analysed).
 
+gdn-spec-cpu-step (the CPU failures above), served on the same runs (``test_cpu_step_*``): on
+0.29.0 and 0.32.0 the report's trigger completes with the tokens of speculative decoding off
+with both heads, and the mixed batch under MTP gives the released tokens.
+
 Not proven: a 0 reaching the step in a served engine (see above), the AMX conv kernel (the
 report's CPU), the Triton conv kernel and the KDA copies, a GPU, async scheduling, a real model
 and the OpenAI server's strict tool calls (the regexes stand in for the tool call's grammar).
 
-Cost (2 cores): about 7 minutes (421 s): two step processes per release, four serving processes
-(fifteen engine starts of 20 - 40 s), a scratch venv of torch and triton, two interpreter runs.
+Cost (2 cores): about 8 minutes (421 s before gdn-spec-cpu-step's runs; the served tests alone
+479 s with them): two step processes per release, six serving processes (twenty-one engine starts
+of 20 - 40 s), a scratch venv of torch and triton, two interpreter runs.
 """
 
 from __future__ import annotations
