@@ -26,7 +26,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from . import _cli, build_hook, catalog, config
+from . import __version__, _cli, build_hook, catalog, config
 
 ROOT = Path(__file__).resolve().parent.parent
 REGENERATE = "uv run python -m hatch_vllm_patch._docs"
@@ -233,7 +233,8 @@ def cli_page() -> str:
            "\nEvery command also takes `-h`/`--help`; `vllm-patch --version` prints the "
            "version and the catalog's: the built-in catalog's version is the package's, "
            "followed by its patch count and the first 12 hex digits of the sha256 of its "
-           "files (e.g. `vllm-patch 0.3.0 (catalog 0.3.0: 15 patches, sha256 <12 hex digits>)`; "
+           f"files (e.g. `vllm-patch {__version__} (catalog {__version__}: "
+           f"{len(catalog.load_catalog())} patches, sha256 <12 hex digits>)`; "
            "between two releases every commit carries one version number, the digest tells "
            "them apart; a catalog named by `$HATCH_VLLM_PATCH_CATALOG` is shown as "
            "`catalog from $HATCH_VLLM_PATCH_CATALOG`).\n"]
