@@ -158,15 +158,22 @@ def test_blocks_bind_only_their_own_names(block: str) -> None:
     """Each block binds only `_hvp_` names at its top level, and rebinds exactly its target
     symbol, once, behind the already-wrapped check."""
     [symbol] = [sym for b, sym in BLOCKS.values() if b == block]
-    tree = ast.parse((FOLDER / block).read_text())
+    bound, rebound = block_bindings(FOLDER / block)
+    assert bound and all(name.startswith("_hvp_") for name in bound), bound
+    assert rebound == [symbol], rebound
+
+
+def block_bindings(block: Path) -> tuple[set[str], list[str]]:
+    """The names ``block`` binds at its top level (functions, assignments) and those it
+    rebinds inside its top-level ``if`` statements (the already-wrapped check), in order."""
+    tree = ast.parse(block.read_text())
     bound = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     bound |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
               if isinstance(t, ast.Name)}
-    assert bound and all(name.startswith("_hvp_") for name in bound), bound
     guarded = [n for n in tree.body if isinstance(n, ast.If)]
     rebound = [t.id for n in guarded for a in n.body if isinstance(a, ast.Assign)
                for t in a.targets if isinstance(t, ast.Name)]
-    assert rebound == [symbol], rebound
+    return bound, rebound
 
 
 def _outcome(op: str, python: Path) -> tuple[int, str, dict[str, str]]:
