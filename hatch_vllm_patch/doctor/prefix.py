@@ -4,7 +4,7 @@ set.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 from ..catalog import Patch
@@ -178,6 +178,14 @@ def judge_prefix(facts: Mapping[str, Any] | None, patches: Mapping[str, Patch],
                           + (f" (--mamba-block-size {asked} became {m})" if asked else ""))
         return PrefixVerdict("correct", 'prefix caching: reuses state correctly ("all" mode)',
                              facts, blocks=blocks)
+    return _align_mode(facts, groups, m, b, a, blocks, bugged)
+
+
+def _align_mode(facts: Mapping[str, Any], groups: list[Any], m: int, b: int, a: int,
+                blocks: str, bugged: Callable[[str, int, str], PrefixVerdict]
+                ) -> PrefixVerdict:
+    """The align mode's judgement: Mamba block ``m``, the engine's block ``b``, hits on
+    multiples of ``a`` (see :func:`judge_prefix`)."""
     windows = sorted({int(g["block_size"]) for g in groups
                       if g["type"] == "SlidingWindowSpec" and a and a % int(g["block_size"])})
     if windows and facts.get("window_needs_whole_blocks"):

@@ -7,7 +7,7 @@ import json
 from typing import TextIO
 
 from .memory import tokens_per_gib
-from .report import RECOMMENDED, DoctorReport
+from .report import RECOMMENDED, Cost, DoctorReport, Run
 from .startup import shorten
 
 
@@ -23,7 +23,26 @@ def _size(value: float | None) -> str:
 def print_report(report: DoctorReport, out: TextIO) -> None:
     """doctor's text: the start-up chain, each patch's run, the KV cache table, memory, the
     Neuron budget, notes, prefix caching, runtime, the verdict and the lines to select."""
+    _print_setup(report, out)
+    shown = _print_runs(report, out)
+    costs = _print_costs(report, shown, out)
+    _print_memory(report, costs, out)
+    _print_neuron(report, out)
+    for note in report.notes:
+        print(f"note: {note}", file=out)
+    _print_prefix(report, out)
+    for advice in report.runtime:
+        print(advice.line, file=out)
+    modelled = f"; {report.modelled.line}" if report.modelled else ""
+    print(f"verdict: {report.verdict}{modelled}", file=out)
+    if report.config_lines:
+        print("select it in pyproject.toml:", file=out)
+        for line in report.config_lines:
+            print(f"  {line}", file=out)
 
+
+def _print_setup(report: DoctorReport, out: TextIO) -> None:
+    """The vLLM and model doctor asked, and the start-up chain as installed."""
     r = report.request
     draft = json.dumps(dict(r.speculative_config)) if r.speculative_config else "none"
     installed = report.installed
@@ -43,6 +62,11 @@ def print_report(report: DoctorReport, out: TextIO) -> None:
     print(f"as installed{in_place}: {chain}", file=out)
     if installed.failed is not None:
         print(f"  {_clip(installed.failed.error)}", file=out)
+
+
+def _print_runs(report: DoctorReport, out: TextIO) -> list[Run]:
+    """Each patch's run (and the recommended set's) that is worth a line; returns them."""
+    installed = report.installed
     singles_start = any(one.starts for one in report.runs[1:] if len(one.patches) == 1)
     shown = [one for one in report.runs[1:]
              if len(one.patches) == 1 or one.name == RECOMMENDED
@@ -60,31 +84,46 @@ def print_report(report: DoctorReport, out: TextIO) -> None:
             result = f"fails at {one.failed.name}" + (
                 " (the same)" if same else f": {_clip(one.failed.error)}")
         print(f"with {one.name}: {result}", file=out)
+    return shown
+
+
+def _print_costs(report: DoctorReport, shown: list[Run], out: TextIO
+                 ) -> list[tuple[str, Cost]]:
+    """The KV cache table: as installed, and each run shown whose cache differs; returns its
+    rows' (label, cost)."""
+    r = report.request
+    installed = report.installed
     costs = [("as installed" if one.name == "installed" else f"with {one.name}", one.cost)
              for one in (installed, *shown) if one.cost is not None
              and (one.name == "installed" or one.cost != installed.cost)]
-    if costs:
-        header = ["KV cache per rank", "page B", "padding", "block", "groups", "blocks/GiB",
-                  "tokens/GiB"] + ([f"max concurrency ({_size(r.kv_cache_memory)})"]
-                                   if r.kv_cache_memory else [])
-        rows = [header]
-        for label, cost in costs:
-            pad = ("-" if cost.padding_bytes is None else
-                   f"{cost.padding_bytes} B ({cost.padding_pct:.2f}%)")
-            # one figure per state: the memory line's (requests of max_model_len, before
-            # vLLM rounds to whole blocks), where it has one; else vLLM's own
-            tokens = (tokens_per_gib(cost.bytes_per_request, report.memory.max_model_len)
-                      if report.memory is not None else None) or cost.tokens_per_gib
-            row = [label, str(cost.page), pad, str(cost.attention_block),
-                   str(len(cost.groups) or "-"), str(cost.blocks_per_gib), f"{tokens:,}"]
-            if r.kv_cache_memory:
-                row.append("-" if cost.max_concurrency is None
-                           else f"{cost.max_concurrency:.2f}x")
-            rows.append(row)
-        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-        for row in rows:
-            print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
-                  .rstrip(), file=out)
+    if not costs:
+        return costs
+    header = ["KV cache per rank", "page B", "padding", "block", "groups", "blocks/GiB",
+              "tokens/GiB"] + ([f"max concurrency ({_size(r.kv_cache_memory)})"]
+                               if r.kv_cache_memory else [])
+    rows = [header]
+    for label, cost in costs:
+        pad = ("-" if cost.padding_bytes is None else
+               f"{cost.padding_bytes} B ({cost.padding_pct:.2f}%)")
+        # one figure per state: the memory line's (requests of max_model_len, before
+        # vLLM rounds to whole blocks), where it has one; else vLLM's own
+        tokens = (tokens_per_gib(cost.bytes_per_request, report.memory.max_model_len)
+                  if report.memory is not None else None) or cost.tokens_per_gib
+        row = [label, str(cost.page), pad, str(cost.attention_block),
+               str(len(cost.groups) or "-"), str(cost.blocks_per_gib), f"{tokens:,}"]
+        if r.kv_cache_memory:
+            row.append("-" if cost.max_concurrency is None
+                       else f"{cost.max_concurrency:.2f}x")
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
+              .rstrip(), file=out)
+    return costs
+
+
+def _print_memory(report: DoctorReport, costs: list[tuple[str, Cost]], out: TextIO) -> None:
+    """Tokens per GiB as installed, with each patch and the minimum; the CPU path's note."""
     if report.memory is not None:
         memory = report.memory
         held = ([f"as installed {memory.installed:,}"]
@@ -96,11 +135,15 @@ def print_report(report: DoctorReport, out: TextIO) -> None:
         if not memory.recommended:  # else the verdict says it, gain and cost together
             print(f"memory: {memory.line}", file=out)
     stated = next((c for _, c in costs if c is not None and c.state_bytes), None)
-    if r.platform == "cpu" and stated is not None:
+    if report.request.platform == "cpu" and stated is not None:
         print(f"CPU path: tokens/GiB follow the CPU platform's block rule ({stated.attention_block}"
               "-token attention blocks beside the state pages here); a GPU server aligns "
               "blocks its own way, so its tokens/GiB are those of --platform cuda (the "
               "default)", file=out)
+
+
+def _print_neuron(report: DoctorReport, out: TextIO) -> None:
+    """The Neuron runner's KV budget, as installed and with each patch."""
     if report.neuron_note:
         print(report.neuron_note, file=out)
     for budget in report.neuron:
@@ -110,17 +153,6 @@ def print_report(report: DoctorReport, out: TextIO) -> None:
         elif budget.bytes_per_token is not None:
             print(f"Neuron runner {label}: {budget.bytes_per_token:.0f} B per token budgeted, "
                   f"max concurrency {budget.max_concurrency}", file=out)
-    for note in report.notes:
-        print(f"note: {note}", file=out)
-    _print_prefix(report, out)
-    for advice in report.runtime:
-        print(advice.line, file=out)
-    modelled = f"; {report.modelled.line}" if report.modelled else ""
-    print(f"verdict: {report.verdict}{modelled}", file=out)
-    if report.config_lines:
-        print("select it in pyproject.toml:", file=out)
-        for line in report.config_lines:
-            print(f"  {line}", file=out)
 
 
 def _print_prefix(report: DoctorReport, out: TextIO) -> None:
