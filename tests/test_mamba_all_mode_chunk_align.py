@@ -27,16 +27,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import scenario_cpu
-from conftest import cli
-from venvs import full_vllm_planning_env, run
+from support import scenario_cpu
+from support.commands import cli
+from support.venvs import full_vllm_planning_env, run
 
 from hatch_vllm_patch.catalog import load_catalog
 
 REPO = Path(__file__).resolve().parents[1]
 PATCH = "mamba-all-mode-chunk-align"
 FOLDER = REPO / "patches" / PATCH
-SCRIPT = Path(__file__).resolve().parent / "prefix_scenarios" / "all_mode.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "prefix_scenarios" / "all_mode.py"
 CHUNK = 256
 RELEASES = ("0.28.0", "0.29.0", "0.30.0", "0.31.0")
 # --mamba-block-size values vLLM turns into blocks between chunk ends (CPU attention backend,

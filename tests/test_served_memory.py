@@ -68,9 +68,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli
+from support.commands import cli
+from support.venvs import full_vllm_cpu_env, run
 from test_served import HARNESS, REPO, SERVED_ENV, Served, _case, _cpu_vllm, _serve
-from venvs import full_vllm_cpu_env, run
 
 from hatch_vllm_patch.catalog import load_catalog
 

@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import scenario_cpu
-from conftest import cli, deep_probes
-from venvs import run, vllm_venv
+from support import scenario_cpu
+from support.commands import cli, deep_probes
+from support.venvs import run, vllm_venv
 
 from hatch_vllm_patch.catalog import load_catalog
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = Path(__file__).resolve().parent / "hybrid_scenarios" / "state_shapes.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "hybrid_scenarios" / "state_shapes.py"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # patch id -> (module, class, model fixture)
 PATCHES = {

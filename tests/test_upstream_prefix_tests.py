@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 from packaging.version import Version
+from support.venvs import EXHAUSTIVE, full_vllm_planning_env, run, run_lock
 from test_release_shapes import expected
 from test_upstream_tests import (
     cached_sdist,
@@ -43,7 +44,6 @@ from test_upstream_tests import (
     vllm_cache,
     write_plugin,
 )
-from venvs import EXHAUSTIVE, full_vllm_planning_env, run, run_lock
 
 pytestmark = pytest.mark.slow
 
@@ -278,7 +278,7 @@ def released_run(version: str) -> tuple[Path, Path, dict[str, str], dict[str, An
 def test_every_claimed_release_is_judged() -> None:
     """RELEASES are exactly the releases some prefix patch claims (its files as released:
     "missing")."""
-    from release_shapes import RELEASES as ALL
+    from support.release_shapes import RELEASES as ALL
 
     claimed = {v for v in ALL for p in (MAMBA, WINDOW, CHUNK) if expected(p, v) == "missing"}
     assert claimed == set(RELEASES)
