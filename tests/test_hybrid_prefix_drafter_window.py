@@ -3,9 +3,9 @@ scheduler.
 
 Fast tests read the patch folder. Release tests install each release's real wheel without
 dependencies and drive the CLI (apply, apply again, verify, revert byte-exact). Scenario tests
-run tests/prefix_scenarios/drafter_window.py (vLLM's EngineCore with only the executor stubbed:
-an MLA + Mamba target of 1536-token blocks, a sliding-window drafter) in a private clone of a
-full vLLM environment, as released and after `vllm-patch apply`: one vLLM import per run.
+run tests/support/prefix_scenarios/drafter_window.py (vLLM's EngineCore with only the executor
+stubbed: an MLA + Mamba target of 1536-token blocks, a sliding-window drafter) in a private clone of
+a full vLLM environment, as released and after `vllm-patch apply`: one vLLM import per run.
 """
 
 from __future__ import annotations

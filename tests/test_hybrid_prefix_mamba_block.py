@@ -2,7 +2,7 @@
 
 Fast tests read the patch folder. The release tests install each release's real wheel without
 dependencies and drive the CLI: apply, apply again, verify, revert (byte-exact to RECORD). The
-scenario tests run tests/prefix_scenarios/mamba_block.py in a full vLLM of the release
+scenario tests run tests/support/prefix_scenarios/mamba_block.py in a full vLLM of the release
 (venvs.full_vllm_planning_env, shared and left as found): one child process imports vLLM once,
 starts vLLM's EngineCore (stub executor) for each case as released, then executes the patch's
 two blocks in their modules and runs every case again.

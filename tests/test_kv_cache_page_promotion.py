@@ -3,7 +3,7 @@
 The release round trip (diff, apply, apply again, verify, revert byte-exact to RECORD) on each
 release's real wheel installed without dependencies is defined here and run by
 tests/test_vllm_releases.py, on the one install per release that every catalog patch shares.
-Scenario tests run tests/kv_scenarios/promotion.py in a full vLLM
+Scenario tests run tests/support/kv_scenarios/promotion.py in a full vLLM
 (venvs.full_vllm_planning_env, shared and read-only): one child process per release imports vLLM
 once, executes the patch's block in the target module's namespace and runs every scenario
 through vLLM's original function, the patched one and get_kv_cache_groups.

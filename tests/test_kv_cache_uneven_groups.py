@@ -4,7 +4,7 @@ replaces it when selected), judged by vLLM's own planning code.
 Fast tests read the patch folder and run the block's grouping rule (plain Python) on layer
 counts. Slow tests install the real files of one release per known shape and of the earliest claimed
 (no dependencies) and patch, verify and revert them with the CLI, byte for byte; and run
-tests/kv_scenarios/uneven_groups.py in a full vLLM of 0.29.0 and 0.33.0 (``venvs.
+tests/support/kv_scenarios/uneven_groups.py in a full vLLM of 0.29.0 and 0.33.0 (``venvs.
 full_vllm_planning_env``, shared and read-only: the block is executed into the imported module
 in that one child process, nothing is written), which plans hybrid layer sets as released and
 patched through ``get_kv_cache_configs`` and reports the KV tokens a fixed memory holds.

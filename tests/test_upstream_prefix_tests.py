@@ -19,7 +19,7 @@ wheel cache) and run in the shared full environment of ``venvs.full_vllm_plannin
 pytest plugin executes the blocks. The released state runs once per test run (shared by both
 workers). vLLM 0.34's CPU platform refuses x86 without triton-cpu while it checks a config
 (only its model runner needs Triton; these tests run no model): in both states the plugin lets
-that one check see Triton as present, as tests/prefix_scenarios/engine.py does.
+that one check see Triton as present, as tests/support/prefix_scenarios/engine.py does.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The tests' cache of base environments (tests/venvs.py): built once, renamed into place only
-when complete, cloned as hardlinks for a test to write in, never changed by what a clone does,
+"""The tests' cache of base environments (tests/support/venvs.py): built once, renamed into place
+only when complete, cloned as hardlinks for a test to write in, never changed by what a clone does,
 and built again when a test did change it."""
 
 from __future__ import annotations
