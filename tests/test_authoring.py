@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, pristine_environment
-from venvs import UV, create_venv, record_sha256, release_venv, run, site_packages
+from support import REPO
+from support.commands import pristine_environment
+from support.venvs import UV, create_venv, record_sha256, release_venv, run, site_packages
 
 from hatch_vllm_patch.authoring import (
     InexpressibleEdit,
@@ -1022,7 +1023,7 @@ def _symbol_text(source: str, symbol: str) -> str:
 def _wheel_source(version: str, path: str) -> str:
     import zipfile
 
-    from venvs import cached_wheel
+    from support.venvs import cached_wheel
 
     return zipfile.ZipFile(cached_wheel("vllm", version)).read(path).decode()
 

@@ -19,8 +19,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import cli, write_demo_catalog
-from venvs import UV, create_venv, run, site_packages
+from support.commands import cli
+from support.demo import write_demo_catalog
+from support.venvs import UV, create_venv, run, site_packages
 
 import hatch_vllm_patch
 from hatch_vllm_patch.build_hook import _headline

@@ -16,8 +16,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_BLOCK, vllm_like, write_demo_catalog
-from venvs import (
+from support.demo import DEMO_BLOCK, vllm_like, write_demo_catalog
+from support.venvs import (
     UV,
     create_venv,
     reinstall_from_cache,

@@ -93,7 +93,7 @@ def test_catalog_digest_follows_the_files(tmp_path: Path) -> None:
     it; a `__pycache__` folder or a dotfile does not."""
     import shutil
 
-    from conftest import REPO
+    from support import REPO
 
     from hatch_vllm_patch.catalog import catalog_digest, load_catalog
 

@@ -2,8 +2,8 @@
 can be imported here, through every command a user runs, generated from the catalog.
 
 A patch *claims* a release where the engine's judgement of the release's own files (the wheel,
-tests/release_shapes.py) is ``missing``: the released code is a shape the patch knows and fixes.
-For each release of :data:`RELEASES` (full environments the suite builds anyway, shared per
+tests/support/release_shapes.py) is ``missing``: the released code is a shape the patch knows and
+fixes. For each release of :data:`RELEASES` (full environments the suite builds anyway, shared per
 process and left as found), the patches it claims are put into groups of patches that may be
 selected together (no two wrap the same symbol, none replaces another: selection.overlaps), and
 each group goes through, as a user would: ``verify`` (missing, exit 1), ``apply``, ``verify``,
@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli
-from release_shapes import release_shapes
-from venvs import full_vllm_planning_env, record_sha256, site_packages, vllm_venv
+from support.commands import cli
+from support.release_shapes import release_shapes
+from support.venvs import full_vllm_planning_env, record_sha256, site_packages, vllm_venv
 
 from hatch_vllm_patch.catalog import Patch, load_catalog
 from hatch_vllm_patch.engine import Verdict

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DEMO_BLOCK, cli, main_in_process, write_demo_catalog, write_demo_project
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from venvs import UV, create_venv, run, site_packages
+from support.commands import cli, main_in_process
+from support.demo import DEMO_BLOCK, write_demo_catalog, write_demo_project
+from support.venvs import UV, create_venv, run, site_packages
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -286,7 +287,7 @@ def test_deep_without_a_probe_checks_the_binding(tmp_path: Path, demo_venv: Path
                                                  exit_code: int, expected: str) -> None:
     """verify --deep of a patch with no probe.py imports the patched module in the target and
     confirms the symbol is the block's; a block that leaves the original bound fails."""
-    from conftest import DEMO_BLOCK
+    from support.demo import DEMO_BLOCK
 
     catalog = write_demo_catalog(tmp_path / "catalog", block=DEMO_BLOCK + tail)
     assert cli("apply", "--python", str(demo_venv), "--patch", "demo-fix",
@@ -396,7 +397,7 @@ def test_selection_is_the_union_with_one_reason_line_per_patch(tmp_path: Path,
 def test_version_names_the_builtin_catalog(tmp_path: Path) -> None:
     """`--version` prints the package's version, and the built-in catalog's: the same version,
     its patch count and the start of its content digest."""
-    from conftest import REPO
+    from support import REPO
 
     from hatch_vllm_patch import __version__
     from hatch_vllm_patch.catalog import catalog_digest, load_catalog

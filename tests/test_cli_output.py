@@ -16,8 +16,10 @@ from typing import Any
 
 import jsonschema
 import pytest
-from conftest import REPO, cli, write_demo_catalog
-from venvs import repetitions, site_packages
+from support import REPO
+from support.commands import cli
+from support.demo import write_demo_catalog
+from support.venvs import repetitions, site_packages
 
 from hatch_vllm_patch.engine import Verdict
 
@@ -452,7 +454,7 @@ CTRL_C_RUNS = repetitions(150, 600)
 def nodeps_vllm(tmp_path_factory: pytest.TempPathFactory, project_wheel: Path) -> Path:
     """vLLM 0.16.0's real files (``--no-deps``: no torch) with hatch-vllm-patch installed from
     its wheel; returns the interpreter. Tests leave it unpatched."""
-    from venvs import UV, release_venv, run
+    from support.venvs import UV, release_venv, run
 
     python = release_venv(tmp_path_factory.mktemp("nodeps") / "venv", "vllm", "0.16.0")
     run([UV, "pip", "install", "--quiet", "--python", str(python), str(project_wheel)])
@@ -468,7 +470,7 @@ def test_deep_probe_in_a_no_deps_vllm_passes_naming_torch(nodeps_vllm: Path,
     patch = ("--patch", "kv-cache-page-unification")
     try:
         cli_run = [script, "apply", *patch]
-        from venvs import run
+        from support.venvs import run
 
         run(cli_run, cwd=tmp_path)
         proc = run([script, "verify", "--deep", *patch], cwd=tmp_path, check=False)
@@ -579,7 +581,7 @@ def test_ctrl_c_at_random_moments_of_apply(tmp_path: Path, nodeps_vllm: Path) ->
     import subprocess
     import time
 
-    from venvs import run
+    from support.venvs import run
 
     python = nodeps_vllm
     script = str(python.parent / "vllm-patch")

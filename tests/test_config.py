@@ -7,7 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import write_demo_catalog
+from support.demo import write_demo_catalog
 
 from hatch_vllm_patch.catalog import Catalog, load_catalog
 from hatch_vllm_patch.config import Config, load_project_config

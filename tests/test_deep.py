@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DEMO_SOURCE, cli, compute_digest, write_demo_catalog
-from venvs import record_sha256, site_packages
+from support.commands import cli
+from support.demo import DEMO_SOURCE, compute_digest, write_demo_catalog
+from support.venvs import record_sha256, site_packages
 
 from hatch_vllm_patch.catalog import load_catalog
 from hatch_vllm_patch.deep import run_probes
@@ -237,7 +238,7 @@ def test_deep_skips_a_target_another_target_carries(version: str, tmp_path: Path
     for the drafter window's block only in kv_cache_planning (kv_cache_utils exists but is
     not-applicable: another target carries the symbol); status and diff say every patch is in
     place; revert gives every target file back as RECORD has it."""
-    from venvs import full_vllm_planning_env, record_sha256, site_packages
+    from support.venvs import full_vllm_planning_env, record_sha256, site_packages
 
     python = full_vllm_planning_env(version)
     sp = site_packages(python.parent.parent)

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
-from venvs import scrubbed_environ
+from support import REPO
+from support.venvs import scrubbed_environ
 
 from hatch_vllm_patch import _docs, config
 

@@ -18,9 +18,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from support import REPO
+from support.venvs import UV, local_wheels, run, scrubbed_environ, site_packages
 from test_docs import SHOWN_REPO, SHOWN_WORKDIR, _commands
-from venvs import UV, local_wheels, run, scrubbed_environ, site_packages
 
 pytestmark = pytest.mark.slow
 

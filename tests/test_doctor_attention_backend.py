@@ -7,10 +7,10 @@ reuses correctly.
 
 Slow tests on vLLM 0.34.0 (``full_vllm_planning_env``, shared per process and left as found):
 - a sliding-window drafter next to a hybrid target whose pages match the scenario of
-  tests/prefix_scenarios/drafter_window.py (1152 B/token target attention, 512 B/token drafter,
-  1536-token blocks): doctor with ``--attention-backend FLASHINFER`` on a Hopper says bug 2 and
-  names hybrid-prefix-drafter-window (its run with the patch reuses correctly), with FLASH_ATTN it
-  says the state is reused correctly; the scenario, run by vLLM's EngineCore and scheduler with a
+  tests/support/prefix_scenarios/drafter_window.py (1152 B/token target attention, 512 B/token
+  drafter, 1536-token blocks): doctor with ``--attention-backend FLASHINFER`` on a Hopper says bug 2
+  and names hybrid-prefix-drafter-window (its run with the patch reuses correctly), with FLASH_ATTN
+  it says the state is reused correctly; the scenario, run by vLLM's EngineCore and scheduler with a
   drafter declaring the kernel block sizes doctor reported for each backend, gives the same groups,
   the same scheduler block and a resend hit of 0 (FlashInfer) and 19,968 (FlashAttention; and
   FlashInfer with the patch's block);
@@ -49,7 +49,7 @@ from hatch_vllm_patch.engine import Verdict
 from hatch_vllm_patch.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
-SCENARIO = REPO / "tests" / "prefix_scenarios" / "drafter_window.py"
+SCENARIO = REPO / "tests" / "support" / "prefix_scenarios" / "drafter_window.py"
 PATCH = "hybrid-prefix-drafter-window"
 BLOCK = REPO / "patches" / PATCH / "block.py"
 FULL_HIT = 19968  # the scenario's 20,000-token resend: every whole 1536-token block
@@ -220,7 +220,7 @@ def window_models(folder: Path) -> dict[str, Path]:
 
 
 def _doctor(python: Path, models: dict[str, Path], *extra: str) -> subprocess.CompletedProcess[str]:
-    from venvs import scrubbed_environ
+    from support.venvs import scrubbed_environ
 
     draft = json.dumps({"method": "draft_model", "model": str(models["draft"]),
                         "num_speculative_tokens": 2})
@@ -249,7 +249,7 @@ def test_flashinfer_window_drafter_on_0_34(tmp_path: Path) -> None:
     resend hits 0 tokens with FlashInfer's sizes (19,968 with the patch's block) and 19,968 with
     FlashAttention's. On a B200 without --attention-backend, doctor models vLLM's first choice
     there, FlashInfer, with the large pages it declares on Blackwell."""
-    from venvs import full_vllm_planning_env, run, site_packages
+    from support.venvs import full_vllm_planning_env, run, site_packages
 
     python = full_vllm_planning_env("0.34.0")
     models = window_models(tmp_path)
@@ -343,7 +343,7 @@ def _returned_lists(source: Path, cls: str, method: str) -> list[list[int]]:
 def test_unknown_backend_on_0_34() -> None:
     """An --attention-backend the installed vLLM 0.34.0 does not name exits 2, with one line that
     names the close match and vLLM's CUDA backends, and no traceback; before vLLM is imported."""
-    from venvs import full_vllm_planning_env, scrubbed_environ
+    from support.venvs import full_vllm_planning_env, scrubbed_environ
 
     python = full_vllm_planning_env("0.34.0")
     proc = subprocess.run([sys.executable, "-m", "hatch_vllm_patch", "doctor", "--python",
@@ -393,7 +393,7 @@ def test_qwen3_5_model_class_on_0_34(tmp_path: Path) -> None:
     model_executor module elsewhere: doctor's CUDA path inspects the nvidia class and says so in
     what it modelled, the CPU path the old one; the two classes give the same state shapes and
     dtypes and the same layer specs (every layer's spec equal, built by doctor's own steps)."""
-    from venvs import full_vllm_planning_env, run
+    from support.venvs import full_vllm_planning_env, run
 
     python = full_vllm_planning_env("0.34.0")
     overrides = {"architectures": ["Qwen3_5MoeForConditionalGeneration"]}

@@ -225,7 +225,7 @@ def test_verdicts_from_vllms_start_up(release: str, tmp_path: Path) -> None:
     """One child per release runs every case through doctor's probe (vLLM's config hooks,
     platform step, and the engine core's KV-cache initialisation); each verdict is the one
     measured on that release's code, and its numbers are vLLM's own."""
-    from venvs import full_vllm_planning_env
+    from support.venvs import full_vllm_planning_env
 
     python = full_vllm_planning_env(release)
     cases = requests(models(tmp_path), release)
@@ -263,7 +263,7 @@ def test_doctor_text_and_json(tmp_path: Path) -> None:
     """`vllm-patch doctor` on 0.29.0 with the EAGLE-3 window head: the text names bug 1 with the
     blocks vLLM set and the upstream issue (the catalog has no patch for it here), --json
     carries the same verdict under prefix_caching; the start-up verdict is unchanged."""
-    from venvs import full_vllm_planning_env, scrubbed_environ
+    from support.venvs import full_vllm_planning_env, scrubbed_environ
 
     python = full_vllm_planning_env("0.29.0")
     paths = models(tmp_path)
@@ -302,7 +302,7 @@ def test_the_runner_on_a_release_without_the_v1_gpu_runner(tmp_path: Path) -> No
     choice between runners with it: doctor's probe says the CUDA path runs Model Runner V2, and
     why, and reads V2's seeding of a resumed request's Mamba state (not "v1", which 0.34 no
     longer has)."""
-    from venvs import full_vllm_planning_env, site_packages
+    from support.venvs import full_vllm_planning_env, site_packages
 
     python = full_vllm_planning_env("0.34.0")
     assert not (site_packages(python.parent.parent) / "vllm/v1/worker/gpu_model_runner.py"

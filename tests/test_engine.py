@@ -6,7 +6,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_BLOCK, DEMO_SOURCE, write_demo_catalog
+from support.demo import DEMO_BLOCK, DEMO_SOURCE, write_demo_catalog
 
 from hatch_vllm_patch.catalog import Patch, load_catalog
 from hatch_vllm_patch.engine import (

@@ -10,8 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli, registry_by_ast, write_demo_catalog
-from venvs import UV, create_venv, record_sha256, run, site_packages
+from support import REPO
+from support.commands import cli
+from support.demo import write_demo_catalog
+from support.release_shapes import registry_by_ast
+from support.venvs import UV, create_venv, record_sha256, run, site_packages
 
 from hatch_vllm_patch import environment
 from hatch_vllm_patch.environment import (

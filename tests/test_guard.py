@@ -17,8 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_BLOCK, pristine_environment, vllm_like, write_demo_catalog
-from venvs import UV, create_venv, reinstall_from_cache, run, site_packages
+from support.commands import pristine_environment
+from support.demo import DEMO_BLOCK, vllm_like, write_demo_catalog
+from support.venvs import UV, create_venv, reinstall_from_cache, run, site_packages
 
 RECORD = ".hatch-vllm-patch.json"
 PATCH = "kv-cache-page-unification"
@@ -477,7 +478,7 @@ def test_edit_sessions_end_when_their_file_is_replaced(tmp_path: Path,
     status and verify name it, the guard stops an error process and heals in apply mode (which
     ends it and drops its pristine copy), edit opens afresh; a restore by hand and a reinstall
     of another version end it too; revert says which sessions stay open."""
-    from venvs import cached_wheel, release_venv
+    from support.venvs import cached_wheel, release_venv
 
     python = release_venv(tmp_path / "venv", "vllm", "0.20.2")
     run([UV, "pip", "install", "--quiet", "--python", str(python), str(project_wheel)])
@@ -862,7 +863,7 @@ def test_in_place_line_on_vllm_034(tmp_path: Path, project_wheel: Path) -> None:
     """vLLM 0.34 (full, CPU torch, with hatch-vllm-patch installed) sets up no handler for its
     loggers by the time it loads plugins; the guard's "patches in place" line reaches stderr
     once all the same, at INFO, when vLLM's own load_general_plugins() calls it."""
-    from venvs import PLANNING_TORCH, vllm_venv
+    from support.venvs import PLANNING_TORCH, vllm_venv
 
     python = vllm_venv(tmp_path / "venv", "0.34.0", str(project_wheel), torch=PLANNING_TORCH)
     run([str(python), "-m", "hatch_vllm_patch", "apply", "--python", str(python), "--patch",

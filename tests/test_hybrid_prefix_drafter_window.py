@@ -3,9 +3,9 @@ scheduler.
 
 Fast tests read the patch folder. Release tests install each release's real wheel without
 dependencies and drive the CLI (apply, apply again, verify, revert byte-exact). Scenario tests
-run tests/prefix_scenarios/drafter_window.py (vLLM's EngineCore with only the executor stubbed:
-an MLA + Mamba target of 1536-token blocks, a sliding-window drafter) in a private clone of a
-full vLLM environment, as released and after `vllm-patch apply`: one vLLM import per run.
+run tests/support/prefix_scenarios/drafter_window.py (vLLM's EngineCore with only the executor
+stubbed: an MLA + Mamba target of 1536-token blocks, a sliding-window drafter) in a private clone of
+a full vLLM environment, as released and after `vllm-patch apply`: one vLLM import per run.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import scenario_cpu
-from conftest import cli
-from venvs import (
+from support import scenario_cpu
+from support.commands import cli
+from support.venvs import (
     PLANNING_TORCH,
     cloned_environment,
     local_cpu_torch,
@@ -35,7 +35,7 @@ from hatch_vllm_patch.engine import symbol_digest
 REPO = Path(__file__).resolve().parents[1]
 PATCH = "hybrid-prefix-drafter-window"
 FOLDER = REPO / "patches" / PATCH
-SCRIPT = Path(__file__).resolve().parent / "prefix_scenarios" / "drafter_window.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "prefix_scenarios" / "drafter_window.py"
 SYMBOL = "_get_kv_cache_groups_uniform_page_size"
 UTILS = "vllm/v1/core/kv_cache_utils.py"
 PLANNING = "vllm/v1/core/kv_cache_planning.py"

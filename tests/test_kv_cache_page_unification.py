@@ -3,13 +3,13 @@
 Fast tests read the patch folder. Slow tests build one session venv with the full vLLM per
 known shape of the patched function (patch.toml's three digests: 0.20.2 for 0.16.0-0.23.0,
 0.25.1 for 0.24.0-0.25.1, 0.28.0 for 0.26.0-0.28.0; CPU; uv's cache), patch it with the CLI, and
-run three scripts in it with its interpreter: tests/kv_scenarios/scenarios.py (KNOWLEDGE §1's
-S0-S5 for Qwen3.6-35B-A3B at TP=2 built with vLLM's own MambaStateShapeCalculator, plus
+run three scripts in it with its interpreter: tests/support/kv_scenarios/scenarios.py (KNOWLEDGE
+§1's S0-S5 for Qwen3.6-35B-A3B at TP=2 built with vLLM's own MambaStateShapeCalculator, plus
 non-hybrid sets, through vLLM's original function, the patched one, get_kv_cache_groups and
-get_kv_cache_config_from_groups), tests/kv_scenarios/properties.py (a derandomized hypothesis
-property test over random real spec sets) and the patch's own probe.py via `verify --deep`.
-One more venv holds the first fixed release, 0.29.0, unpatched (the tool says not-needed), to
-show that its own code handles the scenarios; another an unpatched 0.20.2 for the probe.
+get_kv_cache_config_from_groups), tests/support/kv_scenarios/properties.py (a derandomized
+hypothesis property test over random real spec sets) and the patch's own probe.py via `verify
+--deep`. One more venv holds the first fixed release, 0.29.0, unpatched (the tool says not-needed),
+to show that its own code handles the scenarios; another an unpatched 0.20.2 for the probe.
 Every expectation is checked on vLLM's code.
 """
 
@@ -24,15 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli
-from venvs import run, vllm_venv
+from support.commands import cli
+from support.venvs import run, vllm_venv
 
 from hatch_vllm_patch.catalog import load_catalog
 
 REPO = Path(__file__).resolve().parents[1]
 PATCH = "kv-cache-page-unification"
 FOLDER = REPO / "patches" / PATCH
-SCRIPTS = Path(__file__).resolve().parent / "kv_scenarios"
+SCRIPTS = Path(__file__).resolve().parent / "support" / "kv_scenarios"
 MAMBA_PAGE = 1073152  # Gated DeltaNet state of Qwen3.6-35B-A3B at TP=2
 # One release per known shape of unify_kv_cache_spec_page_size (patch.toml's digests), and the
 # first release carrying the upstream fix (patch.toml's fixed-in).
@@ -159,7 +159,7 @@ def vllm_python(request: pytest.FixtureRequest,
 
 
 def run_script(python: Path, script: str, out: Path, *args: str) -> dict[str, Any]:
-    """Run one of tests/kv_scenarios/ with ``python``; return the JSON it wrote to ``out``."""
+    """Run one of support/kv_scenarios/ with ``python``; return the JSON it wrote to ``out``."""
     proc = run([str(python), str(SCRIPTS / script), str(out), *args], check=False, timeout=900)
     assert proc.returncode == 0, (
         f"{script} failed:\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}")

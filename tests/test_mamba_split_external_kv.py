@@ -1,6 +1,6 @@
 """The mamba-split-external-kv patch, judged by vLLM's own Scheduler.
 
-Fast tests read the patch folder. The slow tests run tests/hybrid_scenarios/external_kv.py
+Fast tests read the patch folder. The slow tests run tests/support/hybrid_scenarios/external_kv.py
 (vLLM's Scheduler for a Qwen3-Next-like hybrid with prefix caching, mamba_cache_mode "align",
 the hybrid KV cache manager, and a KV connector of ours loaded by vLLM's factory) with the full
 vLLM 0.20.2 as released and after `vllm-patch apply`, and with the full vLLM 0.23.0, the first
@@ -15,16 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import scenario_cpu
-from conftest import cli
-from venvs import run, vllm_venv
+from support import scenario_cpu
+from support.commands import cli
+from support.venvs import run, vllm_venv
 
 from hatch_vllm_patch.catalog import load_catalog
 
 REPO = Path(__file__).resolve().parents[1]
 PATCH = "mamba-split-external-kv"
 FOLDER = REPO / "patches" / PATCH
-SCRIPT = Path(__file__).resolve().parent / "hybrid_scenarios" / "external_kv.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "hybrid_scenarios" / "external_kv.py"
 MODEL = Path(__file__).resolve().parent / "fixtures" / "neuron" / "models" / "qwen3_next_tiny"
 FIXED = "0.23.0"
 SYNC = ("sync-hit-1-block", "sync-hit-3-blocks")

@@ -158,7 +158,7 @@ def test_planning_table_ours_never_below_upstream(version: str, tmp_path: Path) 
     sizes): that gap is printed, not hidden. With kv-cache-exact-groups in place of the
     uneven-groups rule, every row holds exactly the minimum: strictly more tokens than upstream
     wherever upstream pads anything, no row below ours, and the extra groups are printed."""
-    from venvs import full_vllm_planning_env
+    from support.venvs import full_vllm_planning_env
 
     python = full_vllm_planning_env(version)
     if not memory.memory_patches(python):

@@ -20,8 +20,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import cli
-from venvs import UV, create_venv, run, site_packages, vllm_venv
+from support.commands import cli
+from support.venvs import UV, create_venv, run, site_packages, vllm_venv
 
 from hatch_vllm_patch.catalog import load_catalog
 
@@ -622,7 +622,7 @@ def test_aggregated_runner_is_not_applicable(vllm_python: Path, tmp_path: Path) 
 def test_pypi_placeholder_is_named_as_such(tmp_path: Path) -> None:
     """PyPI's vllm-neuron 0.1.0 (AWS's "WRONG PACKAGE" placeholder, no vllm_neuron package):
     the Neuron patches say so and where the real plugin comes from; optional, so exit 0."""
-    from venvs import cached_wheel
+    from support.venvs import cached_wheel
 
     python = create_venv(tmp_path / "venv")
     run([UV, "pip", "install", "--quiet", "--no-deps", "--python", str(python),

@@ -10,8 +10,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_SOURCE, cli, write_demo_catalog, write_demo_project
-from venvs import UV, create_venv, record_sha256, run, site_packages, venv_python
+from support.commands import cli
+from support.demo import DEMO_SOURCE, write_demo_catalog, write_demo_project
+from support.venvs import UV, create_venv, record_sha256, run, site_packages, venv_python
 
 
 def core_file(python: Path) -> Path:
@@ -561,7 +562,7 @@ def test_convergence_on_vllm_0_20_2(tmp_path: Path) -> None:
     """On vLLM 0.20.2's real files: an architecture removed, the table changed to Llama only, a
     model replaced, a patch moved to another project, an `apply --patch` addition — after each
     apply the files carry exactly what the configurations select (the rest RECORD's bytes)."""
-    from venvs import release_venv
+    from support.venvs import release_venv
 
     python = release_venv(tmp_path / "venv", "vllm", "0.20.2")
     sp = site_packages(tmp_path / "venv")
@@ -662,7 +663,7 @@ def test_revert_leaves_exactly_what_vllms_record_lists(tmp_path: Path) -> None:
     """After apply and a whole revert, site-packages holds what it held before (vLLM's RECORD's
     files, with their RECORD bytes): the record and its lock file are gone too; a revert of a
     clean environment leaves no lock file behind either."""
-    from venvs import _changed_modules, release_venv
+    from support.venvs import _changed_modules, release_venv
 
     python = release_venv(tmp_path / "venv", "vllm", "0.20.2")
     sp = site_packages(tmp_path / "venv")

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
-from conftest import REPO, write_demo_catalog
-from venvs import UV, create_venv, run
+from support import REPO
+from support.demo import write_demo_catalog
+from support.venvs import UV, create_venv, run
 
 from hatch_vllm_patch import __version__
 from hatch_vllm_patch.catalog import catalog_digest, load_catalog
@@ -105,7 +106,7 @@ def wheelhouse(tmp_path_factory: pytest.TempPathFactory, wheel: Path,
                demo_wheels: dict[str, Path]) -> Path:
     """A --find-links folder: this checkout's wheel, demo-pkg, and hatchling with its
     dependencies (pip downloads them from PyPI once; pip's own cache keeps them)."""
-    from venvs import _system_python
+    from support.venvs import _system_python
 
     folder = tmp_path_factory.mktemp("wheelhouse")
     for source in (wheel, demo_wheels["1.0.0"]):

@@ -12,19 +12,19 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import registry_by_ast
 from packaging.version import Version
-from release_shapes import (
+from support.release_shapes import (
     BOUNDARIES,
     RELEASES,
     boundaries,
     module_file,
     read_member,
     record_digests,
+    registry_by_ast,
     release_shapes,
     vllm_patches,
 )
-from venvs import cached_wheel
+from support.venvs import cached_wheel
 
 from hatch_vllm_patch.catalog import ELSEWHERE
 from hatch_vllm_patch.engine import Verdict

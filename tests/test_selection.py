@@ -12,9 +12,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_BLOCK, cli, vllm_like, write_demo_catalog
+from support.commands import cli
+from support.demo import DEMO_BLOCK, vllm_like, write_demo_catalog
+from support.venvs import create_venv, site_packages
 from test_build_hook import hatchling_build, make_project
-from venvs import create_venv, site_packages
 
 from hatch_vllm_patch.catalog import Patch, load_patch_folders
 from hatch_vllm_patch.errors import UsageError
@@ -386,7 +387,7 @@ def test_real_vllm_catalog_and_project_patch_of_one_classmethod(tmp_path: Path) 
     FalconH1ForCausalLM.get_mamba_state_shape_from_config) is refused by check and apply
     (exit 2, both named, the symbol), nothing written; its own patch alone applies to all three
     modules; the catalog patch added then by --patch is blocked, the file left as it was."""
-    from venvs import release_venv
+    from support.venvs import release_venv
 
     python = release_venv(tmp_path / "vllm", "vllm", "0.20.2")
     models = site_packages(python.parent.parent) / "vllm" / "model_executor" / "models"

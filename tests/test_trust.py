@@ -17,8 +17,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_BLOCK, cli, vllm_like, write_demo_catalog
-from venvs import UV, run, site_packages
+from support.commands import cli
+from support.demo import DEMO_BLOCK, vllm_like, write_demo_catalog
+from support.venvs import UV, run, site_packages
 
 from hatch_vllm_patch.catalog import load_patch_folders
 from hatch_vllm_patch.trust import (

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import cli
+from support.commands import cli
 
 from hatch_vllm_patch.bounded import MAX_BYTES, BoundExceeded, escape_controls, load_json
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import REPO, vllm_like, write_demo_catalog
-from venvs import UV, create_venv, run, site_packages
+from support import REPO
+from support.demo import vllm_like, write_demo_catalog
+from support.venvs import UV, create_venv, run, site_packages
 
 NOBODY = 65534
 RECORD = ".hatch-vllm-patch.json"

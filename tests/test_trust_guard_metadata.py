@@ -16,8 +16,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_PROCESS, write_demo_catalog
-from venvs import UV, create_venv, run, scrubbed_environ, site_packages
+from support.demo import DEMO_PROCESS, write_demo_catalog
+from support.venvs import UV, create_venv, run, scrubbed_environ, site_packages
 
 NOBODY = 65534
 

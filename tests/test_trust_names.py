@@ -9,9 +9,9 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import main_in_process as vllm_patch
-from conftest import write_demo_catalog
-from venvs import create_venv
+from support.commands import main_in_process as vllm_patch
+from support.demo import write_demo_catalog
+from support.venvs import create_venv
 
 from hatch_vllm_patch.markers import MarkerError, render_block
 from hatch_vllm_patch.names import is_patch_id

@@ -13,8 +13,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_BLOCK, cli, write_demo_catalog
-from venvs import site_packages
+from support.commands import cli
+from support.demo import DEMO_BLOCK, write_demo_catalog
+from support.venvs import site_packages
 
 from hatch_vllm_patch.trust import (
     TRUST_ENV,

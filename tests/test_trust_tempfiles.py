@@ -9,8 +9,9 @@ import os
 import stat
 from pathlib import Path
 
-from conftest import DEMO_SOURCE, cli
-from venvs import create_venv, site_packages
+from support.commands import cli
+from support.demo import DEMO_SOURCE
+from support.venvs import create_venv, site_packages
 
 from hatch_vllm_patch.files import TEMP_SUFFIX, create_exclusive, write_atomic
 

@@ -19,8 +19,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import REPO, write_demo_catalog
-from venvs import create_venv, run
+from support import REPO
+from support.demo import write_demo_catalog
+from support.venvs import create_venv, run
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0,

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.venvs import EXHAUSTIVE, full_vllm_planning_env, run
 from test_upstream_tests import (
     LOAD_BOUND,
     PLANNING_MODULE,
@@ -34,7 +35,6 @@ from test_upstream_tests import (
     upstream_env,
     upstream_tools,
 )
-from venvs import EXHAUSTIVE, full_vllm_planning_env, run
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ wheel cache) and run in the shared full environment of ``venvs.full_vllm_plannin
 pytest plugin executes the blocks. The released state runs once per test run (shared by both
 workers). vLLM 0.34's CPU platform refuses x86 without triton-cpu while it checks a config
 (only its model runner needs Triton; these tests run no model): in both states the plugin lets
-that one check see Triton as present, as tests/prefix_scenarios/engine.py does.
+that one check see Triton as present, as tests/support/prefix_scenarios/engine.py does.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 from packaging.version import Version
+from support.venvs import EXHAUSTIVE, full_vllm_planning_env, run, run_lock
 from test_release_shapes import expected
 from test_upstream_tests import (
     cached_sdist,
@@ -43,7 +44,6 @@ from test_upstream_tests import (
     vllm_cache,
     write_plugin,
 )
-from venvs import EXHAUSTIVE, full_vllm_planning_env, run, run_lock
 
 pytestmark = pytest.mark.slow
 
@@ -278,7 +278,7 @@ def released_run(version: str) -> tuple[Path, Path, dict[str, str], dict[str, An
 def test_every_claimed_release_is_judged() -> None:
     """RELEASES are exactly the releases some prefix patch claims (its files as released:
     "missing")."""
-    from release_shapes import RELEASES as ALL
+    from support.release_shapes import RELEASES as ALL
 
     claimed = {v for v in ALL for p in (MAMBA, WINDOW, CHUNK) if expected(p, v) == "missing"}
     assert claimed == set(RELEASES)

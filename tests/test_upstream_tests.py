@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli
-from venvs import (
+from support.commands import cli
+from support.venvs import (
     EXHAUSTIVE,
     UV,
     WHEEL_CACHE,

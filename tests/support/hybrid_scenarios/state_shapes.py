@@ -30,7 +30,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/, for scenario_cpu
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests/support/, for scenario_cpu
 import scenario_cpu
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,6 +1,6 @@
 """The host-CPU questions vLLM's CPU platform asks, answered the same on every machine, for the
-scenario scripts (tests/prefix_scenarios, tests/hybrid_scenarios: run inside a full vLLM
-environment, never imported by the test process).
+scenario scripts (tests/support/prefix_scenarios, tests/support/hybrid_scenarios: run inside a full
+vLLM environment, never imported by the test process).
 
 vLLM's CPU platform asks torch which instructions the host has, and the answers change what a
 scenario measures, not only how fast it runs (read in the released code, measured where said):

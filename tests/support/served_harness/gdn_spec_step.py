@@ -9,7 +9,7 @@ conv width 4, so a rolling conv buffer of 3 + N columns and N + 1 SSM state colu
 sequence), seeded random bfloat16 inputs, the conv state and SSM state pools of a layer, and
 vLLM's own C++ SSM kernel. A minimal layer object carries the conv weight, A_log, dt_bias and
 the qkv split (2 key heads and 4 value heads of 128). vLLM's CPU questions are answered as on an
-AVX2 CPU (tests/scenario_cpu.py) before vLLM is imported: every machine takes the torch conv
+AVX2 CPU (tests/support/scenario_cpu.py) before vLLM is imported: every machine takes the torch conv
 loop and the AVX2 kernel library.
 
 Runs per N, each on fresh copies of the same states: ``ones`` with num_accepted_tokens [1, 1],

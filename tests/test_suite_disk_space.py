@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, mounted_tmpfs
+from support import REPO
+from support.machine import mounted_tmpfs
 
 
 @pytest.fixture

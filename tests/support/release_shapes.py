@@ -21,13 +21,12 @@ part of the time instead.
 
 from __future__ import annotations
 
+import ast
 import base64
 import functools
 import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
-
-from venvs import EXHAUSTIVE, cached_wheel
 
 from hatch_vllm_patch.catalog import Catalog, Patch, load_catalog
 from hatch_vllm_patch.engine import (
@@ -40,6 +39,7 @@ from hatch_vllm_patch.engine import (
     symbol_digest,
 )
 from hatch_vllm_patch.operations import _FINE  # the tool's own "fine for verify" table
+from support.venvs import EXHAUSTIVE, cached_wheel
 
 # Every release of vLLM on PyPI the suite checks, oldest first.
 RELEASES = ("0.16.0", "0.17.0", "0.17.1", "0.18.0", "0.18.1", "0.19.0", "0.19.1", "0.20.0",
@@ -188,3 +188,20 @@ def boundaries(shapes: dict[str, dict[str, WheelShape]]) -> dict[str, tuple[str,
             if i == 0 or i == len(releases) - 1 or seen[i - 1] != seen[i]
             or seen[i + 1] != seen[i])
     return found
+
+
+def registry_by_ast(source: str) -> list[str]:
+    """The architectures of a vLLM model registry, read with ast (the slow, exact way)."""
+    names: list[str] = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign):
+            targets, value = [node.target], node.value
+        else:
+            continue
+        if any(isinstance(t, ast.Name) and t.id.endswith("_MODELS")
+               and "PREVIOUSLY" not in t.id for t in targets) and isinstance(value, ast.Dict):
+            names += [k.value for k in value.keys
+                      if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+    return names

@@ -1,0 +1,14 @@
+"""The tests' shared machinery, one room per kind (docs/explanation/architecture.md, "The tests'
+rooms"): environments (``venvs``), the releases' shapes (``release_shapes``), the demo
+distribution (``demo``), running the tool (``commands``), the machine (``machine``), the served
+harness's driver (``served``), the host-CPU answers of the scenario scripts (``scenario_cpu``),
+and the scripts run by path in a vLLM interpreter (``served_harness/``, ``kernel_harness/``,
+``kv_scenarios/``, ``prefix_scenarios/``, ``hybrid_scenarios/``). Test modules import from here;
+``conftest.py`` keeps the fixtures and the pytest hooks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
