@@ -77,10 +77,34 @@ class Resolved(NamedTuple):
     patch_dirs: tuple[AdmittedPath, ...]  # every folder the catalog's patches were loaded from
 
 
+class Named(NamedTuple):
+    """Step one: what the request names, each path admitted once: the project and the rule for
+    what it names, its configuration (read against the catalog the request starts from), and
+    the target interpreter."""
+
+    project: AdmittedPath | None
+    config: Config | None
+    patch_dirs: tuple[AdmittedPath, ...]  # the project's patch folders the request names
+    choice: InterpreterChoice
+    interpreter: AdmittedPath
+
+
+class Built(NamedTuple):
+    """Step two: the catalog the selection is made from (built in or given, the project's
+    folders, what the target's wheels carry), and the configuration it came with."""
+
+    catalog: Catalog
+    config: Config | None
+
+
 def resolve(request: Request, config_problems: list[str] | None = None, carried: bool = False,
             overlap_ok: bool = False, unknown_patches: list[str] | None = None
             ) -> Resolved:
     """The pure-ish front half shared by every operation and the build hook: no writes.
+
+    Three one-way steps, each taking the previous one's immutable result: read what the
+    request names (``read_named``), build the catalog (``build_catalog``), select
+    (``select_patches``).
 
     The one gate: the project, its patch folders, its interpreter (``python``, ``.venv``, a
     relative ``$UV_PROJECT_ENVIRONMENT``), the carried folders and the catalogs are admitted by
@@ -97,7 +121,19 @@ def resolve(request: Request, config_problems: list[str] | None = None, carried:
     and ``status``, which must reach both; the authoring commands, which apply no selection).
     ``unknown_patches``: when given, the ``--patch`` ids the catalog does not know go there
     instead of being a usage error (``revert --patch`` of a block no catalog here knows)."""
-    catalog = request.catalog or load_catalog()
+    start = request.catalog or load_catalog()
+    named = read_named(request, start, config_problems)
+    built = build_catalog(request, named, start, carried)
+    selection = select_patches(request, built, unknown_patches, overlap_ok)
+    return Resolved(built.catalog, built.config, selection, named.choice, named.project,
+                    named.interpreter, built.catalog.admitted)
+
+
+def read_named(request: Request, catalog: Catalog, config_problems: list[str] | None
+               ) -> Named:
+    """Step one: the project (admitted), its configuration (its patch ids checked against
+    ``catalog`` and its own patch folder), the project's patch folders the request names
+    (``create``'s) and the interpreter, each admitted."""
     project = _admitted_project(request)
     names = project.rule.for_named if project is not None else Rule.OWNER
     config = request.config
@@ -108,26 +144,42 @@ def resolve(request: Request, config_problems: list[str] | None = None, carried:
             if config_problems is None:
                 raise
             config_problems += exc.errors
-    if config is not None and config.catalog is not None:
-        catalog = config.catalog
-    catalog = _with_project_folders(catalog, request.extra_patch_dirs, names)
+    patch_dirs = tuple(admit_folder(folder, "the project's patch folder", names)
+                       for folder in request.extra_patch_dirs)
     choice = choose_interpreter(request.project_dir, request.python,
                                 config.python if config else None)
     interpreter = admit_interpreter(choice.python, f"the interpreter ({choice.reason})",
                                     _interpreter_rule(choice, names))
+    return Named(project, config, patch_dirs, choice, interpreter)
+
+
+def build_catalog(request: Request, named: Named, start: Catalog, carried: bool) -> Built:
+    """Step two: ``start`` with the configuration's own patch folder, the project's patch
+    folders the request names, and, with no configuration and nothing selected
+    on the command line when ``carried``, what the target's wheels carry."""
+    config = named.config
+    catalog = config.catalog if config is not None and config.catalog is not None else start
+    catalog = _with_project_folders(catalog, named.patch_dirs)
     if carried and config is None and not request.command_line_selection:
         from ..carried import join_carried
 
-        joined = join_carried(_purelib(choice), catalog)
+        joined = join_carried(_purelib(named.choice), catalog)
         if joined is not None:
             config = joined.config
             assert config.catalog is not None
             catalog = config.catalog
-    selection = _select(request, catalog, config, unknown_patches)
+    return Built(catalog, config)
+
+
+def select_patches(request: Request, built: Built, unknown_patches: list[str] | None,
+                   overlap_ok: bool) -> Selection:
+    """Step three: what the request selects from the catalog built, two patches that replace
+    one symbol refused unless ``overlap_ok``."""
+    selection = _select(request, built.catalog, built.config, unknown_patches)
     if not overlap_ok:
-        refuse_overlaps(selection, config, command_line=request.command_line_selection
+        refuse_overlaps(selection, built.config, command_line=request.command_line_selection
                         and request.config is None)
-    return Resolved(catalog, config, selection, choice, project, interpreter, catalog.admitted)
+    return selection
 
 
 def _admitted_project(request: Request) -> AdmittedPath | None:
@@ -142,16 +194,13 @@ def _admitted_project(request: Request) -> AdmittedPath | None:
         raise UsageError(f"{exc}; or run in that folder, or name it with --project") from None
 
 
-def _with_project_folders(catalog: Catalog, folders: tuple[Path, ...], names: Rule) -> Catalog:
+def _with_project_folders(catalog: Catalog, folders: tuple[AdmittedPath, ...]) -> Catalog:
     """``catalog`` with the patches of the project's own patch folders (``create``'s)."""
     for folder in folders:
         try:
-            catalog = catalog.merged(load_patch_folders(
-                admit_folder(folder, "the project's patch folder", names)))
-        except UntrustedPath:
-            raise
+            catalog = catalog.merged(load_patch_folders(folder))
         except CatalogError as exc:
-            raise ConfigurationError([f"{folder}: {exc}"]) from None
+            raise ConfigurationError([f"{folder.path}: {exc}"]) from None
     return catalog
 
 
