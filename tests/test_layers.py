@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from conftest import REPO
+from support import REPO
 
 PACKAGE = REPO / "hatch_vllm_patch"
 KEPT = {frozenset({"__main__", "_cli"})}
