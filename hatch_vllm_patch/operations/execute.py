@@ -16,10 +16,11 @@ from ..files import TargetChanged, locked, replace_module_file, replace_module_f
 from ..record import EnvironmentRecord, RecordRead, edit_state, read_record
 from ..report import PatchOutcome
 from . import recording
-from .plan import Context, PatchPlan, State, lock_dirs, target_path
+from .plan import Context, PatchPlan, lock_dirs, target_path
 from .runplan import (
     Foreign,
     Step,
+    end_sessions,
     failed_patch,
     finish_foreign,
     finish_patch,
@@ -91,28 +92,13 @@ def live_edit_files(env: TargetEnvironment) -> set[str]:
 
 
 def _edit_sessions(ctx: Context, ws: Workspace) -> None:
-    """End (writers) or name (readers) the edit sessions whose file is no longer the one
-    ``edit`` opened; ``revert`` of everything names the live ones it leaves open."""
+    """The edit sessions whose file is no longer the one ``edit`` opened ended (writers) or
+    named (readers): where the run's plan starts."""
     record = ws.state.record
-    stale = {p: why for p, why in edit_states(ctx.env, record).items() if why}
-    for path, why in sorted(stale.items()):
-        session = record.edits[path]
-        if ctx.writes:
-            record = record.with_edit(path, None)
-            ws.ended.append(session.pristine_sha256)
-            ws.notes.append(f"ended the edit session of {session.module} ({path}): {why}")
-        else:
-            ws.notes.append(
-                f"the edit session of {session.module} ({path}) is over: {why}; its file "
-                f"is checked like any other: `vllm-patch edit {session.module}` opens it "
-                "afresh, `vllm-patch apply` puts the patches back (and ends the session)")
-    ws.adopt(State(record, stale))
-    live = sorted(p for p in record.edits if p not in stale)
-    if live and ctx.operation == "revert" and not ctx.request.command_line_selection:
-        names = ", ".join(f"{record.edits[p].module} ({p})" for p in live)
-        ws.notes.append(
-            f"still open for editing, your changes kept: {names}; `vllm-patch create ID` "
-            "makes a patch of it, `vllm-patch edit MODULE --discard` ends it")
+    sessions = end_sessions(ctx, record, edit_states(ctx.env, record))
+    ws.adopt(sessions.state)
+    ws.ended += sessions.ended
+    ws.notes += sessions.notes
 
 
 # --- the plan carried out ----------------------------------------------------------------------

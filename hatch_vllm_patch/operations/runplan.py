@@ -145,6 +145,43 @@ def outcomes_of(steps: Sequence[Step]) -> list[PatchOutcome]:
     return patches + removed + rest
 
 
+class Sessions(NamedTuple):
+    """Where a run's plan starts: the state with the edit sessions that are over ended
+    (writers) or marked (readers), the pristine copies to drop once the record says so, and
+    the notes."""
+
+    state: State
+    ended: tuple[str, ...]
+    notes: tuple[str, ...]
+
+
+def end_sessions(ctx: Context, record: EnvironmentRecord, states: Mapping[str, str | None]
+                 ) -> Sessions:
+    """End (writers) or name (readers) the edit sessions whose file is no longer the one
+    ``edit`` opened (``states``: each session's file -> None while live, else why it is
+    over); ``revert`` of everything names the live ones it leaves open."""
+    stale = {p: why for p, why in states.items() if why}
+    ended, notes = [], []
+    for path, why in sorted(stale.items()):
+        session = record.edits[path]
+        if ctx.writes:
+            record = record.with_edit(path, None)
+            ended.append(session.pristine_sha256)
+            notes.append(f"ended the edit session of {session.module} ({path}): {why}")
+        else:
+            notes.append(
+                f"the edit session of {session.module} ({path}) is over: {why}; its file "
+                f"is checked like any other: `vllm-patch edit {session.module}` opens it "
+                "afresh, `vllm-patch apply` puts the patches back (and ends the session)")
+    live = sorted(p for p in record.edits if p not in stale)
+    if live and ctx.operation == "revert" and not ctx.request.command_line_selection:
+        names = ", ".join(f"{record.edits[p].module} ({p})" for p in live)
+        notes.append(
+            f"still open for editing, your changes kept: {names}; `vllm-patch create ID` "
+            "makes a patch of it, `vllm-patch edit MODULE --discard` ends it")
+    return Sessions(State(record, stale), tuple(ended), tuple(notes))
+
+
 # --- the planned bytes ----------------------------------------------------------------------
 
 def reader(files: Files, written: Mapping[str, bytes]) -> Reader:
