@@ -1,9 +1,12 @@
-"""The plan of one run, pure: for each selected patch the facts of its targets, each target's
-plan (its verdict, the new bytes of its file) and the patch's plan over all its targets (the
-all-or-nothing rule), from the record and the bytes of the files as the run knows them.
+"""The plan of one patch, pure: the facts of its targets, each target's plan (its verdict, the
+new bytes of its file) and the patch's plan over all its targets (the all-or-nothing rule),
+from the record and the bytes of the files as the run knows them; the table of operations,
+the ``Context`` of a run and the ``State`` it holds between steps (``runplan.py`` plans the
+whole run with these).
 
-Nothing here writes: the bytes come through a reader the executor gives (``execute.py``, the
-bytes as last read or written under the lock), and what to write is returned as data."""
+Nothing here writes: the bytes come through a reader the run gives (``runplan.py``: the bytes
+as last read or written under the lock, the earlier steps' planned writes laid over them), and
+what to write is returned as data."""
 
 from __future__ import annotations
 
