@@ -1,9 +1,12 @@
-"""The plan of one run, pure: for each selected patch the facts of its targets, each target's
-plan (its verdict, the new bytes of its file) and the patch's plan over all its targets (the
-all-or-nothing rule), from the record and the bytes of the files as the run knows them.
+"""The plan of one patch, pure: the facts of its targets, each target's plan (its verdict, the
+new bytes of its file) and the patch's plan over all its targets (the all-or-nothing rule),
+from the record and the bytes of the files as the run knows them; the table of operations,
+the ``Context`` of a run and the ``State`` it holds between steps (``runplan.py`` plans the
+whole run with these).
 
-Nothing here writes: the bytes come through a reader the executor gives (``execute.py``, the
-bytes as last read or written under the lock), and what to write is returned as data."""
+Nothing here writes: the bytes come through a reader the run gives (``runplan.py``: the bytes
+as last read or written under the lock, the earlier steps' planned writes laid over them), and
+what to write is returned as data."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from ..engine import (
 from ..environment import ModuleQuery, TargetEnvironment
 from ..markers import MarkerError, parse_file
 from ..record import COMMAND_LINE, EnvironmentRecord, SelectedPatch
+from ..report import PatchOutcome
 from ..selection import overlaps
 from .request import Request
 
@@ -136,6 +140,24 @@ class PatchPlan(NamedTuple):
         return [(Path(f.path), plan.new_content, f.content or b"")
                 for plan, f in zip(self.plans, self.facts, strict=True)
                 if plan.new_content is not None]
+
+
+@dataclass(frozen=True)
+class State:
+    """What a run holds between two of its steps (``runplan.py`` plans each from the one
+    before): the record as it stands (each file's ledger entry in line with it), the files
+    whose edit session is over (and why), the bytes of the files the steps so far write, the
+    shapes found "known" ((file, patch id) -> key), each target's outcome ((patch id,
+    module)), the patches reported so far, and the (id, file) of dropped patches whose block
+    could not be removed (they stay recorded). Never changed: each step makes a new one."""
+
+    record: EnvironmentRecord
+    stale: Mapping[str, str] = field(default_factory=dict)
+    written: Mapping[str, bytes] = field(default_factory=dict)
+    known: Mapping[tuple[str, str], str] = field(default_factory=dict)
+    outcomes: Mapping[tuple[str, str], PatchOutcome] = field(default_factory=dict)
+    reported: frozenset[str] = frozenset()
+    unremoved: frozenset[tuple[str, str | None]] = frozenset()
 
 
 # --- where ------------------------------------------------------------------------------------

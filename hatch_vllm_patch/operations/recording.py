@@ -1,6 +1,7 @@
 """The record a run leaves: each file's ledger entry brought in line with the file, the
 selection it leaves (what the guard checks), and the one write of ``.hatch-vllm-patch.json``
-from what was carried out. The entries are computed by pure functions; ``save`` writes them."""
+from what was carried out. The entries are computed by pure functions (``runplan.py`` plans
+them); ``save`` writes them."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ..markers import MarkerError, parse_file, sha256_hex
 from ..record import (
     DEFAULT_GUARD,
     RECORD_NAME,
+    EnvironmentRecord,
     FileEntry,
     SelectedPatch,
     drop_pristine,
@@ -25,7 +27,7 @@ from ..record import (
 )
 from ..record import Selection as SelectionRecord
 from ..report import PatchOutcome
-from .plan import Context, target_path
+from .plan import Context, State, target_path
 from .workspace import Workspace, no_interrupt
 
 
@@ -59,39 +61,41 @@ def reconciled_entry(env: TargetEnvironment, distribution: str, content: bytes,
     )
 
 
-def reconcile(ctx: Context, ws: Workspace, path: Path, distribution: str) -> None:
-    """Bring the ledger entry of ``path`` in line with the file, whose original bytes were
-    just checked: a run killed between the file and the record leaves them apart."""
-    content = ws.contents.get(str(path))
+def reconciled(ctx: Context, state: State, path: Path, distribution: str,
+               content: bytes | None) -> EnvironmentRecord:
+    """The record with the ledger entry of ``path`` in line with the file, whose bytes are
+    ``content`` (its original bytes just checked): a run killed between the file and the
+    record leaves them apart."""
     if content is None:
-        return
-    known = {pid: key.split(":", 1)[1] for (p, pid), key in ws.known.items() if p == str(path)}
+        return state.record
+    known = {pid: key.split(":", 1)[1] for (p, pid), key in state.known.items()
+             if p == str(path)}
     changed, entry = reconciled_entry(ctx.env, distribution, content,
-                                      ws.record.files.get(str(path)), known)
-    if changed:
-        ws.record = ws.record.with_file(str(path), entry)
+                                      state.record.files.get(str(path)), known)
+    return state.record.with_file(str(path), entry) if changed else state.record
 
 
-def selection_record(ctx: Context, ws: Workspace) -> SelectionRecord | None:
+def selection_record(ctx: Context, state: State, contents: Mapping[str, bytes | None]
+                     ) -> SelectionRecord | None:
     """What this run leaves as the environment's selection (what the guard checks).
 
     ``apply`` from the project's configuration replaces it; ``apply`` of patches named on
     the command line adds them to it; ``revert`` of everything clears it, of some patches
-    drops them."""
-    previous = ws.record.selection
+    drops them. ``contents``: the bytes of each file as the run leaves it."""
+    previous = state.record.selection
     partial = ctx.request.command_line_selection
     ids = {p.id for p in ctx.patches} | set(ctx.loose)
     if ctx.operation == "revert":
         kept = tuple(p for p in previous.patches if p.id not in ids) \
             if previous and partial else ()
         return previous._replace(patches=kept) if previous and partial else None
-    entries = tuple(selected_entry(ctx, m, ws.outcomes[(patch.id, m.target.module)],
-                                   ws.contents)
+    entries = tuple(selected_entry(ctx, m, state.outcomes[(patch.id, m.target.module)],
+                                   contents)
                     for patch in ctx.patches for m in patch.parts)
     before = previous.patches if previous else ()
     merged, removed = merge_selection(before, ctx.origin, entries, ctx.converge)
-    merged = (*merged, *(e for e in removed if (e.id, e.file) in ws.unremoved))
-    merged = tuple(current_digest(e, ws.contents) for e in merged)
+    merged = (*merged, *(e for e in removed if (e.id, e.file) in state.unremoved))
+    merged = tuple(current_digest(e, contents) for e in merged)
     config = ctx.config
     if config is None and previous is not None:
         return previous._replace(patches=merged)
@@ -158,11 +162,20 @@ def selected_entry(ctx: Context, patch: Patch, outcome: PatchOutcome,
         selected_by=ctx.carriers.get(patch.id, ()), symbols=patch.target.symbols)
 
 
-def save(ctx: Context, ws: Workspace, outcomes: list[PatchOutcome]) -> list[str]:
-    """Write the record this run leaves (writers only); the errors to report."""
+def leaves(ctx: Context, state: State, contents: Mapping[str, bytes | None]
+           ) -> EnvironmentRecord | None:
+    """The record a run that ends in ``state`` leaves (writers; None: the others write
+    none)."""
     if not ctx.writes:
+        return None
+    return state.record.with_selection(selection_record(ctx, state, contents))
+
+
+def save(ctx: Context, ws: Workspace, new: EnvironmentRecord | None,
+         outcomes: list[PatchOutcome]) -> list[str]:
+    """Write ``new``, the record this run leaves (writers only); the errors to report."""
+    if new is None:
         return []
-    new = ws.record.with_selection(selection_record(ctx, ws))
     if ctx.revert_all and new.empty() and all(o.ok for o in outcomes):
         _remove_all(ctx, ws)
         return []

@@ -1,36 +1,37 @@
-"""What one run holds under the locks while it carries out its plan: the record as it stands,
-the bytes of every file as last read or written (and the identity of the file they came
-from), and what was carried out so far. The executors (``execute.py``, ``recording.py``) change
-it; the planner only reads through it (``Workspace.read``)."""
+"""What one run holds under the locks while it carries out its plan: the bytes of every file as
+last read or written (and the identity of the file they came from), and what was carried out
+so far (``plan.State``: the record as it stands, the outcomes). The executors (``execute.py``,
+``recording.py``) change it; the planner only reads through it (``Workspace.read``)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
 from ..files import FileIdentity, read_identified
 from ..markers import sha256_hex
 from ..record import EnvironmentRecord
-from ..report import PatchOutcome
+from .plan import State
 
 
 class Workspace:
     """The run's state under the locks (one per run; nothing outside it is changed)."""
 
     def __init__(self, record: EnvironmentRecord) -> None:
-        self.record = self.initial = record
+        self.initial = record
+        self.state = State(record)  # the record, the outcomes, ... as carried out so far
         self.rewrite = False  # the record must be written even unchanged (entries dropped)
         self.contents: dict[str, bytes | None] = {}  # path -> bytes as last read or written
         self.identities: dict[str, FileIdentity] = {}  # path -> the file they were read from
-        self.known: dict[tuple[str, str], str] = {}  # (path, patch id) -> a "known" shape key
-        self.outcomes: dict[tuple[str, str], PatchOutcome] = {}  # (patch id, module) -> outcome
         self.wrote_targets = False
-        self.stale: dict[str, str] = {}  # file -> why its edit session is over
         self.ended: list[str] = []  # pristine copies to drop once the record says so
-        # (id, file) of dropped patches whose block could not be removed: they stay recorded
-        self.unremoved: set[tuple[str, str | None]] = set()
         self.notes: list[str] = []
+
+    def adopt(self, state: State) -> None:
+        """What a step carried out left (its writes are in ``contents`` already)."""
+        self.state = dataclasses.replace(state, written={})
 
     def read(self, path: Path) -> tuple[bytes | None, str | None]:
         """The bytes of ``path`` as this run last read or wrote them (None: no such file),
