@@ -1,4 +1,5 @@
-"""The command line: argparse, :func:`main` and what ends it — and nothing else prints or exits.
+"""The command line: argparse, :func:`main` and what ends it. With the ``_cli_*`` modules beside
+it (what each command prints) it is the only code that prints or exits.
 
 Exit codes: 0 every selected patch is applied or not needed; 1 something is missing, stale,
 refused or failed; 2 usage or configuration error; 130 interrupted (Ctrl-C).
