@@ -297,7 +297,6 @@ class _Escaping:
 
 def _main(argv: Sequence[str] | None, written: list[Path], operation: list[str],
           final: bool) -> int:
-    from .config import find_project_dir
     from .models import resolve_model_dir
 
     arguments = list(sys.argv[1:] if argv is None else argv)
@@ -316,25 +315,10 @@ def _main(argv: Sequence[str] | None, written: list[Path], operation: list[str],
         from ._cli_init import _init
 
         return _init(args, finish, written)
-    from .trust import Rule
-
-    project_rule = Rule.CHOSEN
-    if args.project is not None:
-        project = args.project.resolve()
-        if not project.is_dir():
-            failure = _Failure(EXIT_USAGE, (f"--project {args.project}: not a directory",))
-            return finish(_Outcome(EXIT_USAGE, failure=failure), args.operation)
-    else:
-        from .trust import UntrustedPath
-
-        try:
-            found = find_project_dir(Path.cwd())
-        except UntrustedPath as exc:
-            failure = _Failure(EXIT_USAGE, (f"{exc}; or run in that folder, or name it with "
-                                            "--project",))
-            return finish(_Outcome(EXIT_USAGE, failure=failure), args.operation)
-        project = found.path if found is not None else Path.cwd()
-        project_rule = found.rule if found is not None else Rule.CHOSEN
+    found = _project(args)
+    if isinstance(found, _Failure):
+        return finish(_Outcome(EXIT_USAGE, failure=found), args.operation)
+    project, project_rule = found
     if args.operation == "doctor":
         return _doctor(args, project, finish, project_rule)
     try:
@@ -369,6 +353,27 @@ def _main(argv: Sequence[str] | None, written: list[Path], operation: list[str],
                   short=getattr(args, "short", False),
                   verbose=args.operation != "status" or args.verbose)
 
+
+
+def _project(args: argparse.Namespace) -> tuple[Path, Rule] | _Failure:
+    """The project a command runs for (``--project``, else the nearest pyproject.toml from
+    the current directory up, else the current directory) and the rule it was admitted by."""
+    from .config import find_project_dir
+    from .trust import Rule
+
+    if args.project is not None:
+        project = args.project.resolve()
+        if not project.is_dir():
+            return _Failure(EXIT_USAGE, (f"--project {args.project}: not a directory",))
+        return project, Rule.CHOSEN
+    from .trust import UntrustedPath
+
+    try:
+        found = find_project_dir(Path.cwd())
+    except UntrustedPath as exc:
+        return _Failure(EXIT_USAGE, (f"{exc}; or run in that folder, or name it with "
+                                     "--project",))
+    return ((found.path, found.rule) if found is not None else (Path.cwd(), Rule.CHOSEN))
 
 # --- init ---------------------------------------------------------------------------------------
 
