@@ -33,6 +33,7 @@ from ._cli_output import (
     _Outcome,
     _write,
 )
+from ._cli_output import SCHEMA_VERSION as SCHEMA_VERSION  # defined here before: kept importable
 from .errors import (
     CatalogError,
     ConfigurationError,
