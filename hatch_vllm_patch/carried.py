@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 
 from .bounded import load_json
 from .errors import ConfigurationError
-from .record import GUARD_MODES, _Value
+from .record import GUARD_MODES
+from .record_format import _Value
 from .trust import Rule, admit_folder, check_file
 
 # Import-light like record.py (whose slotted value class it uses): every vLLM process with no

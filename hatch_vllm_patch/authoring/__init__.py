@@ -14,22 +14,15 @@ applied, verified, reverted and guarded by the same engine. What makes it safe:
   says ``unknown-shape`` instead of fuzz-applying.
 
 The package reads as the pipeline: :mod:`.symbols` (the pure symbol diff), :mod:`.render`
-(block and manifest), :mod:`.check` (patch folders), and :mod:`.commands` (the commands and
-their effects) last.
+(block and manifest), :mod:`.check` (patch folders), and :mod:`.commands` and
+:mod:`.create_patch` (the commands and their effects) last.
 """
 
 from __future__ import annotations
 
 from .check import FolderCheck, check, interactive_ask
-from .commands import (
-    CreateResult,
-    EditResult,
-    create,
-    create_from_diff,
-    edit,
-    new,
-    write_patch_folder,
-)
+from .commands import EditResult, edit, new, write_patch_folder
+from .create_patch import CreateResult, create, create_from_diff
 from .render import PLACEHOLDER, render_manifest, render_rebinding_block, render_wrapper_block
 from .symbols import InexpressibleEdit, SymbolChange, captured_references, symbol_changes
 from .update import UpdateResult, update
