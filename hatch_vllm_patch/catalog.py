@@ -385,206 +385,280 @@ def _plain_dir(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink()
 
 
-def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
-    manifest = folder / "patch.toml"
-    where = f"{manifest}"
-    errors: list[str] = []
-    require_trust = root.rule is Rule.RULE
-    admitted = admit_folder(folder, "the patch folder", root.rule)
+# One target as read: where it goes, its known digests (symbol -> digests) and its block's file.
+_ReadTarget = tuple[Target, dict[str, frozenset[str]], str]
 
-    def _check(path: Path) -> None:
-        admitted.member(path, "a file of the patch folder")
 
-    if manifest.exists() or manifest.is_symlink():
-        _check(manifest)
-    try:
-        data = load_toml(manifest)
-    except FileNotFoundError:
-        raise CatalogError(f"{folder}: no patch.toml") from None
-    except (_toml.TOMLDecodeError, UnicodeDecodeError, BoundExceeded) as exc:
-        raise CatalogError(f"{where}: not valid TOML: {exc}") from None
+class _About(NamedTuple):
+    """patch.toml's patch-wide keys, as read (what the patch is, what it replaces, when doctor
+    names it)."""
 
-    def text(table: dict[str, Any], key: str, path: str, required: bool = True) -> str:
+    summary: str
+    description: str
+    links: tuple[str, ...]
+    removal: str
+    architectures: tuple[str, ...]
+    replaces: tuple[str, ...]
+    opt_in: bool
+    runtime: str | None
+
+
+class _PatchToml:
+    """One patch folder being read: its ``patch.toml`` (``data``), the folder as the ownership
+    rule admitted it, and every problem found so far (``errors``, in the order a user reads
+    them: each reader appends its own, and the caller raises them as one error)."""
+
+    def __init__(self, folder: Path, root: AdmittedPath) -> None:
+        self.folder = folder
+        self.manifest = folder / "patch.toml"
+        self.where = f"{self.manifest}"
+        self.errors: list[str] = []
+        self.require_trust = root.rule is Rule.RULE
+        self.admitted = admit_folder(folder, "the patch folder", root.rule)
+        if self.manifest.exists() or self.manifest.is_symlink():
+            self.check(self.manifest)
+        try:
+            self.data = load_toml(self.manifest)
+        except FileNotFoundError:
+            raise CatalogError(f"{folder}: no patch.toml") from None
+        except (_toml.TOMLDecodeError, UnicodeDecodeError, BoundExceeded) as exc:
+            raise CatalogError(f"{self.where}: not valid TOML: {exc}") from None
+
+    def check(self, path: Path) -> None:
+        """``path``, a file of the folder, passes the rule the folder passed."""
+        self.admitted.member(path, "a file of the patch folder")
+
+    def error(self, message: str) -> None:
+        self.errors.append(f"{self.where}: {message}")
+
+    def text(self, table: dict[str, Any], key: str, path: str, required: bool = True) -> str:
         value = table.get(key)
         if value is None and not required:
             return ""
         if not isinstance(value, str) or not value.strip():
-            errors.append(f"{where}: {path} must be a non-empty string")
+            self.error(f"{path} must be a non-empty string")
             return ""
         return value
 
-    def strings(table: dict[str, Any], key: str, path: str) -> tuple[str, ...]:
+    def strings(self, table: dict[str, Any], key: str, path: str) -> tuple[str, ...]:
         value = table.get(key, [])
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            errors.append(f"{where}: {path} must be a list of strings")
+            self.error(f"{path} must be a list of strings")
             return ()
         return tuple(value)
 
-    for key in sorted(set(data) - PATCH_KEYS):
-        errors.append(f"{where}: unknown key {key!r}")
-    patch_id = text(data, "id", "id")
-    if patch_id and (patch_id != folder.name or not is_patch_id(patch_id)):
-        errors.append(f"{where}: id {shown(patch_id)} must equal the folder name "
-                      f"({shown(folder.name)}); {ID_RULE}")
-    applies = data.get("applies", {})
-    if not isinstance(applies, dict):
-        errors.append(f"{where}: [applies] must be a table")
-        applies = {}
-    for key in sorted(set(applies) - APPLIES_KEYS):
-        errors.append(f"{where}: unknown key applies.{key}")
-    # One target: [target] + applies.shapes + block.py. Several (one patch over several
-    # modules, applied and reverted all together): [[targets]], each with its shapes and block.
-    several = "targets" in data
-    tables: list[tuple[str, dict[str, Any]]] = []
-    if several:
+    def patch_id(self) -> str:
+        """The top level's unknown keys, then ``id`` (the folder's name)."""
+        for key in sorted(set(self.data) - PATCH_KEYS):
+            self.error(f"unknown key {key!r}")
+        patch_id = self.text(self.data, "id", "id")
+        if patch_id and (patch_id != self.folder.name or not is_patch_id(patch_id)):
+            self.error(f"id {shown(patch_id)} must equal the folder name "
+                       f"({shown(self.folder.name)}); {ID_RULE}")
+        return patch_id
+
+    def applies(self) -> dict[str, Any]:
+        """``[applies]`` (a table, else empty), its unknown keys reported."""
+        applies = self.data.get("applies", {})
+        if not isinstance(applies, dict):
+            self.error("[applies] must be a table")
+            applies = {}
+        for key in sorted(set(applies) - APPLIES_KEYS):
+            self.error(f"unknown key applies.{key}")
+        return applies
+
+    def target_tables(self, applies: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """Each target's table and its TOML path. One target: [target] + applies.shapes +
+        block.py. Several (one patch over several modules, applied and reverted all together):
+        [[targets]], each with its shapes and block."""
+        data = self.data
+        if "targets" not in data:
+            target_table = data.get("target")
+            if not isinstance(target_table, dict):
+                self.error("[target] table is required")
+                target_table = {}
+            return [("target", target_table)]
         raw_targets = data["targets"]
         if "target" in data or "shapes" in applies or "classifier" in applies:
-            errors.append(f"{where}: [[targets]] carries each target's shapes and block: it "
-                          "excludes [target], applies.shapes and applies.classifier")
+            self.error("[[targets]] carries each target's shapes and block: it excludes "
+                       "[target], applies.shapes and applies.classifier")
         if not isinstance(raw_targets, list) or not raw_targets or not all(
                 isinstance(t, dict) for t in raw_targets):
-            errors.append(f"{where}: [[targets]] must be a non-empty array of tables")
+            self.error("[[targets]] must be a non-empty array of tables")
             raw_targets = []
-        tables = [(f"targets[{i}]", t) for i, t in enumerate(raw_targets)]
-    else:
-        target_table = data.get("target")
-        if not isinstance(target_table, dict):
-            errors.append(f"{where}: [target] table is required")
-            target_table = {}
-        tables = [("target", target_table)]
-    parsed_targets: list[tuple[Target, dict[str, frozenset[str]], str]] = []
-    for label, table in tables:
+        return [(f"targets[{i}]", t) for i, t in enumerate(raw_targets)]
+
+    def targets(self, applies: dict[str, Any], several: bool) -> list[_ReadTarget]:
+        """Every target, then a module named by two of them."""
+        parsed = [self.target(label, table, several)
+                  for label, table in self.target_tables(applies)]
+        modules = [t.module for t, _, _ in parsed]
+        for module in sorted({m for m in modules if modules.count(m) > 1}):
+            self.error(f"[[targets]] names {module} twice: list every symbol of a module in one "
+                       "target")
+        return parsed
+
+    def target(self, label: str, table: dict[str, Any], several: bool) -> _ReadTarget:
+        """One target table (``label``: its TOML path); a target of [[targets]] with its own
+        shapes and block, the one [target] with none (they are in [applies] and block.py)."""
         allowed = TARGET_KEYS | (TARGETS_ONLY_KEYS if several else frozenset())
         for key in sorted(set(table) - allowed):
-            errors.append(f"{where}: unknown key {label}.{key}")
-        module = text(table, "module", f"{label}.module")
+            self.error(f"unknown key {label}.{key}")
+        module = self.text(table, "module", f"{label}.module")
         if module and not _MODULE.fullmatch(module):
-            errors.append(f"{where}: {label}.module {module!r} is not a dotted module path")
-        symbols = _symbols(table, where, errors, label)
+            self.error(f"{label}.module {module!r} is not a dotted module path")
+        symbols = _symbols(table, self.where, self.errors, label)
         optional = table.get("optional", False)
         if not isinstance(optional, bool):
-            errors.append(f"{where}: {label}.optional must be true or false")
+            self.error(f"{label}.optional must be true or false")
             optional = False
         version = table.get("version")
         if version is not None and not isinstance(version, str):
-            errors.append(f"{where}: {label}.version must be a string")
+            self.error(f"{label}.version must be a string")
             version = None
-        install_from = text(table, "install-from", f"{label}.install-from", required=False)
-        distribution = text(table, "distribution", f"{label}.distribution")
-        adds = strings(table, "adds", f"{label}.adds")
+        install_from = self.text(table, "install-from", f"{label}.install-from", required=False)
+        distribution = self.text(table, "distribution", f"{label}.distribution")
+        adds = self.strings(table, "adds", f"{label}.adds")
         for i, name in enumerate(adds):
             if not name.isidentifier():
-                errors.append(f"{where}: {label}.adds[{i}] {name!r} is not a name")
+                self.error(f"{label}.adds[{i}] {name!r} is not a name")
         target = Target(distribution=distribution, module=module, symbols=symbols,
                         optional=optional, version=version, install_from=install_from or None,
                         adds=adds)
-        if several:
-            shapes = _shapes(table.get("shapes"), symbols, where, errors, f"{label}.shapes")
-            if not shapes:
-                errors.append(f"{where}: {label} needs `shapes` (known digests)")
-            block_name = table.get("block", f"{module}.py")
-            if not isinstance(block_name, str) or "/" in block_name or block_name.startswith("."):
-                errors.append(f"{where}: {label}.block must be a file name in the folder")
-                block_name = f"{module}.py"
-            parsed_targets.append((target, shapes, block_name))
-        else:
-            parsed_targets.append((target, {}, "block.py"))
-    modules = [t.module for t, _, _ in parsed_targets]
-    for module in sorted({m for m in modules if modules.count(m) > 1}):
-        errors.append(f"{where}: [[targets]] names {module} twice: list every symbol of a "
-                      "module in one target")
+        if not several:
+            return target, {}, "block.py"
+        shapes = _shapes(table.get("shapes"), symbols, self.where, self.errors, f"{label}.shapes")
+        if not shapes:
+            self.error(f"{label} needs `shapes` (known digests)")
+        block_name = table.get("block", f"{module}.py")
+        if not isinstance(block_name, str) or "/" in block_name or block_name.startswith("."):
+            self.error(f"{label}.block must be a file name in the folder")
+            block_name = f"{module}.py"
+        return target, shapes, block_name
 
-    fixed_in: str | None = None
-    if "fixed-in" in applies:
-        # Checked by a pattern, not parsed: packaging is imported only when a version is compared
-        # (a verify of patches in place compares none).
-        fixed_in = str(applies["fixed-in"])
-        if not _RELEASE.fullmatch(fixed_in):
-            errors.append(f"{where}: applies.fixed-in {applies['fixed-in']!r} is not a release "
-                          "version (e.g. 0.29.0, 1.0rc1)")
-    removed_in: str | None = None
-    if "removed-in" in applies:
-        removed_in = str(applies["removed-in"])
-        if not _RELEASE.fullmatch(removed_in):
-            errors.append(f"{where}: applies.removed-in {applies['removed-in']!r} is not a "
-                          "release version (e.g. 0.24.0)")
-    if not several:
-        parsed_targets[0] = (parsed_targets[0][0], _shapes(
-            applies.get("shapes"), parsed_targets[0][0].symbols, where, errors), "block.py")
-    fixed_shapes = strings(applies, "fixed-shapes", "applies.fixed-shapes")
-    for i, entry in enumerate(fixed_shapes):
-        owner, _, digest = entry.rpartition(":")
-        if not _SHA256.fullmatch(digest) or (owner and not _MODULE.fullmatch(owner)):
-            errors.append(f"{where}: applies.fixed-shapes[{i}]: {entry!r} is not a sha256 digest "
-                          "or 'module:digest'")
-    classifier_path: Path | None = None
-    if "classifier" in applies:
-        classifier_path = folder / str(applies["classifier"])
-        if require_trust and Path(str(applies["classifier"])).name != str(applies["classifier"]):
-            raise UntrustedPath(f"hatch-vllm-patch refuses {where}: applies.classifier "
+    def release(self, applies: dict[str, Any], key: str, example: str) -> str | None:
+        """``applies.<key>``, a release version (``fixed-in``, ``removed-in``), or None.
+
+        Checked by a pattern, not parsed: packaging is imported only when a version is compared
+        (a verify of patches in place compares none)."""
+        if key not in applies:
+            return None
+        value = str(applies[key])
+        if not _RELEASE.fullmatch(value):
+            self.error(f"applies.{key} {applies[key]!r} is not a release version "
+                       f"(e.g. {example})")
+        return value
+
+    def fixed_shapes(self, applies: dict[str, Any]) -> tuple[str, ...]:
+        """``applies.fixed-shapes``: digests, or 'module:digest'."""
+        fixed_shapes = self.strings(applies, "fixed-shapes", "applies.fixed-shapes")
+        for i, entry in enumerate(fixed_shapes):
+            owner, _, digest = entry.rpartition(":")
+            if not _SHA256.fullmatch(digest) or (owner and not _MODULE.fullmatch(owner)):
+                self.error(f"applies.fixed-shapes[{i}]: {entry!r} is not a sha256 digest or "
+                           "'module:digest'")
+        return fixed_shapes
+
+    def classifier(self, applies: dict[str, Any]) -> Path | None:
+        """``applies.classifier``, a file of the folder (:class:`~.trust.UntrustedPath` at once,
+        under the whole rule, for a path that leaves it)."""
+        if "classifier" not in applies:
+            return None
+        classifier_path = self.folder / str(applies["classifier"])
+        if self.require_trust and Path(str(applies["classifier"])).name != str(
+                applies["classifier"]):
+            raise UntrustedPath(f"hatch-vllm-patch refuses {self.where}: applies.classifier "
                                 f"{applies['classifier']!r} is not a file of the patch folder")
         if classifier_path.is_file() or classifier_path.is_symlink():
-            _check(classifier_path)
+            self.check(classifier_path)
         if not classifier_path.is_file():
-            errors.append(f"{where}: applies.classifier {classifier_path} does not exist")
-    if not several and not parsed_targets[0][1] and classifier_path is None:
-        errors.append(f"{where}: [applies] needs `shapes` (known digests) or `classifier`")
+            self.error(f"applies.classifier {classifier_path} does not exist")
+        return classifier_path
 
-    blocks: list[str] = []
-    for _, _, block_name in parsed_targets:
-        block_path = folder / block_name
+    def block(self, block_name: str) -> str:
+        """The text of the block file ``block_name`` ("" when it cannot be read).
+
+        Whether a block compiles is checked where it matters, and only there: before it is
+        written (plan_apply) and by `vllm-patch check` (compiling it on every load would cost
+        every verify and every vLLM process's guard a few milliseconds for nothing)."""
+        block_path = self.folder / block_name
         block = ""
         if block_path.exists() or block_path.is_symlink():
-            _check(block_path)
+            self.check(block_path)
         try:
             block = read_regular(block_path, MAX_BLOCK_BYTES).decode("utf-8")
         except FileNotFoundError:
-            errors.append(f"{where}: {block_name} is missing")
+            self.error(f"{block_name} is missing")
         except UnicodeDecodeError as exc:
-            errors.append(f"{block_path}: must be UTF-8 Python source; found a byte that is "
-                          f"not ({exc.reason} at {exc.start})")
+            self.errors.append(f"{block_path}: must be UTF-8 Python source; found a byte that "
+                               f"is not ({exc.reason} at {exc.start})")
         except (OSError, BoundExceeded) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-            errors.append(f"{block_path}: cannot be read as the patch's block: {reason}")
+            self.errors.append(f"{block_path}: cannot be read as the patch's block: {reason}")
         if block and not block.endswith("\n"):
-            errors.append(f"{block_path}: must end with a newline")
-        blocks.append(block)
-    # Whether a block compiles is checked where it matters, and only there: before it is
-    # written (plan_apply) and by `vllm-patch check` (compiling it on every load would cost
-    # every verify and every vLLM process's guard a few milliseconds for nothing).
+            self.errors.append(f"{block_path}: must end with a newline")
+        return block
+
+    def about(self, patch_id: str) -> _About:
+        """The patch-wide keys: what it is, ``replaces``, ``opt-in`` and ``runtime``."""
+        data = self.data
+        summary = self.text(data, "summary", "summary")
+        description = self.text(data, "description", "description", required=False)
+        links = self.strings(data, "links", "links")
+        removal = self.text(data, "removal", "removal", required=False)
+        architectures = self.strings(data, "architectures", "architectures")
+        replaces = self.strings(data, "replaces", "replaces")
+        opt_in = data.get("opt-in", False)
+        if not isinstance(opt_in, bool):
+            self.error("opt-in must be true or false")
+            opt_in = False
+        runtime = data.get("runtime")
+        if runtime is not None and runtime not in RUNTIME_SETTINGS:
+            self.error(f"runtime {shown(runtime)} must be one of "
+                       f"{', '.join(sorted(RUNTIME_SETTINGS))}")
+            runtime = None
+        elif runtime is not None and not architectures:
+            self.error("runtime needs `architectures` (the models whose bug it is)")
+        for i, other in enumerate(replaces):
+            if not is_patch_id(other) or other == patch_id:
+                self.error(f"replaces[{i}] {shown(other)} must be another patch's id")
+        return _About(summary=summary, description=description, links=links, removal=removal,
+                      architectures=architectures, replaces=replaces, opt_in=opt_in,
+                      runtime=runtime)
+
+
+def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
+    """The patch in ``folder``, a folder directly under ``root``: :class:`CatalogError` listing
+    every problem of its patch.toml and files, in the order they are read (an
+    :class:`~.trust.UntrustedPath` at once for what the rule ``root`` passed refuses)."""
+    toml = _PatchToml(folder, root)
+    patch_id = toml.patch_id()
+    applies = toml.applies()
+    several = "targets" in toml.data
+    parsed = toml.targets(applies, several)
+    fixed_in = toml.release(applies, "fixed-in", "0.29.0, 1.0rc1")
+    removed_in = toml.release(applies, "removed-in", "0.24.0")
+    if not several:
+        parsed[0] = (parsed[0][0], _shapes(applies.get("shapes"), parsed[0][0].symbols,
+                                           toml.where, toml.errors), "block.py")
+    fixed_shapes = toml.fixed_shapes(applies)
+    classifier_path = toml.classifier(applies)
+    if not several and not parsed[0][1] and classifier_path is None:
+        toml.error("[applies] needs `shapes` (known digests) or `classifier`")
+    blocks = [toml.block(block_name) for _, _, block_name in parsed]
     probe = folder / "probe.py"
     if probe.exists() or probe.is_symlink():
-        _check(probe)
-    summary = text(data, "summary", "summary")
-    description = text(data, "description", "description", required=False)
-    links = strings(data, "links", "links")
-    removal = text(data, "removal", "removal", required=False)
-    architectures = strings(data, "architectures", "architectures")
-    replaces = strings(data, "replaces", "replaces")
-    opt_in = data.get("opt-in", False)
-    if not isinstance(opt_in, bool):
-        errors.append(f"{where}: opt-in must be true or false")
-        opt_in = False
-    runtime = data.get("runtime")
-    if runtime is not None and runtime not in RUNTIME_SETTINGS:
-        errors.append(f"{where}: runtime {shown(runtime)} must be one of "
-                      f"{', '.join(sorted(RUNTIME_SETTINGS))}")
-        runtime = None
-    elif runtime is not None and not architectures:
-        errors.append(f"{where}: runtime needs `architectures` (the models whose bug it is)")
-    for i, other in enumerate(replaces):
-        if not is_patch_id(other) or other == patch_id:
-            errors.append(f"{where}: replaces[{i}] {shown(other)} must be another patch's id")
-
-    if errors:
-        raise CatalogError("\n".join(errors))
+        toml.check(probe)
+    about = toml.about(patch_id)
+    if toml.errors:
+        raise CatalogError("\n".join(toml.errors))
     members = tuple(Patch(
         id=patch_id,
-        summary=summary,
-        description=description,
-        links=links,
-        removal=removal,
-        architectures=architectures,
+        summary=about.summary,
+        description=about.description,
+        links=about.links,
+        removal=about.removal,
+        architectures=about.architectures,
         target=target,
         fixed_in=fixed_in,
         symbol_shapes=shapes,
@@ -594,11 +668,11 @@ def _load_patch(folder: Path, root: AdmittedPath) -> Patch:
         classifier_path=classifier_path,
         probe_path=probe if probe.is_file() else None,
         block_name=block_name,
-        replaces=replaces,
-        opt_in=opt_in,
-        runtime=runtime,
+        replaces=about.replaces,
+        opt_in=about.opt_in,
+        runtime=about.runtime,
         removed_in=removed_in,
-    ) for (target, shapes, block_name), block in zip(parsed_targets, blocks, strict=True))
+    ) for (target, shapes, block_name), block in zip(parsed, blocks, strict=True))
     return members[0]._replace(members=members) if several else members[0]
 
 
