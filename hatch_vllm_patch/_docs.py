@@ -9,7 +9,7 @@ What is generated, and from what:
   codes, and the ``--json`` fields from ``schema/output.schema.json``;
 - ``configuration.md``: ``[tool.vllm-patch]``'s keys from ``config.py``'s own key sets and the build
   hook's options from ``build_hook.py``'s;
-- ``patch-toml.md``: ``patch.toml``'s keys from ``catalog.py``'s key sets;
+- ``patch-toml.md``: ``patch.toml``'s keys from ``patch_toml.py``'s key sets;
 - ``environment-variables.md``: every ``HATCH_VLLM_PATCH_*`` name the package reads;
 - ``catalog/``: one page per catalog patch from its ``patch.toml``, and the index;
 - the catalog's entries in ``mkdocs.yml``'s navigation (between two marker lines).
@@ -303,7 +303,7 @@ def configuration_page() -> str:
 
 def patch_toml_page() -> str:
     return "".join([
-        _page("`patch.toml`", REGENERATE, "the key sets of `hatch_vllm_patch/catalog.py`"),
+        _page("`patch.toml`", REGENERATE, "the key sets of `hatch_vllm_patch/patch_toml.py`"),
         "A patch is a folder: `patch.toml`, the block (`block.py`, or one file per target), "
         "and optionally `classify.py` (a structural shape check), `probe.py` (run by `verify "
         "--deep`) and `base/` (kept by `create`, the merge base of `update`). The catalog's "
