@@ -127,8 +127,8 @@ def test_boundaries_are_the_wheels() -> None:
 def test_other_round_trips_on_boundaries_of_every_shape() -> None:
     """The memory patches' round trips (their own modules) run on boundary releases only, and
     on a release of every shape where they apply."""
-    from test_kv_cache_page_promotion import HOME
-    from test_kv_cache_uneven_groups import MODULE_OF
+    from support.page_promotion import HOME
+    from support.uneven_groups import MODULE_OF
 
     shapes = {r: release_shapes(r) for r in RELEASES}
     for pid, tried in (("kv-cache-page-promotion", HOME), ("kv-cache-uneven-groups", MODULE_OF),
