@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from packaging.version import Version
+from support.prefix_patches import CHUNK, MAMBA, WINDOW, blocks, claims
+from support.release_shapes import expected
 from support.upstream import (
     cached_sdist,
     junit_outcomes,
@@ -43,50 +44,11 @@ from support.upstream import (
     write_plugin,
 )
 from support.venvs import EXHAUSTIVE, full_vllm_planning_env, run, run_lock
-from test_release_shapes import expected
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
-PATCHES = REPO / "patches"
-MAMBA = "hybrid-prefix-mamba-block"
-WINDOW = "hybrid-prefix-drafter-window"
-CHUNK = "mamba-all-mode-chunk-align"
 RELEASES = ("0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
             "0.34.0")
-# What each patch executes in vLLM's modules: (module, the function its block wraps, block).
-# hybrid-prefix-drafter-window wraps the grouping in kv_cache_utils (0.27 - 0.32) or
-# kv_cache_planning (0.33+).
-_WINDOW_MODULE = {True: "vllm.v1.core.kv_cache_planning", False: "vllm.v1.core.kv_cache_utils"}
-
-
-def blocks(patch: str, version: str) -> list[list[str]]:
-    if patch == MAMBA:
-        return [["vllm.v1.core.sched.scheduler", "Scheduler._mamba_block_aligned_split",
-                 str(PATCHES / MAMBA / "scheduler_block.py")],
-                ["vllm.v1.worker.gpu.model_states.mamba_hybrid",
-                 "MambaHybridModelState.add_request", str(PATCHES / MAMBA / "worker_block.py")]]
-    if patch == WINDOW:
-        module = _WINDOW_MODULE[Version(version) >= Version("0.33.0")]
-        return [[module, "_get_kv_cache_groups_uniform_page_size",
-                 str(PATCHES / WINDOW / "block.py")]]
-    return [["vllm.model_executor.models.config", "MambaModelConfig.verify_and_update_config",
-             str(PATCHES / CHUNK / "block.py")]]
-
-
-def claims(version: str) -> list[str]:
-    """The prefix patches that claim ``version``: the ones `vllm-patch verify` calls missing
-    (applicable, not applied) on its files as released (tests/test_release_shapes.py)."""
-    return [p for p in (MAMBA, WINDOW, CHUNK) if expected(p, version) == "missing"]
-
-
-def other_blocks(patch: str, version: str) -> list[str]:
-    """The blocks of the prefix patches other than ``patch`` that claim ``version``, as the
-    scenario scripts take them (``MODULE=BLOCK.py``): what a project that applies them too runs."""
-    return [f"{module}={path}" for other in claims(version) if other != patch
-            for module, _, path in blocks(other, version)]
-
-
 # The scheduler's, prefix caching's and the align split's tests, and the planning tests of the
 # grouping's module.
 PREFIX_FILES = ("tests/v1/core/test_mamba_align_chunk_split.py",
