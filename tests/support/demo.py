@@ -200,3 +200,38 @@ def blocks(python: Path) -> set[str]:
     from hatch_vllm_patch.markers import parse_file
 
     return {b.patch_id for b in parse_file(core_file(python).read_bytes()).blocks}
+
+
+# A patch of demo-pkg over two modules (``two-fix``), written as a catalog folder.
+DIGEST_A, DIGEST_B = "a" * 64, "b" * 64
+
+TWO_TARGETS = textwrap.dedent(f"""\
+    id = "two-fix"
+    summary = "One fix over two modules"
+
+    [[targets]]
+    distribution = "demo-pkg"
+    module = "demo_pkg.core"
+    symbol = "compute"
+    shapes = ["{DIGEST_A}"]
+
+    [[targets]]
+    distribution = "demo-pkg"
+    module = "demo_pkg.extra"
+    symbols = ["limit", "helper"]
+    adds = ["LIMIT"]
+    block = "extra-block.py"
+
+    [targets.shapes]
+    limit = ["{DIGEST_B}"]
+    helper = ["absent"]
+    """)
+
+
+def write(root: Path, manifest: str, blocks: dict[str, str]) -> Path:
+    folder = root / "two-fix"
+    folder.mkdir(parents=True)
+    (folder / "patch.toml").write_text(manifest)
+    for name, text in blocks.items():
+        (folder / name).write_text(text)
+    return root
