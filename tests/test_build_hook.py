@@ -14,69 +14,28 @@ import importlib.metadata
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from support.commands import cli
 from support.demo import write_demo_catalog
+from support.hook_project import (
+    ENV,
+    PATCH,
+    PYPROJECT,
+    SELECTION,
+    hatchling_build,
+    make_project,
+)
 from support.venvs import UV, create_venv, run, site_packages
 
 import hatch_vllm_patch
 from hatch_vllm_patch.build_hook import _headline
 
 REPO = Path(__file__).resolve().parent.parent
-PATCH = "kv-cache-page-unification"
 VLLM = "vllm==0.20.2"
 TARGET = "vllm/v1/core/kv_cache_utils.py"
-# Keep the choice of target environment to the project: no UV_PROJECT_ENVIRONMENT from outside.
-ENV = {"UV_PROJECT_ENVIRONMENT": "", "HATCH_VERBOSE": "0", "HATCH_QUIET": "0"}
-
-PYPROJECT = """\
-[build-system]
-requires = ["hatchling>=1.24", "hatch-vllm-patch"]
-build-backend = "hatchling.build"
-
-[project]
-name = "demo"
-version = "0.1.0"
-
-[tool.hatch.build.targets.wheel]
-packages = ["demo"]
-dev-mode-dirs = ["."]  # editable builds without the `editables` package
-
-[tool.hatch.build.hooks.vllm-patch]
-{hook}
-{vllm_patch}
-[tool.uv.sources]
-hatch-vllm-patch = {{ path = "{repo}", editable = true }}
-"""
-
-SELECTION = f"""\
-[tool.vllm-patch.architectures.Qwen3_5MoeForConditionalGeneration]
-patches = ["{PATCH}"]
-"""
-
-
-def make_project(root: Path, *, hook: str = "", vllm_patch: str = SELECTION) -> Path:
-    (root / "demo").mkdir(parents=True)
-    (root / "demo" / "__init__.py").write_text("")
-    (root / "pyproject.toml").write_text(
-        PYPROJECT.format(hook=hook, vllm_patch=vllm_patch, repo=REPO.as_posix())
-    )
-    return root
-
-
-def hatchling_build(project: Path, kind: str, *, python: Path | None = None,
-                    env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Build ``kind`` (sdist, wheel, editable) as a frontend would; (exit code, all output)."""
-    code = f"import sys, hatchling.build as b; print(b.build_{kind}(sys.argv[1]))"
-    proc = run([str(python or sys.executable), "-c", code, str(project / "dist")], cwd=project,
-               env={**ENV, **(env or {})}, check=False)
-    return proc.returncode, proc.stdout + proc.stderr
-
-
 def target_file(venv: Path) -> Path:
     return site_packages(venv) / TARGET
 

@@ -3,47 +3,14 @@ shapes and block; what is wrong with such a folder is named with its TOML path."
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest
+from support.demo import DIGEST_A, TWO_TARGETS, write
 
 from hatch_vllm_patch.catalog import load_patch_folders
 from hatch_vllm_patch.errors import CatalogError
 from hatch_vllm_patch.trust import chosen
-
-DIGEST_A, DIGEST_B = "a" * 64, "b" * 64
-
-TWO_TARGETS = textwrap.dedent(f"""\
-    id = "two-fix"
-    summary = "One fix over two modules"
-
-    [[targets]]
-    distribution = "demo-pkg"
-    module = "demo_pkg.core"
-    symbol = "compute"
-    shapes = ["{DIGEST_A}"]
-
-    [[targets]]
-    distribution = "demo-pkg"
-    module = "demo_pkg.extra"
-    symbols = ["limit", "helper"]
-    adds = ["LIMIT"]
-    block = "extra-block.py"
-
-    [targets.shapes]
-    limit = ["{DIGEST_B}"]
-    helper = ["absent"]
-    """)
-
-
-def write(root: Path, manifest: str, blocks: dict[str, str]) -> Path:
-    folder = root / "two-fix"
-    folder.mkdir(parents=True)
-    (folder / "patch.toml").write_text(manifest)
-    for name, text in blocks.items():
-        (folder / name).write_text(text)
-    return root
 
 
 def test_two_targets_make_one_patch_with_a_part_per_module(tmp_path: Path) -> None:

@@ -14,14 +14,12 @@ from pathlib import Path
 
 import pytest
 from support import REPO
+from support.console_examples import SHOWN_REPO, SHOWN_WORKDIR, commands
 from support.venvs import scrubbed_environ
 
 from hatch_vllm_patch import _docs, config
 
 DOCS = REPO / "docs"
-# Paths the examples show, and what they stand for when the test runs them.
-SHOWN_REPO = "/src/hatch-vllm-patch"
-SHOWN_WORKDIR = "/srv/demo"
 EXAMPLE = re.compile(r"<!-- example: (?P<setup>[\w-]+) -->\n```console\n(?P<body>.*?)\n```",
                      re.S)
 BAD_CONFIG = """\
@@ -109,25 +107,6 @@ def test_examples_are_found() -> None:
     assert len(EXAMPLES) >= 3, EXAMPLES
 
 
-def _commands(body: str) -> list[tuple[str, str]]:
-    """``$ command`` lines (``\\`` continues one) and the output shown under each."""
-    out: list[tuple[str, list[str]]] = []
-    lines = body.splitlines()
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        if line.startswith("$ "):
-            cmd = line[2:]
-            while cmd.endswith("\\"):
-                i += 1
-                cmd = cmd[:-1] + lines[i].strip()
-            out.append((cmd, []))
-        else:
-            out[-1][1].append(line)
-        i += 1
-    return [(cmd, "\n".join(shown)) for cmd, shown in out]
-
-
 @pytest.mark.parametrize(("page", "setup", "body"), EXAMPLES,
                          ids=[f"{p}:{s}:{i}" for i, (p, s, _) in enumerate(EXAMPLES)])
 def test_console_example(page: str, setup: str, body: str, tmp_path: Path) -> None:
@@ -155,7 +134,7 @@ def test_console_example(page: str, setup: str, body: str, tmp_path: Path) -> No
     else:
         assert setup == "empty", f"{page}: unknown example setup {setup!r}"
     env = {**scrubbed_environ(), "COLUMNS": "80", "NO_COLOR": "1"}
-    for cmd, shown in _commands(body):
+    for cmd, shown in commands(body):
         argv = shlex.split(cmd.replace(SHOWN_REPO, str(REPO)))
         assert argv[0] == "vllm-patch", f"{page}: only vllm-patch examples run: {cmd}"
         proc = subprocess.run([sys.executable, "-I", "-m", "hatch_vllm_patch", *argv[1:]],

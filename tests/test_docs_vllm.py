@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 from support import REPO
+from support.console_examples import SHOWN_REPO, SHOWN_WORKDIR, commands
 from support.venvs import UV, local_wheels, run, scrubbed_environ, site_packages
-from test_docs import SHOWN_REPO, SHOWN_WORKDIR, _commands
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +82,7 @@ def test_cpu_route_for_0_33(tmp_path: Path, project_wheel: Path) -> None:
 
     printed = []
     for body in examples:
-        for cmd, shown in _commands(body):
+        for cmd, shown in commands(body):
             argv = shlex.split(cmd.replace(SHOWN_REPO, str(REPO)))
             # the page's copy of the stand-in torchvision (from this checkout), or vllm-patch
             assert argv[0] == "cp" or argv[:3] == ["uv", "run", "vllm-patch"], cmd

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_memory_benchmark import load_benchmark
+from support.memory_benchmark import load_benchmark
 
 from hatch_vllm_patch.doctor import (
     INSTALLED,

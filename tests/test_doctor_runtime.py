@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from support import REPO
-from test_catalog import TWO_TARGETS, write
+from support.demo import TWO_TARGETS, write
 
 from hatch_vllm_patch.catalog import RUNTIME_SETTINGS, load_catalog, load_patch_folders
 from hatch_vllm_patch.doctor import DoctorRequest, runtime_advice
@@ -86,8 +86,8 @@ def test_doctor_names_it_for_mtp_on_a_qwen3_next_like_model(tmp_path: Path) -> N
     runtime line, the verdict and the lines to select name the patch (gdn-spec-cpu-step: a
     runtime line, not needed there); without, none does; the exit code stays the start-up's
     (0: it starts)."""
+    from support.models import window_models
     from support.venvs import full_vllm_planning_env, scrubbed_environ
-    from test_doctor_attention_backend import window_models
 
     python = full_vllm_planning_env("0.34.0")
     model = window_models(tmp_path)["target"]

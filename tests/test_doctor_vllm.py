@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 from support.commands import doctor_batch
+from support.memory_benchmark import load_benchmark
 from support.venvs import scrubbed_environ, vllm_venv
-from test_memory_benchmark import load_benchmark
 
 pytestmark = pytest.mark.slow
 
@@ -426,7 +426,7 @@ def test_every_target_of_a_project_patch_and_never_a_pair(vllm_0202: Path,
     granitemoehybrid-spec-conv-state does; the two are never run or recommended together, the
     catalog's is needed (`vllm-patch doctor --json`, exit 3), and patches for other models are
     not tried."""
-    from test_selection import spec_conv_num_spec
+    from support.project_patches import spec_conv_num_spec
 
     project = tmp_path / "svc"
     spec_conv_num_spec(project / "vllm-patches")

@@ -68,7 +68,7 @@ def test_patch_folder_is_a_valid_catalog_entry() -> None:
 def test_block_binds_only_its_own_names() -> None:
     """The block binds only `_hvp_` names at its top level, and rebinds exactly its two
     symbols, each once, behind the already-wrapped check."""
-    from test_gdn_spec_zero_accepted import block_bindings
+    from support.block_names import block_bindings
 
     bound, rebound = block_bindings(FOLDER / "block.py")
     assert bound and all(name.startswith("_hvp_") for name in bound), bound

@@ -38,6 +38,7 @@ from typing import Any
 
 import pytest
 from support.served import _apply
+from support.upstream import cached_sdist, run_upstream_files, unpack_tests, upstream_tools
 from support.venvs import (
     LOCAL_WHEELS,
     create_venv,
@@ -47,7 +48,6 @@ from support.venvs import (
     site_packages,
     vllm_cpu_venv,
 )
-from test_upstream_tests import cached_sdist, run_upstream_files, unpack_tests, upstream_tools
 
 PATCH = "gdn-spec-zero-accepted"
 HARNESS = Path(__file__).resolve().parent / "support" / "kernel_harness" / "gdn_spec_index.py"

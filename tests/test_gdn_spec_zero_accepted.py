@@ -73,7 +73,6 @@ of 20 - 40 s), a scratch venv of torch and triton, two interpreter runs.
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 from pathlib import Path
@@ -81,6 +80,7 @@ from typing import Any
 
 import pytest
 from packaging.version import Version
+from support.block_names import block_bindings
 from support.commands import cli
 from support.release_shapes import RELEASES as ALL_RELEASES
 from support.release_shapes import round_trip_releases
@@ -161,19 +161,6 @@ def test_blocks_bind_only_their_own_names(block: str) -> None:
     bound, rebound = block_bindings(FOLDER / block)
     assert bound and all(name.startswith("_hvp_") for name in bound), bound
     assert rebound == [symbol], rebound
-
-
-def block_bindings(block: Path) -> tuple[set[str], list[str]]:
-    """The names ``block`` binds at its top level (functions, assignments) and those it
-    rebinds inside its top-level ``if`` statements (the already-wrapped check), in order."""
-    tree = ast.parse(block.read_text())
-    bound = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
-    bound |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
-              if isinstance(t, ast.Name)}
-    guarded = [n for n in tree.body if isinstance(n, ast.If)]
-    rebound = [t.id for n in guarded for a in n.body if isinstance(a, ast.Assign)
-               for t in a.targets if isinstance(t, ast.Name)]
-    return bound, rebound
 
 
 def _outcome(op: str, python: Path) -> tuple[int, str, dict[str, str]]:

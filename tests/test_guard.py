@@ -644,7 +644,7 @@ def test_after_convergence_the_guard_demands_what_is_selected(guarded: Path, tmp
     """A drops its patch: apply removes it; then B applies its own patch (B's patch folder) and
     A applies again: B's entry and folder stay recorded, and after a reinstall the guard
     demands and heals B's patch only, never the removed one."""
-    from test_operations import OTHER_BLOCK, pair_catalog, project
+    from support.demo import OTHER_BLOCK, pair_catalog, project
 
     catalog = write_demo_catalog(tmp_path / "catalog")
     own = pair_catalog(tmp_path / "both") / "demo-other"
@@ -806,7 +806,7 @@ def test_a_dropped_patch_over_two_modules_is_removed_from_both(tmp_path: Path,
                                                                 project_wheel: Path) -> None:
     """Convergence over a patch with two targets: the project drops it, apply removes its block
     from both files (each the wheel's bytes again) and the record names neither target."""
-    from test_operations import project as write_project
+    from support.demo import project as write_project
 
     source = tmp_path / "duo"
     (source / "duo_pkg").mkdir(parents=True)

@@ -158,7 +158,7 @@ def test_resend_hit_as_released_and_patched(version: str, tmp_path: Path) -> Non
     restores the module byte for byte. On 0.29 and 0.33 (one release per module the block
     wraps) the other prefix patches' blocks (hybrid-prefix-mamba-block, on 0.29 also
     mamba-all-mode-chunk-align) leave every case as released."""
-    from test_upstream_prefix_tests import other_blocks
+    from support.prefix_patches import other_blocks
 
     python = _environment(version, tmp_path / "env")
     home = site_packages(tmp_path / "env") / HOME[version]

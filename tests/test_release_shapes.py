@@ -15,8 +15,10 @@ import pytest
 from packaging.version import Version
 from support.release_shapes import (
     BOUNDARIES,
+    EXPECTED,
     RELEASES,
     boundaries,
+    expected,
     module_file,
     read_member,
     record_digests,
@@ -32,38 +34,11 @@ from hatch_vllm_patch.selection import registered_architectures
 
 pytestmark = pytest.mark.slow  # the wheels: ~9 GB downloaded once into the wheel cache
 
-# What each patch is in each release, from the first release named on: the verdict `vllm-patch
-# verify` gives on the files as released (patch.toml: shapes, fixed-in, fixed-shapes,
-# removed-in; "unknown-shape" where the patch knows no code of that release).
-EXPECTED: dict[str, tuple[tuple[str, str], ...]] = {
-    "kv-cache-page-unification": (("0.16.0", "missing"), ("0.29.0", "not-needed")),
-    "falcon-h1-spec-conv-state": (("0.16.0", "missing"), ("0.32.0", "not-needed")),
-    "granitemoehybrid-spec-conv-state": (("0.16.0", "missing"), ("0.32.0", "not-needed")),
-    "zamba2-spec-conv-state": (("0.16.0", "missing"), ("0.32.0", "not-needed")),
-    "bamba-spec-conv-state": (("0.16.0", "missing"), ("0.24.0", "not-applicable")),
-    "mamba-split-external-kv": (("0.16.0", "missing"), ("0.23.0", "not-needed")),
-    "kv-cache-page-promotion": (("0.16.0", "unknown-shape"), ("0.29.0", "missing")),
-    "kv-cache-uneven-groups": (("0.16.0", "unknown-shape"), ("0.27.0", "missing")),
-    "kv-cache-exact-groups": (("0.16.0", "unknown-shape"), ("0.27.0", "missing")),
-    "hybrid-prefix-drafter-window": (("0.16.0", "unknown-shape"), ("0.27.0", "missing")),
-    "hybrid-prefix-mamba-block": (("0.16.0", "unknown-shape"), ("0.29.0", "missing")),
-    "gdn-spec-cpu-step": (("0.16.0", "unknown-shape"), ("0.27.0", "missing"),
-                          ("0.33.0", "not-needed")),
-    "gdn-spec-zero-accepted": (("0.16.0", "unknown-shape"), ("0.27.0", "missing")),
-    "mamba-all-mode-chunk-align": (("0.16.0", "unknown-shape"), ("0.28.0", "missing"),
-                                   ("0.32.0", "not-needed")),
-}
-
-
 # Not-needed by fixed-in alone, with no fixed shape of its own symbols: the fix is in another
 # function of the module. gdn-spec-cpu-step: 0.33.0's `_spec_forward` writes the conv layout
 # itself (read), a function the patch does not wrap (gdn-spec-zero-accepted wraps it); its two
 # symbols are unchanged there, so no digest of theirs can tell the fix.
 VERSION_ONLY = {"gdn-spec-cpu-step"}
-
-
-def expected(patch: str, release: str) -> str:
-    return [v for first, v in EXPECTED[patch] if Version(release) >= Version(first)][-1]
 
 
 def test_expectations_follow_patch_toml() -> None:
@@ -127,8 +102,8 @@ def test_boundaries_are_the_wheels() -> None:
 def test_other_round_trips_on_boundaries_of_every_shape() -> None:
     """The memory patches' round trips (their own modules) run on boundary releases only, and
     on a release of every shape where they apply."""
-    from test_kv_cache_page_promotion import HOME
-    from test_kv_cache_uneven_groups import MODULE_OF
+    from support.page_promotion import HOME
+    from support.uneven_groups import MODULE_OF
 
     shapes = {r: release_shapes(r) for r in RELEASES}
     for pid, tried in (("kv-cache-page-promotion", HOME), ("kv-cache-uneven-groups", MODULE_OF),

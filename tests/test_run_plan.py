@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.demo import blocks, core_file, core_record, pair_catalog, sha
 from support.venvs import site_packages
-from test_operations import blocks, core_file, core_record, pair_catalog, sha
 
 from hatch_vllm_patch import operations
 from hatch_vllm_patch.catalog import CATALOG_ENV

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from support.commands import cli
 from support.demo import DEMO_BLOCK, vllm_like, write_demo_catalog
+from support.hook_project import hatchling_build, make_project
+from support.project_patches import SPEC_CONV, spec_conv_num_spec
 from support.venvs import create_venv, site_packages
-from test_build_hook import hatchling_build, make_project
 
 from hatch_vllm_patch.catalog import Patch, load_patch_folders
 from hatch_vllm_patch.errors import UsageError
@@ -349,35 +350,8 @@ def test_a_block_of_the_same_symbol_in_place_blocks_the_other(tmp_path: Path,
 
 # --- on real vLLM files ---------------------------------------------------------------------------
 
-SPEC_CONV = {  # the three catalog patches a backport of upstream's fix covers in one patch
-    "falcon-h1-spec-conv-state": "falcon_h1",
-    "granitemoehybrid-spec-conv-state": "granitemoehybrid",
-    "zamba2-spec-conv-state": "zamba2",
-}
 FALCON_SYMBOL = ("vllm.model_executor.models.falcon_h1.FalconH1ForCausalLM."
                  "get_mamba_state_shape_from_config")
-
-
-def spec_conv_num_spec(root: Path) -> Path:
-    """A project patch over falcon_h1, granitemoehybrid and zamba2 (what `create --from-diff`
-    of upstream's num_spec fix makes: one [[targets]] per module, no architectures), built from
-    the catalog's blocks and known shapes."""
-    from hatch_vllm_patch.catalog import load_catalog
-
-    catalog = load_catalog(Path(__file__).resolve().parents[1] / "patches")
-    folder = root / "spec-conv-num-spec"
-    folder.mkdir(parents=True)
-    lines = ['id = "spec-conv-num-spec"', 'summary = "Mamba-2 conv state with the draft rows"',
-             "architectures = []"]
-    for pid, module in SPEC_CONV.items():
-        patch = catalog[pid]
-        (folder / f"{module}.py").write_text(patch.block)
-        shapes = ", ".join(f'"{d}"' for d in sorted(patch.shapes))
-        lines += ["", "[[targets]]", 'distribution = "vllm"',
-                  f'module = "{patch.target.module}"', f'symbol = "{patch.target.symbol}"',
-                  f'block = "{module}.py"', f"shapes = [{shapes}]"]
-    (folder / "patch.toml").write_text("\n".join(lines) + "\n")
-    return root
 
 
 @pytest.mark.slow

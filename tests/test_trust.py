@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from support.commands import cli
 from support.demo import DEMO_BLOCK, vllm_like, write_demo_catalog
+from support.machine import NOBODY, plant
 from support.venvs import UV, run, site_packages
 
 from hatch_vllm_patch.catalog import load_patch_folders
@@ -33,7 +34,6 @@ from hatch_vllm_patch.trust import (
     chosen,
 )
 
-NOBODY = 65534
 RECORD = ".hatch-vllm-patch.json"
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 
@@ -45,20 +45,6 @@ def chown_tree(path: Path, uid: int = NOBODY) -> None:
         os.chown(folder, uid, uid)
         for name in files:
             os.chown(os.path.join(folder, name), uid, uid)
-
-
-def as_nobody(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(cwd), "LANG": "C.UTF-8"}
-    return subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                           *cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
-
-
-def plant(staged: Path, where: Path) -> None:
-    """uid 65534 copies ``staged`` to ``where`` (in a directory it may write to): the copy is
-    theirs, made with their umask, as they would leave it."""
-    proc = as_nobody(["cp", "-r", str(staged), str(where)], Path("/"))
-    assert proc.returncode == 0, proc.stderr
 
 
 # --- the rule itself --------------------------------------------------------------------------

