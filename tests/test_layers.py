@@ -130,3 +130,17 @@ def test_modules_import_one_way() -> None:
     assert found - KEPT == set(), (
         "modules that import each other (move what both need to a room below them): "
         + "; ".join(" <-> ".join(sorted(c)) for c in found - KEPT))
+
+
+def test_no_test_module_imports_another() -> None:
+    """What tests share lives in ``tests/support/``: a test module imports no other test
+    module (importing one runs its module-level set-up, and hides a helper among tests)."""
+    tests = REPO / "tests"
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            found += [f"{path.relative_to(tests)}: {name}" for name in names
+                      if name.split(".")[0].startswith("test_")]
+    assert found == []
