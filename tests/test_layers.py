@@ -2,7 +2,8 @@
 back (directly or through others), so each room can be read knowing only the rooms below it.
 Imports under ``if TYPE_CHECKING:`` are types only and do not count. The one cycle kept on purpose
 is the entry point's: ``__main__`` imports ``_cli`` inside ``entry()`` (so Ctrl-C while it loads is
-handled), and ``_cli`` asks ``__main__`` how an interruption is reported."""
+handled), and ``_cli`` asks ``__main__`` how an interruption is reported. The tests keep the
+same order: what they share lives in ``tests/support/``, and no test module imports another."""
 
 from __future__ import annotations
 
