@@ -312,8 +312,8 @@ def finish_removal(ctx: Context, state: State, entry: SelectedPatch, plan: Plan 
         if plan.new_content is not None:
             state = dataclasses.replace(state, record=recording.reconciled(
                 ctx, state, path, entry.distribution, contents.get(str(path))))
-        outcome = _removed(ctx, entry, plan, path if contents.get(str(path)) is not None
-                           else None)
+        outcome = _removed(ctx, entry, plan, why,
+                           path if contents.get(str(path)) is not None else None)
         if not outcome.ok:  # stays recorded: the next apply retries
             state = dataclasses.replace(state,
                                         unremoved=state.unremoved | {(entry.id, entry.file)})
@@ -322,9 +322,8 @@ def finish_removal(ctx: Context, state: State, entry: SelectedPatch, plan: Plan 
     return outcome, _reported(state, [outcome])
 
 
-def _removed(ctx: Context, entry: SelectedPatch, plan: Plan, shown: Path | None
+def _removed(ctx: Context, entry: SelectedPatch, plan: Plan, why: str, shown: Path | None
              ) -> PatchOutcome:
-    why = f"removed: no longer selected by {judge.selector(ctx)}"
     if plan.verdict is Verdict.REVERTED:
         return PatchOutcome(entry.id, Verdict.REMOVED, f"{why}; {plan.reason}", True, shown)
     if plan.verdict is Verdict.NOT_APPLIED:
@@ -346,8 +345,9 @@ def _foreign_step(ctx: Context, state: State, files: Files, job: Job) -> Step:
     ones, file by file."""
     foreign = plan_foreign(ctx, state, reader(files, state.written))
     plans = [c.plan for c in foreign.files]
-    writes = tuple((c.path, p.new_content, b"") for c, p in zip(foreign.files, plans,
-                                                                strict=True)
+    before = seen(files, state.written)
+    writes = tuple((c.path, p.new_content, before.get(str(c.path)) or b"")
+                   for c, p in zip(foreign.files, plans, strict=True)
                    if p is not None and p.new_content is not None)
     after = _wrote(state, writes)
     outcomes, after = finish_foreign(ctx, after, foreign, plans, seen(files, after.written))
