@@ -41,7 +41,7 @@ from .trust import AdmittedPath, Rule, UntrustedPath, admit_folder, chosen, requ
 __all__ = [
     "ABSENT", "APPLIES_KEYS", "CATALOG_ENV", "ELSEWHERE", "MAX_BLOCK_BYTES", "PATCH_KEYS",
     "RUNTIME_SETTINGS", "TARGETS_ONLY_KEYS", "TARGET_KEYS", "Catalog", "DuplicatePatchError",
-    "Patch", "ShapeClassifier", "Target", "_load_patch", "blocks_digest", "catalog_digest",
+    "Patch", "ShapeClassifier", "Target", "blocks_digest", "catalog_digest",
     "default_catalog_root", "load_catalog", "load_patch_folders", "module_relative_path",
     "replaces_errors", "shared_symbol",
 ]

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..catalog import Patch, _load_patch, load_catalog
+from ..catalog import Patch, load_catalog
 from ..config import DEFAULT_PATCH_DIR
 from ..environment import (
     ModuleQuery,
@@ -23,6 +23,7 @@ from ..environment import (
 from ..errors import CatalogError, TargetEnvironmentError, UsageError, VllmPatchError
 from ..markers import MarkerError, parse_file
 from ..operations import Request, resolve
+from ..patch_toml import _load_patch
 from ..trust import AdmittedPath, Rule, admit_folder, chosen
 from .render import PLACEHOLDER
 from .symbols import unresolved_names
